@@ -1,0 +1,86 @@
+"""`ft verify` and `ft inspect`: thin wrappers over ft.formats."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    app.command("verify")(verify)
+    app.command("inspect")(inspect)
+
+
+def verify(path: Path = typer.Argument(..., help="FTW directory")) -> None:
+    """Check every validation rule and every checksum of an FTW directory. Exit 0 if sound, 1 if not."""
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
+
+    from ft.formats import FtwError, FtwReader
+    from ft.formats.verify import total_bytes
+
+    console = Console(stderr=True)
+    try:
+        r = FtwReader(path, checksums="off")
+    except FtwError as e:
+        console.print(f"[red]FAIL[/red] {e}")
+        raise typer.Exit(1)
+    with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                  TransferSpeedColumn(), TimeRemainingColumn(), console=console, transient=True) as bar:
+        task = bar.add_task("verifying", total=total_bytes(r))
+        failures = r.verify(lambda n: bar.advance(task, n))
+    for f in failures:
+        console.print(f"[red]FAIL[/red] {f}")
+    if failures:
+        raise typer.Exit(1)
+    console.print(f"[green]OK[/green] {path}: {len(r.tensor_names())} tensors, {len(r.bank_names())} expert banks, "
+                  f"{total_bytes(r) / 2**20:.1f} MiB checked")
+
+
+def inspect(path: Path = typer.Argument(..., help="FTW directory"),
+            as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
+    """Summarize an FTW: family, parameters, layers, experts, formats, bytes by kind, plans, kernels."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from ft.formats import FtwError, FtwReader
+    from ft.formats.summary import summarize
+
+    try:
+        s = summarize(FtwReader(path, checksums="off"))
+    except FtwError as e:
+        Console(stderr=True).print(f"[red]FAIL[/red] {e}")
+        raise typer.Exit(1)
+    if as_json:
+        typer.echo(json.dumps(s, indent=2))
+        return
+    p, L, x, b = s["parameters"], s["layers"], s["experts"], s["bytes"]
+    t = Table(title=f"{path} (FTW {s['format_version'][0]}.{s['format_version'][1]})", show_header=False)
+    t.add_row("family", s["family"])
+    t.add_row("parameters", f"{_human(p['total'])} total, {_human(p['active_per_token'])} active per token "
+                            f"({_human(p['dense'])} dense + {_human(p['experts'])} in experts)")
+    t.add_row("layers", f"{L['total']} ({L['full_attention']} full attention, {L['linear_attention']} linear attention; "
+                        f"{L['moe']} MoE)")
+    t.add_row("experts", f"{x['per_layer']} per layer, top-{x['per_token']}"
+                         + (f", shared expert {x['shared_expert_intermediate']}" if x["shared_expert_intermediate"] else ""))
+    t.add_row("formats", f"banks {s['formats']['expert_banks']}, quantized linears {s['formats']['linears'] or 'none'}, "
+                         f"dense dtypes {s['formats']['dense_dtypes']}")
+    t.add_row("bytes", f"dense {_mib(b['dense'])}, experts {_mib(b['experts'])}, assets {_mib(b['assets'])}; "
+                       f"{b['num_data_files']} data file(s), {_mib(b['data_files'])}")
+    t.add_row("plans", ", ".join(s["plans"]) or "none")
+    t.add_row("kernels", ", ".join(s["kernels"]) or "none")
+    t.add_row("source", json.dumps(s["provenance"]))
+    Console().print(t)
+
+
+def _human(n: int) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(n)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"

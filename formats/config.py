@@ -1,0 +1,132 @@
+"""The normalized model config stored in the FTW manifest (specs/families.md).
+
+The runtime reads this instead of Hugging Face's config.json: one flat, frozen record whose keys are
+all required. `from_dict` refuses unknown keys, unknown families and inconsistent geometry loudly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "qwen3_5_moe")
+LAYER_TYPES = ("full_attention", "linear_attention")
+MLP_TYPES = ("moe", "dense")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rotary_dim: int
+    max_position_embeddings: int
+    layer_types: tuple[str, ...]
+    mlp_types: tuple[str, ...]
+    attn_qkv_bias: bool
+    attn_qk_norm: bool
+    attn_output_gate: bool
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    norm_topk_prob: bool
+    shared_expert_intermediate_size: int
+    intermediate_size: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    tie_word_embeddings: bool
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        problems = list(self._problems())
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def _problems(self):
+        if self.family not in FAMILIES:
+            yield f"unknown family {self.family!r}; supported: {', '.join(FAMILIES)}"
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                yield f"{name} must be positive, got {getattr(self, name)}"
+        if len(self.layer_types) != self.num_layers or any(t not in LAYER_TYPES for t in self.layer_types):
+            yield f"layer_types must list {self.num_layers} entries from {LAYER_TYPES}"
+        if len(self.mlp_types) != self.num_layers or any(t not in MLP_TYPES for t in self.mlp_types):
+            yield f"mlp_types must list {self.num_layers} entries from {MLP_TYPES}"
+        if self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads:
+            yield f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+        if not 0 <= self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            yield f"rotary_dim {self.rotary_dim} must be even and within head_dim {self.head_dim}"
+        if "moe" in self.mlp_types and not 0 < self.num_experts_per_tok <= self.num_experts:
+            yield f"num_experts_per_tok {self.num_experts_per_tok} must be in 1..num_experts {self.num_experts}"
+        if "linear_attention" in self.layer_types:
+            if min(self.linear_num_key_heads, self.linear_num_value_heads, self.linear_key_head_dim,
+                   self.linear_value_head_dim, self.linear_conv_kernel_dim) <= 0:
+                yield "linear_attention layers need positive linear_* geometry"
+            elif self.linear_num_value_heads % self.linear_num_key_heads:
+                yield "linear_num_value_heads must be a multiple of linear_num_key_heads"
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        if not isinstance(d, dict):
+            raise ValueError("config must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        missing = sorted(known - set(d))
+        if unknown:
+            raise ValueError(f"unknown config keys {unknown}")
+        if missing:
+            raise ValueError(f"missing config keys {missing}")
+        kw = dict(d)
+        for name in ("layer_types", "mlp_types", "eos_token_ids"):
+            if not isinstance(kw[name], list):
+                raise ValueError(f"config key {name} must be a list")
+            kw[name] = tuple(kw[name])
+        for f in fields(cls):
+            _check_type(f.name, f.type, kw[f.name])
+        return cls(**kw)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for name in ("layer_types", "mlp_types", "eos_token_ids"):
+            d[name] = list(d[name])
+        return d
+
+    # Derived facts, used by the runtime and by `ft inspect`.
+    @property
+    def num_moe_layers(self) -> int:
+        return self.mlp_types.count("moe")
+
+    @property
+    def has_shared_expert(self) -> bool:
+        return self.shared_expert_intermediate_size > 0
+
+
+def _check_type(name: str, annotation: str, value: Any) -> None:
+    ok = {
+        "str": isinstance(value, str),
+        "int": isinstance(value, int) and not isinstance(value, bool),
+        "float": isinstance(value, (int, float)) and not isinstance(value, bool),
+        "bool": isinstance(value, bool),
+        "int | None": value is None or (isinstance(value, int) and not isinstance(value, bool)),
+    }.get(annotation)
+    if annotation.startswith("tuple"):
+        inner = "int" if "int" in annotation else "str"
+        ok = all(_check_type_scalar(inner, v) for v in value)
+    if not ok:
+        raise ValueError(f"config key {name} has the wrong type: {value!r} (expected {annotation})")
+
+
+def _check_type_scalar(kind: str, v: Any) -> bool:
+    if kind == "int":
+        return isinstance(v, int) and not isinstance(v, bool)
+    return isinstance(v, str)

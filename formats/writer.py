@@ -1,0 +1,241 @@
+"""Streaming FTW writer (specs/ftw.md).
+
+Invariants:
+* Memory is bounded by the largest single tensor (or one expert record) handed in: bytes go
+  straight to the data file.
+* Everything is written into a hidden sibling directory `.NAME.tmp-PID`; `finish()` writes the
+  index last, fsyncs every file and the directory, then renames. An interrupted write therefore
+  never leaves a directory at `out_dir`, and a half-written temp dir has no valid index.
+* Output is a pure function of the inputs (no timestamps, no absolute paths): byte-identical reruns.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+import xxhash
+
+from .config import ModelConfig
+from .dtypes import SCHEMES, dtype_name
+from .layout import ALIGN, CHECKSUM, COMPONENT_ALIGN, INDEX_NAME, VERSION_MAJOR, VERSION_MINOR, Header, align_up, is_safe_name, xxh3_hex
+
+DEFAULT_SHARD_BYTES = 4 << 30
+_ZEROS = bytes(ALIGN)
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """Little-endian raw bytes of a tensor without an extra copy when it is already contiguous."""
+    t = t.detach().to("cpu").contiguous()
+    return memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else memoryview(b"")
+
+
+def clean_stale_temp_dirs(out_dir: Path) -> None:
+    """Remove `.NAME.tmp-PID` dirs left by writers that died (kill -9), so a rerun starts clean."""
+    for p in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):
+        pid = p.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _pid_alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class BankWriter:
+    """Writes the E records of one expert bank; experts arrive in order 0..E-1."""
+
+    def __init__(self, w: "FtwWriter", rec: dict[str, Any], comps: dict[str, tuple[torch.dtype, tuple[int, ...]]]):
+        self._w, self._rec, self._comps, self._next = w, rec, comps, 0
+
+    def write_expert(self, e: int, parts: dict[str, torch.Tensor]) -> None:
+        if e != self._next:
+            raise ValueError(f"bank {self._rec['name']}: expected expert {self._next}, got {e}")
+        if set(parts) != set(self._comps):
+            raise ValueError(f"bank {self._rec['name']}: components {sorted(parts)} != {sorted(self._comps)}")
+        record = bytearray(self._rec["stride"])
+        for c in self._rec["components"]:
+            t = parts[c["name"]]
+            dtype, shape = self._comps[c["name"]]
+            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                raise ValueError(f"bank {self._rec['name']} expert {e} {c['name']}: got {t.dtype} {list(t.shape)}, "
+                                 f"declared {dtype} {list(shape)}")
+            record[c["offset"]:c["offset"] + c["nbytes"]] = tensor_bytes(t)
+        used = max(c["offset"] + c["nbytes"] for c in self._rec["components"])
+        self._rec["xxh3"].append(xxh3_hex(memoryview(record)[:used]))
+        self._w._fh.write(record)
+        self._w._pos += len(record)
+        self._next += 1
+        if self._next == self._rec["num_experts"]:
+            self._w._open_bank = None
+
+    @property
+    def done(self) -> bool:
+        return self._next == self._rec["num_experts"]
+
+
+class FtwWriter:
+    def __init__(self, out_dir: str | Path, *, shard_bytes: int = DEFAULT_SHARD_BYTES, force: bool = False):
+        self.out_dir = Path(out_dir)
+        if self.out_dir.exists() and any(self.out_dir.iterdir()) and not force:
+            raise FileExistsError(f"{self.out_dir} exists and is not empty; pass --force to replace it")
+        if shard_bytes < ALIGN:
+            raise ValueError(f"shard_bytes must be at least {ALIGN}")
+        self.out_dir.parent.mkdir(parents=True, exist_ok=True)
+        clean_stale_temp_dirs(self.out_dir)
+        self.tmp_dir = self.out_dir.parent / f".{self.out_dir.name}.tmp-{os.getpid()}"
+        if self.tmp_dir.exists():
+            shutil.rmtree(self.tmp_dir)
+        self.tmp_dir.mkdir()
+        self.force, self.shard_bytes = force, shard_bytes
+        self._files: list[dict[str, Any]] = []
+        self._tensors: list[dict[str, Any]] = []
+        self._banks: list[dict[str, Any]] = []
+        self._assets: dict[str, list[dict[str, Any]]] = {"assets": [], "plans": [], "kernels": []}
+        self._names: set[str] = set()
+        self._fh: BinaryIO | None = None
+        self._pos = 0
+        self._open_bank: BankWriter | None = None
+
+    # -- data regions -------------------------------------------------------------------------
+    def _region(self, name: str, nbytes: int) -> int:
+        """Pick the file for a region of `nbytes` and pad to the next aligned offset; returns the offset."""
+        if self._open_bank is not None:
+            raise RuntimeError(f"bank {self._open_bank._rec['name']} is still being written")
+        if name in self._names:
+            raise ValueError(f"duplicate FTW name {name!r}")
+        self._names.add(name)
+        if self._fh is None or (self._pos > 0 and self._pos + nbytes > self.shard_bytes):
+            self._new_file()
+        pad = align_up(self._pos) - self._pos
+        self._fh.write(_ZEROS[:pad])
+        self._pos += pad
+        return self._pos
+
+    def _new_file(self) -> None:
+        self._close_file()
+        name = f"data-{len(self._files):05d}.ftd"
+        self._fh = open(self.tmp_dir / name, "wb")
+        self._files.append({"name": name, "nbytes": 0})
+        self._pos = 0
+
+    def _close_file(self) -> None:
+        if self._fh is None:
+            return
+        pad = align_up(self._pos) - self._pos
+        self._fh.write(_ZEROS[:pad])
+        self._pos += pad
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self._fh.close()
+        self._files[-1]["nbytes"] = self._pos
+        self._fh = None
+
+    def add_tensor(self, name: str, t: torch.Tensor) -> None:
+        data = tensor_bytes(t)
+        offset = self._region(name, len(data))
+        self._fh.write(data)
+        self._pos += len(data)
+        self._tensors.append({"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape),
+                              "file": len(self._files) - 1, "offset": offset, "nbytes": len(data),
+                              "xxh3": xxh3_hex(data)})
+
+    def add_expert_bank(self, name: str, scheme: str, num_experts: int,
+                        components: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> BankWriter:
+        if scheme not in SCHEMES:
+            raise ValueError(f"unknown scheme {scheme!r}; supported: {sorted(SCHEMES)}")
+        comps, off = [], 0
+        for cname, (dtype, shape) in components.items():
+            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            comps.append({"name": cname, "dtype": dtype_name(dtype), "shape": list(shape), "offset": off, "nbytes": nbytes})
+            off = align_up(off + nbytes, COMPONENT_ALIGN)
+        stride = align_up(max(c["offset"] + c["nbytes"] for c in comps))
+        offset = self._region(name, num_experts * stride)
+        rec = {"name": name, "scheme": scheme, "file": len(self._files) - 1, "offset": offset,
+               "num_experts": num_experts, "stride": stride, "components": comps, "xxh3": []}
+        self._banks.append(rec)
+        self._open_bank = BankWriter(self, rec, {k: (v[0], tuple(v[1])) for k, v in components.items()})
+        return self._open_bank
+
+    def add_asset(self, name: str, data: bytes, *, slot: str = "assets") -> None:
+        """A side file (tokenizer.json, chat template, or `plans/`/`kernels/` slot entries)."""
+        full = name if slot == "assets" else f"{slot}/{name}"
+        if slot not in self._assets or not is_safe_name(full, allow_slot_dir=slot != "assets"):
+            raise ValueError(f"asset name {full!r} is not a plain file name (slot {slot!r})")
+        if any(a["name"] == full for a in self._assets[slot]):
+            raise ValueError(f"duplicate asset {full!r}")
+        path = self.tmp_dir / full
+        path.parent.mkdir(exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        self._assets[slot].append({"name": full, "nbytes": len(data), "xxh3": xxh3_hex(data)})
+
+    # -- finish -------------------------------------------------------------------------------
+    def finish(self, *, config: ModelConfig, quant: dict, tokenizer: dict, generation: dict,
+               provenance: dict, metadata: dict | None = None) -> Path:
+        if self._open_bank is not None:
+            raise RuntimeError(f"bank {self._open_bank._rec['name']} is incomplete")
+        if self._fh is None and not self._files:
+            self._new_file()
+        self._close_file()
+        manifest = {
+            "format": "ftw", "version": [VERSION_MAJOR, VERSION_MINOR], "alignment": ALIGN,
+            "checksum": CHECKSUM, "requires": [], "files": self._files, "tensors": self._tensors,
+            "expert_banks": self._banks, "assets": self._assets["assets"], "config": config.to_dict(),
+            "quant": quant, "tokenizer": tokenizer, "generation": generation, "provenance": provenance,
+            "plans": self._assets["plans"], "kernels": self._assets["kernels"], "metadata": metadata or {},
+        }
+        body = json.dumps(manifest, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+        with open(self.tmp_dir / INDEX_NAME, "wb") as f:
+            f.write(Header.for_manifest(body).pack() + body)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(self.tmp_dir)
+        for slot in ("plans", "kernels"):
+            if (self.tmp_dir / slot).is_dir():
+                _fsync_dir(self.tmp_dir / slot)
+        self._install()
+        return self.out_dir
+
+    def _install(self) -> None:
+        old = None
+        if self.out_dir.exists():
+            old = self.out_dir.parent / f".{self.out_dir.name}.old-{os.getpid()}"
+            os.rename(self.out_dir, old)
+        os.rename(self.tmp_dir, self.out_dir)
+        _fsync_dir(self.out_dir.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def abort(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)
+
+    def __enter__(self) -> "FtwWriter":
+        return self
+
+    def __exit__(self, exc_type, *_: object) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
