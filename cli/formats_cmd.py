@@ -16,23 +16,24 @@ def register(app: typer.Typer) -> None:
 def verify(path: Path = typer.Argument(..., help="FTW directory")) -> None:
     """Check every validation rule and every checksum of an FTW directory. Exit 0 if sound, 1 if not."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn
 
     from ft.formats import FtwError, FtwReader
     from ft.formats.verify import total_bytes
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, soft_wrap=True)
     try:
         r = FtwReader(path, checksums="off")
     except FtwError as e:
-        console.print(f"[red]FAIL[/red] {e}")
+        console.print(f"[red]FAIL[/red] {escape(str(e))}")
         raise typer.Exit(1)
     with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
                   TransferSpeedColumn(), TimeRemainingColumn(), console=console, transient=True) as bar:
         task = bar.add_task("verifying", total=total_bytes(r))
         failures = r.verify(lambda n: bar.advance(task, n))
     for f in failures:
-        console.print(f"[red]FAIL[/red] {f}")
+        console.print(f"[red]FAIL[/red] {escape(str(f))}")
     if failures:
         raise typer.Exit(1)
     console.print(f"[green]OK[/green] {path}: {len(r.tensor_names())} tensors, {len(r.bank_names())} expert banks, "
@@ -43,6 +44,7 @@ def inspect(path: Path = typer.Argument(..., help="FTW directory"),
             as_json: bool = typer.Option(False, "--json", help="Machine-readable output.")) -> None:
     """Summarize an FTW: family, parameters, layers, experts, formats, bytes by kind, plans, kernels."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from ft.formats import FtwError, FtwReader
@@ -51,7 +53,7 @@ def inspect(path: Path = typer.Argument(..., help="FTW directory"),
     try:
         s = summarize(FtwReader(path, checksums="off"))
     except FtwError as e:
-        Console(stderr=True).print(f"[red]FAIL[/red] {e}")
+        Console(stderr=True, soft_wrap=True).print(f"[red]FAIL[/red] {escape(str(e))}")
         raise typer.Exit(1)
     if as_json:
         typer.echo(json.dumps(s, indent=2))
