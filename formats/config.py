@@ -6,6 +6,7 @@ all required. `from_dict` refuses unknown keys, unknown families and inconsisten
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -58,6 +59,19 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
             if getattr(self, name) <= 0:
                 yield f"{name} must be positive, got {getattr(self, name)}"
+        for f in fields(self):
+            if f.type == "int" and getattr(self, f.name) < 0:
+                yield f"{f.name} must be non-negative, got {getattr(self, f.name)}"
+        for name in ("rms_norm_eps", "rope_theta"):
+            v = getattr(self, name)  # an int is finite (and may be too large for math.isfinite)
+            if not v > 0 or (isinstance(v, float) and not math.isfinite(v)):
+                yield f"{name} must be a positive finite number, got {v}"
+        if any(i < 0 for i in self.eos_token_ids) or (self.bos_token_id is not None and self.bos_token_id < 0):
+            yield "token ids must be non-negative"
+        if "moe" in self.mlp_types and self.moe_intermediate_size <= 0:
+            yield "moe layers need moe_intermediate_size > 0"
+        if "dense" in self.mlp_types and self.intermediate_size <= 0:
+            yield "dense layers need intermediate_size > 0"
         if len(self.layer_types) != self.num_layers or any(t not in LAYER_TYPES for t in self.layer_types):
             yield f"layer_types must list {self.num_layers} entries from {LAYER_TYPES}"
         if len(self.mlp_types) != self.num_layers or any(t not in MLP_TYPES for t in self.mlp_types):

@@ -22,6 +22,10 @@ DTYPES: dict[str, tuple[torch.dtype, int]] = {
     "I64": (torch.int64, 8),
 }
 _BY_TORCH = {dt: name for name, (dt, _) in DTYPES.items()}
+# dtype name -> stable number (for binary side formats such as plans/ and kernels/ entries)
+DTYPE_IDS: dict[str, int] = {"F32": 1, "F16": 2, "BF16": 3, "F8_E4M3": 4, "U8": 5, "I8": 6, "I32": 7, "I64": 8}
+RETIRED_DTYPES: dict[str, int] = {}
+assert DTYPE_IDS.keys() == DTYPES.keys()
 
 # scheme name -> stable number. Schemes describe how a linear's or expert's weights are encoded.
 SCHEMES: dict[str, int] = {

@@ -18,32 +18,52 @@ class FtwError(ValueError):
         super().__init__(f"{self.where}: {self.rule} {self.title}: {detail}")
 
 
-def _rule(rule: str, title: str, doc: str) -> type[FtwError]:
-    name = "Ftw" + "".join(w.capitalize() for w in title.replace("-", " ").split()) + "Error"
-    return type(name, (FtwError,), {"rule": rule, "title": title, "__doc__": doc})
+def _rule(name: str, rule: str, title: str, doc: str) -> type[FtwError]:
+    return type(name, (FtwError,), {"rule": rule, "title": title, "__doc__": doc, "__module__": __name__})
 
 
-FtwNotFoundError = _rule("V1", "missing file", "The directory, model.ftw, a data file or an asset is missing.")
-FtwTruncatedError = _rule("V2", "truncated index", "model.ftw is shorter than its header or manifest.")
-FtwMagicError = _rule("V3", "bad magic", "The first 8 bytes are not the FTW magic.")
-FtwVersionError = _rule("V4", "unsupported version", "The major version is not one this reader knows.")
-FtwHeaderError = _rule("V5", "bad header", "Header size, manifest offset or reserved bytes are wrong.")
-FtwManifestTooLargeError = _rule("V6", "manifest too large", "The manifest exceeds the size limit.")
-FtwManifestChecksumError = _rule("V7", "manifest checksum", "The manifest bytes do not hash to the header value.")
-FtwManifestParseError = _rule("V8", "manifest parse", "The manifest is not a UTF-8 JSON object (or has duplicate keys).")
-FtwSchemaError = _rule("V9", "manifest schema", "A required key is missing, unknown, or of the wrong type/value.")
-FtwFeatureError = _rule("V10", "unknown required feature", "`requires` names a feature this reader lacks.")
-FtwPathError = _rule("V11", "unsafe path", "A file name is not a plain relative name inside the directory.")
-FtwDtypeError = _rule("V12", "unknown dtype or scheme", "A dtype or quantization scheme id is not in the tables.")
-FtwShapeError = _rule("V13", "shape mismatch", "nbytes disagrees with dtype and shape, or geometry is invalid.")
-FtwAlignmentError = _rule("V14", "misaligned", "An offset or stride breaks the alignment rule.")
-FtwRangeError = _rule("V15", "out of range", "A region lies outside its file, record or file list.")
-FtwOverlapError = _rule("V16", "overlap", "Two regions of one data file overlap.")
-FtwDuplicateError = _rule("V17", "duplicate name", "Two tensors, banks or assets share a name.")
-FtwFileSizeError = _rule("V18", "file size", "A data file or asset on disk differs from its declared size.")
-FtwConfigError = _rule("V19", "model config", "The normalized model config is invalid or names an unknown family.")
-FtwChecksumError = _rule("V20", "checksum mismatch", "Content bytes do not hash to the recorded xxh3-64 value.")
-FtwPaddingError = _rule("V21", "non-zero padding", "Bytes between regions are not zero.")
+FtwNotFoundError = _rule("FtwNotFoundError", "V1", "missing file",
+                         "The directory, model.ftw, a data file or an asset is missing.")
+FtwTruncatedError = _rule("FtwTruncatedError", "V2", "truncated index",
+                          "model.ftw is shorter than its header, or not 64 + manifest_nbytes bytes.")
+FtwMagicError = _rule("FtwMagicError", "V3", "bad magic",
+                      "The first 8 bytes are not the FTW magic.")
+FtwVersionError = _rule("FtwVersionError", "V4", "unsupported version",
+                        "The major version is not one this reader knows.")
+FtwHeaderError = _rule("FtwHeaderError", "V5", "bad header",
+                       "Header size, manifest offset or reserved bytes are wrong.")
+FtwManifestTooLargeError = _rule("FtwManifestTooLargeError", "V6", "manifest too large",
+                                 "The manifest exceeds the size limit.")
+FtwManifestChecksumError = _rule("FtwManifestChecksumError", "V7", "manifest checksum",
+                                 "The manifest bytes do not hash to the header value.")
+FtwManifestParseError = _rule("FtwManifestParseError", "V8", "manifest parse",
+                              "The manifest is not a UTF-8 JSON object (or has duplicate keys).")
+FtwSchemaError = _rule("FtwSchemaError", "V9", "manifest schema",
+                       "A required key is missing, unknown, or of the wrong type/value.")
+FtwFeatureError = _rule("FtwFeatureError", "V10", "unknown required feature",
+                        "`requires` names a feature this reader lacks.")
+FtwPathError = _rule("FtwPathError", "V11", "unsafe path",
+                     "A file name is not a plain name inside the directory, or not the one the rules fix.")
+FtwDtypeError = _rule("FtwDtypeError", "V12", "unknown dtype or scheme",
+                      "A dtype or quantization scheme id is not in the tables.")
+FtwShapeError = _rule("FtwShapeError", "V13", "shape mismatch",
+                      "nbytes disagrees with dtype and shape, or geometry is invalid.")
+FtwAlignmentError = _rule("FtwAlignmentError", "V14", "misaligned",
+                          "An offset or stride breaks the alignment rule.")
+FtwRangeError = _rule("FtwRangeError", "V15", "out of range",
+                      "A region lies outside its file, record or file list.")
+FtwOverlapError = _rule("FtwOverlapError", "V16", "overlap",
+                        "Two regions of one data file overlap.")
+FtwDuplicateError = _rule("FtwDuplicateError", "V17", "duplicate name",
+                          "Two tensors, banks or assets share a name.")
+FtwFileSizeError = _rule("FtwFileSizeError", "V18", "file size",
+                         "A data file or asset on disk differs from its declared size.")
+FtwConfigError = _rule("FtwConfigError", "V19", "model config",
+                       "The normalized model config is invalid or names an unknown family.")
+FtwChecksumError = _rule("FtwChecksumError", "V20", "checksum mismatch",
+                         "Content bytes do not hash to the recorded xxh3-64 value.")
+FtwPaddingError = _rule("FtwPaddingError", "V21", "non-zero padding",
+                        "Bytes between regions are not zero.")
 
 ALL_ERRORS: tuple[type[FtwError], ...] = (
     FtwNotFoundError, FtwTruncatedError, FtwMagicError, FtwVersionError, FtwHeaderError,

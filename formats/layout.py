@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import xxhash
 
 INDEX_NAME = "model.ftw"
-MAGIC = b"FTW\x00\r\n\x1a\n"  # "FTW", NUL, then CR LF SUB LF: catches text-mode and 7-bit transfers
+MAGIC = b"FTW\x00\r\n\x1a\n"  # "FTW", NUL, then CR LF SUB LF: catches newline translation and text-mode reads
 VERSION_MAJOR = 1
 VERSION_MINOR = 0
 HEADER_SIZE = 64
@@ -23,13 +23,24 @@ CHECKSUM = "xxh3_64"
 _HEADER = struct.Struct("<8sHHIQQQ24s")
 assert _HEADER.size == HEADER_SIZE
 
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}$")
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,127}")  # used with fullmatch (`$` would allow "\n")
+_DATA_FILE = re.compile(r"data-[0-9]{5,}\.ftd")
 SLOT_DIRS = ("plans", "kernels")
 
 
 def align_up(x: int, a: int = ALIGN) -> int:
     """The alignment formula of the spec: align(x) = ceil(x / a) * a."""
     return (x + a - 1) // a * a
+
+
+def data_file_name(index: int) -> str:
+    """Data file `index` of `manifest.files` is named data-NNNNN.ftd (at least 5 digits)."""
+    return f"data-{index:05d}.ftd"
+
+
+def is_reserved_name(name: str) -> bool:
+    """Names an asset may not take: the index, a data file, or a slot directory."""
+    return name == INDEX_NAME or name in SLOT_DIRS or bool(_DATA_FILE.fullmatch(name))
 
 
 def xxh3_hex(data) -> str:
@@ -67,5 +78,5 @@ def is_safe_name(name: str, *, allow_slot_dir: bool = False) -> bool:
         return False
     if allow_slot_dir and "/" in name:
         head, _, tail = name.partition("/")
-        return head in SLOT_DIRS and bool(_SAFE_NAME.match(tail)) and ".." not in tail
-    return bool(_SAFE_NAME.match(name)) and ".." not in name
+        return head in SLOT_DIRS and bool(_SAFE_NAME.fullmatch(tail)) and ".." not in tail
+    return bool(_SAFE_NAME.fullmatch(name)) and ".." not in name

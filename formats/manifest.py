@@ -12,7 +12,7 @@ from typing import Any
 from . import errors as E
 from .config import ModelConfig
 from .dtypes import DTYPES, SCHEMES, nbytes_of
-from .layout import ALIGN, CHECKSUM, COMPONENT_ALIGN, VERSION_MAJOR, is_safe_name
+from .layout import ALIGN, CHECKSUM, COMPONENT_ALIGN, VERSION_MAJOR, data_file_name, is_reserved_name, is_safe_name
 
 REQUIRED_KEYS = ("format", "version", "alignment", "checksum", "requires", "files", "tensors",
                  "expert_banks", "assets", "config", "quant", "tokenizer", "generation",
@@ -94,6 +94,14 @@ def _int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
+def _dtype(v: Any) -> bool:
+    return isinstance(v, str) and v in DTYPES  # (a JSON list or object is unhashable: test the type first)
+
+
+def _scheme(v: Any) -> bool:
+    return isinstance(v, str) and v in SCHEMES
+
+
 def _hex(v: Any) -> bool:
     return isinstance(v, str) and len(v) == 16 and all(c in "0123456789abcdef" for c in v)
 
@@ -125,15 +133,17 @@ def parse_manifest(m: Any, where: str) -> Manifest:
     _need(isinstance(ver, list) and len(ver) == 2 and all(_int(x) for x in ver), E.FtwSchemaError,
           where, "version must be [major, minor]")
     _need(ver[0] == VERSION_MAJOR, E.FtwVersionError, where, f"manifest version {ver}, reader knows {VERSION_MAJOR}.x")
-    _need(m["alignment"] == ALIGN, E.FtwSchemaError, where, f"alignment must be {ALIGN}")
+    _need(_int(m["alignment"]) and m["alignment"] == ALIGN, E.FtwSchemaError, where, f"alignment must be {ALIGN}")
     _need(m["checksum"] == CHECKSUM, E.FtwSchemaError, where, f"checksum must be {CHECKSUM!r}")
     req = _obj(m, "requires", where, list)
+    _need(all(isinstance(f, str) for f in req), E.FtwSchemaError, where, "requires must list feature names (strings)")
     unknown = [f for f in req if f not in KNOWN_FEATURES]
     _need(not unknown, E.FtwFeatureError, where, f"requires features {unknown}; this reader supports none beyond v1.0")
     for key in ("config", "quant", "tokenizer", "generation", "provenance", "metadata"):
         _obj(m, key, where, dict)
+    _quant(m["quant"], where)
 
-    files = tuple(_file(f, where) for f in _obj(m, "files", where, list))
+    files = tuple(_file(f, i, where) for i, f in enumerate(_obj(m, "files", where, list)))
     names: set[str] = set()
     tensors: dict[str, TensorRecord] = {}
     for t in _obj(m, "tensors", where, list):
@@ -157,9 +167,23 @@ def parse_manifest(m: Any, where: str) -> Manifest:
     return Manifest(files, tensors, banks, assets, slots, config, m)
 
 
-def _file(f: Any, where: str) -> FileRecord:
+def _quant(q: dict, where: str) -> None:
+    _keys(q, ("linears", "experts", "source"), where, "quant")
+    _need(isinstance(q["linears"], dict), E.FtwSchemaError, where, "quant.linears must be an object")
+    for module, scheme in q["linears"].items():
+        _need(_scheme(scheme), E.FtwDtypeError, where,
+              f"quant.linears[{module!r}]: scheme {scheme!r} not in {sorted(SCHEMES)}")
+    _need(q["experts"] is None or _scheme(q["experts"]), E.FtwDtypeError, where,
+          f"quant.experts: scheme {q['experts']!r} not in {sorted(SCHEMES)} (or null)")
+    _need(q["source"] is None or isinstance(q["source"], dict), E.FtwSchemaError, where,
+          "quant.source must be an object or null")
+
+
+def _file(f: Any, idx: int, where: str) -> FileRecord:
     _keys(f, ("name", "nbytes"), where, "file record")
     _need(is_safe_name(f["name"]), E.FtwPathError, where, f"data file name {f['name']!r} is not a plain name")
+    _need(f["name"] == data_file_name(idx), E.FtwPathError, where,
+          f"data file {idx} must be named {data_file_name(idx)!r}, got {f['name']!r}")
     _need(_int(f["nbytes"]) and f["nbytes"] % ALIGN == 0, E.FtwAlignmentError, where,
           f"data file {f['name']} size {f['nbytes']!r} is not a multiple of {ALIGN}")
     return FileRecord(f["name"], f["nbytes"])
@@ -169,7 +193,7 @@ def _tensor(t: Any, where: str, num_files: int) -> TensorRecord:
     _keys(t, ("name", "dtype", "shape", "file", "offset", "nbytes", "xxh3"), where, "tensor record")
     name = t["name"]
     _need(isinstance(name, str) and 0 < len(name) <= 256, E.FtwSchemaError, where, f"bad tensor name {name!r}")
-    _need(t["dtype"] in DTYPES, E.FtwDtypeError, where, f"tensor {name}: dtype {t['dtype']!r} not in {sorted(DTYPES)}")
+    _need(_dtype(t["dtype"]), E.FtwDtypeError, where, f"tensor {name}: dtype {t['dtype']!r} not in {sorted(DTYPES)}")
     shape = _shape(t["shape"], where, f"tensor {name}")
     _need(_int(t["file"]) and t["file"] < num_files, E.FtwRangeError, where, f"tensor {name}: file index {t['file']!r} out of range")
     _need(_int(t["offset"]) and _int(t["nbytes"]), E.FtwSchemaError, where, f"tensor {name}: offset/nbytes must be integers")
@@ -184,7 +208,7 @@ def _bank(b: Any, where: str, num_files: int) -> BankRecord:
     _keys(b, ("name", "scheme", "file", "offset", "num_experts", "stride", "components", "xxh3"), where, "expert bank")
     name = b["name"]
     _need(isinstance(name, str) and 0 < len(name) <= 256, E.FtwSchemaError, where, f"bad bank name {name!r}")
-    _need(b["scheme"] in SCHEMES, E.FtwDtypeError, where, f"bank {name}: scheme {b['scheme']!r} not in {sorted(SCHEMES)}")
+    _need(_scheme(b["scheme"]), E.FtwDtypeError, where, f"bank {name}: scheme {b['scheme']!r} not in {sorted(SCHEMES)}")
     for k in ("file", "offset", "num_experts", "stride"):
         _need(_int(b[k]), E.FtwSchemaError, where, f"bank {name}: {k} must be a non-negative integer")
     _need(b["file"] < num_files, E.FtwRangeError, where, f"bank {name}: file index {b['file']} out of range")
@@ -196,7 +220,9 @@ def _bank(b: Any, where: str, num_files: int) -> BankRecord:
     for c in b["components"]:
         _keys(c, ("name", "dtype", "shape", "offset", "nbytes"), where, f"bank {name} component")
         cname = c["name"]
-        _need(c["dtype"] in DTYPES, E.FtwDtypeError, where, f"bank {name}.{cname}: dtype {c['dtype']!r} not in {sorted(DTYPES)}")
+        _need(isinstance(cname, str) and 0 < len(cname) <= 64, E.FtwSchemaError, where,
+              f"bank {name}: component name {cname!r} must be a string of 1..64 characters")
+        _need(_dtype(c["dtype"]), E.FtwDtypeError, where, f"bank {name}.{cname}: dtype {c['dtype']!r} not in {sorted(DTYPES)}")
         shape = _shape(c["shape"], where, f"bank {name}.{cname}")
         _need(_int(c["offset"]) and c["offset"] % COMPONENT_ALIGN == 0, E.FtwAlignmentError, where,
               f"bank {name}.{cname}: offset {c['offset']!r} is not a multiple of {COMPONENT_ALIGN}")
@@ -222,6 +248,8 @@ def _assets(items: list, where: str, slot: str | None) -> dict[str, AssetRecord]
         name = a["name"]
         ok = is_safe_name(name, allow_slot_dir=True) and (name.startswith(f"{slot}/") if slot else "/" not in name)
         _need(ok, E.FtwPathError, where, f"{slot or 'asset'} name {name!r} is not a plain name" + (f" under {slot}/" if slot else ""))
+        _need(slot is not None or not is_reserved_name(name), E.FtwPathError, where,
+              f"asset name {name!r} is reserved (the index, a data file or a slot directory)")
         _need(_int(a["nbytes"]), E.FtwSchemaError, where, f"asset {name}: nbytes must be an integer")
         _need(_hex(a["xxh3"]), E.FtwSchemaError, where, f"asset {name}: xxh3 must be 16 lowercase hex digits")
         _need(name not in out, E.FtwDuplicateError, where, f"asset {name!r} appears twice")

@@ -57,6 +57,8 @@ def read_index(path: Path) -> dict[str, Any]:
         raise E.FtwManifestParseError(index, str(e)[:200]) from None
     if not isinstance(obj, dict):
         raise E.FtwManifestParseError(index, "manifest is not a JSON object")
+    if "version" in obj and obj["version"] != [h.major, h.minor]:  # a missing key is V9, checked later
+        raise E.FtwVersionError(index, f"manifest version {obj['version']!r} disagrees with header {h.major}.{h.minor}")
     return obj
 
 
@@ -115,8 +117,12 @@ class ExpertBankView:
         if c.offset % item or self.stride % item:
             raise ValueError(f"component {comp} is not aligned to its dtype")
         flat = self._buf.view(dt)
-        inner = list(torch.empty(c.shape).stride()) if c.shape else []
-        return flat.as_strided((self.num_experts, *c.shape), (self.stride // item, *inner), c.offset // item)
+        inner = [1] * len(c.shape)  # contiguous strides of one component, in elements
+        for i in range(len(c.shape) - 2, -1, -1):
+            inner[i] = inner[i + 1] * c.shape[i + 1]
+        # as_strided's storage offset is absolute (from the start of the mapped file), not from the bank
+        return flat.as_strided((self.num_experts, *c.shape), (self.stride // item, *inner),
+                               flat.storage_offset() + c.offset // item)
 
 
 def _view(buf: torch.Tensor, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:

@@ -27,7 +27,7 @@ def verify_all(r: "FtwReader", progress: Callable[[int], None] | None = None) ->
     tick = progress or (lambda n: None)
     for idx, f in enumerate(m.files):
         buf = r._file_buf(idx)
-        regions = []
+        regions, ticked = [], 0
         for t in m.tensors.values():
             if t.file == idx:
                 regions.append((t.offset, t.offset + t.nbytes))
@@ -35,6 +35,7 @@ def verify_all(r: "FtwReader", progress: Callable[[int], None] | None = None) ->
                 if got != t.xxh3:
                     failures.append(E.FtwChecksumError(r.path / f.name, f"tensor {t.name}: xxh3 {got} != recorded {t.xxh3}"))
                 tick(t.nbytes)
+                ticked += t.nbytes
         for b in m.banks.values():
             if b.file != idx:
                 continue
@@ -45,9 +46,11 @@ def verify_all(r: "FtwReader", progress: Callable[[int], None] | None = None) ->
                 if got != b.xxh3[e]:
                     failures.append(E.FtwChecksumError(r.path / f.name, f"bank {b.name} expert {e}: xxh3 {got} != recorded {b.xxh3[e]}"))
                 tick(b.stride)
+                ticked += b.stride
         bad = _nonzero_gap(buf, sorted(regions), f.nbytes)
         if bad is not None:
             failures.append(E.FtwPaddingError(r.path / f.name, f"padding byte at offset {bad} is not zero"))
+        tick(f.nbytes - ticked)  # the padding just scanned, so progress adds up to total_bytes()
     for a in (*m.assets.values(), *m.slots["plans"], *m.slots["kernels"]):
         data = (r.path / a.name).read_bytes()
         if xxh3_hex(data) != a.xxh3:

@@ -22,7 +22,9 @@ import xxhash
 
 from .config import ModelConfig
 from .dtypes import SCHEMES, dtype_name
-from .layout import ALIGN, CHECKSUM, COMPONENT_ALIGN, INDEX_NAME, VERSION_MAJOR, VERSION_MINOR, Header, align_up, is_safe_name, xxh3_hex
+from .layout import (ALIGN, CHECKSUM, COMPONENT_ALIGN, INDEX_NAME, MAX_MANIFEST_BYTES, VERSION_MAJOR, VERSION_MINOR,
+                     Header, align_up, data_file_name, is_reserved_name, is_safe_name, xxh3_hex)
+from .manifest import parse_manifest
 
 DEFAULT_SHARD_BYTES = 4 << 30
 _ZEROS = bytes(ALIGN)
@@ -30,16 +32,25 @@ _ZEROS = bytes(ALIGN)
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """Little-endian raw bytes of a tensor without an extra copy when it is already contiguous."""
-    t = t.detach().to("cpu").contiguous()
-    return memoryview(t.view(torch.uint8).reshape(-1).numpy()) if t.numel() else memoryview(b"")
+    t = t.detach().to("cpu").contiguous().reshape(-1)  # 1-D first: a 0-dim tensor cannot change element size
+    return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
 def clean_stale_temp_dirs(out_dir: Path) -> None:
-    """Remove `.NAME.tmp-PID` dirs left by writers that died (kill -9), so a rerun starts clean."""
-    for p in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):
-        pid = p.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not _pid_alive(int(pid)):
-            shutil.rmtree(p, ignore_errors=True)
+    """Tidy what writers that died (kill -9) left beside `out_dir`, so a rerun starts clean.
+
+    `.NAME.tmp-PID` is an unfinished write: removed. `.NAME.old-PID` is the previous FTW moved aside
+    by a `--force` rewrite that died between its two renames: put back if nothing replaced it.
+    """
+    for kind in ("tmp", "old"):
+        for p in sorted(out_dir.parent.glob(f".{out_dir.name}.{kind}-*")):
+            pid = p.name.rsplit("-", 1)[-1]
+            if not pid.isdigit() or _pid_alive(int(pid)):
+                continue
+            if kind == "old" and not out_dir.exists():
+                os.rename(p, out_dir)
+            else:
+                shutil.rmtree(p, ignore_errors=True)
 
 
 def _pid_alive(pid: int) -> bool:
@@ -112,6 +123,8 @@ class FtwWriter:
         """Pick the file for a region of `nbytes` and pad to the next aligned offset; returns the offset."""
         if self._open_bank is not None:
             raise RuntimeError(f"bank {self._open_bank._rec['name']} is still being written")
+        if not isinstance(name, str) or not 0 < len(name) <= 256:
+            raise ValueError(f"FTW name {name!r} must be a string of 1..256 characters")
         if name in self._names:
             raise ValueError(f"duplicate FTW name {name!r}")
         self._names.add(name)
@@ -124,7 +137,7 @@ class FtwWriter:
 
     def _new_file(self) -> None:
         self._close_file()
-        name = f"data-{len(self._files):05d}.ftd"
+        name = data_file_name(len(self._files))
         self._fh = open(self.tmp_dir / name, "wb")
         self._files.append({"name": name, "nbytes": 0})
         self._pos = 0
@@ -142,11 +155,12 @@ class FtwWriter:
         self._fh = None
 
     def add_tensor(self, name: str, t: torch.Tensor) -> None:
+        dtype = dtype_name(t.dtype)  # refuse before any byte is written
         data = tensor_bytes(t)
         offset = self._region(name, len(data))
         self._fh.write(data)
         self._pos += len(data)
-        self._tensors.append({"name": name, "dtype": dtype_name(t.dtype), "shape": list(t.shape),
+        self._tensors.append({"name": name, "dtype": dtype, "shape": list(t.shape),
                               "file": len(self._files) - 1, "offset": offset, "nbytes": len(data),
                               "xxh3": xxh3_hex(data)})
 
@@ -154,12 +168,16 @@ class FtwWriter:
                         components: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> BankWriter:
         if scheme not in SCHEMES:
             raise ValueError(f"unknown scheme {scheme!r}; supported: {sorted(SCHEMES)}")
+        if not isinstance(num_experts, int) or num_experts <= 0 or not components:
+            raise ValueError(f"bank {name}: needs num_experts > 0 and at least one component")
         comps, off = [], 0
         for cname, (dtype, shape) in components.items():
+            if not isinstance(cname, str) or not 0 < len(cname) <= 64:
+                raise ValueError(f"bank {name}: component name {cname!r} must be a string of 1..64 characters")
             nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
             comps.append({"name": cname, "dtype": dtype_name(dtype), "shape": list(shape), "offset": off, "nbytes": nbytes})
             off = align_up(off + nbytes, COMPONENT_ALIGN)
-        stride = align_up(max(c["offset"] + c["nbytes"] for c in comps))
+        stride = align_up(max(1, max(c["offset"] + c["nbytes"] for c in comps)))  # > 0 even if all are empty
         offset = self._region(name, num_experts * stride)
         rec = {"name": name, "scheme": scheme, "file": len(self._files) - 1, "offset": offset,
                "num_experts": num_experts, "stride": stride, "components": comps, "xxh3": []}
@@ -172,6 +190,8 @@ class FtwWriter:
         full = name if slot == "assets" else f"{slot}/{name}"
         if slot not in self._assets or not is_safe_name(full, allow_slot_dir=slot != "assets"):
             raise ValueError(f"asset name {full!r} is not a plain file name (slot {slot!r})")
+        if slot == "assets" and is_reserved_name(full):
+            raise ValueError(f"asset name {full!r} is reserved (the index, a data file or a slot directory)")
         if any(a["name"] == full for a in self._assets[slot]):
             raise ValueError(f"duplicate asset {full!r}")
         path = self.tmp_dir / full
@@ -198,6 +218,9 @@ class FtwWriter:
             "plans": self._assets["plans"], "kernels": self._assets["kernels"], "metadata": metadata or {},
         }
         body = json.dumps(manifest, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+        if len(body) > MAX_MANIFEST_BYTES:
+            raise ValueError(f"manifest is {len(body)} bytes, over the {MAX_MANIFEST_BYTES}-byte limit")
+        parse_manifest(json.loads(body), str(self.tmp_dir / INDEX_NAME))  # never write what a reader refuses
         with open(self.tmp_dir / INDEX_NAME, "wb") as f:
             f.write(Header.for_manifest(body).pack() + body)
             f.flush()

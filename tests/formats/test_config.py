@@ -1,0 +1,102 @@
+"""ModelConfig: the normalized config refuses unknown keys, unknown families and inconsistent geometry."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import pytest
+from ftw_testlib import moe_config, tiny_config
+
+from ft.formats import FAMILIES, ModelConfig
+
+
+def hybrid(**over: Any) -> ModelConfig:
+    """A 4-layer qwen3_next-style config: 3 Gated DeltaNet layers, then full attention; MoE + shared expert."""
+    kw: dict[str, Any] = dict(
+        family="qwen3_next", num_layers=4, layer_types=("linear_attention",) * 3 + ("full_attention",),
+        mlp_types=("moe",) * 4, attn_output_gate=True, rotary_dim=2, head_dim=8, shared_expert_intermediate_size=16,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_conv_kernel_dim=4)
+    kw.update(over)
+    return moe_config(**kw)
+
+
+def test_round_trips_through_json_for_every_family() -> None:
+    for family in FAMILIES:
+        cfg = hybrid(family=family) if family in ("qwen3_next", "qwen3_5_moe") else moe_config(family=family)
+        d = json.loads(json.dumps(cfg.to_dict()))
+        assert ModelConfig.from_dict(d) == cfg
+        assert list(d) == [f.name for f in dataclasses.fields(ModelConfig)]
+    assert hybrid().num_moe_layers == 4 and hybrid().has_shared_expert and not moe_config().has_shared_expert
+
+
+def test_is_frozen() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        tiny_config().hidden_size = 4  # type: ignore[misc]
+
+
+def test_refuses_unknown_and_missing_keys() -> None:
+    d = tiny_config().to_dict()
+    with pytest.raises(ValueError, match=r"unknown config keys \['sliding_window'\]"):
+        ModelConfig.from_dict({**d, "sliding_window": 128})
+    del d["head_dim"]
+    with pytest.raises(ValueError, match=r"missing config keys \['head_dim'\]"):
+        ModelConfig.from_dict(d)
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        ModelConfig.from_dict([])  # type: ignore[arg-type]
+
+
+def test_refuses_unknown_family() -> None:
+    with pytest.raises(ValueError, match="unknown family 'llama'; supported: qwen3_moe, qwen2_moe, mixtral"):
+        tiny_config(family="llama")
+    with pytest.raises(ValueError, match="unknown family 'deepseek_v3'"):
+        ModelConfig.from_dict({**tiny_config().to_dict(), "family": "deepseek_v3"})
+
+
+@pytest.mark.parametrize("key,value", [("hidden_size", True), ("hidden_size", 2.0), ("hidden_size", "2"),
+                                       ("rms_norm_eps", "1e-6"), ("attn_qk_norm", 1), ("bos_token_id", 1.0),
+                                       ("eos_token_ids", [1, "2"]), ("layer_types", "full_attention"),
+                                       ("family", None)])
+def test_refuses_wrong_types(key: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=f"config key {key}"):
+        ModelConfig.from_dict({**tiny_config().to_dict(), key: value})
+
+
+@pytest.mark.parametrize("over,message", [
+    (dict(hidden_size=0), "hidden_size must be positive"),
+    (dict(num_layers=2), "layer_types must list 2 entries"),
+    (dict(layer_types=("sliding_attention",)), "layer_types must list 1 entries"),
+    (dict(mlp_types=("moe", "moe")), "mlp_types must list 1 entries"),
+    (dict(num_heads=4, num_kv_heads=3), "num_heads 4 is not a multiple of num_kv_heads 3"),
+    (dict(rotary_dim=3), "rotary_dim 3 must be even"),
+    (dict(rotary_dim=4), "within head_dim 2"),
+    (dict(mlp_types=("moe",), num_experts=4, num_experts_per_tok=5, moe_intermediate_size=8),
+     "num_experts_per_tok 5 must be in 1..num_experts 4"),
+    (dict(mlp_types=("moe",), num_experts=4, num_experts_per_tok=2), "moe layers need moe_intermediate_size > 0"),
+    (dict(intermediate_size=0), "dense layers need intermediate_size > 0"),
+    (dict(max_position_embeddings=-1), "max_position_embeddings must be non-negative"),
+    (dict(rms_norm_eps=0.0), "rms_norm_eps must be a positive finite number"),
+    (dict(rope_theta=float("inf")), "rope_theta must be a positive finite number"),
+    (dict(eos_token_ids=(-1,)), "token ids must be non-negative"),
+])
+def test_refuses_inconsistent_geometry(over: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        tiny_config(**over)
+    d = tiny_config().to_dict()
+    d.update({k: list(v) if isinstance(v, tuple) else v for k, v in over.items()})
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_dict(d)
+
+
+@pytest.mark.parametrize("over", [dict(linear_conv_kernel_dim=0), dict(linear_num_key_heads=3)])
+def test_refuses_inconsistent_linear_attention_geometry(over: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="linear_"):
+        hybrid(**over)
+
+
+def test_reports_every_problem_at_once() -> None:
+    with pytest.raises(ValueError) as info:
+        tiny_config(family="llama", hidden_size=0, rotary_dim=3)
+    assert all(w in str(info.value) for w in ("unknown family", "hidden_size must be positive", "rotary_dim 3"))
