@@ -14,6 +14,12 @@ import typer
 # One entry per command module; a module is listed only once its commands work end to end.
 COMMAND_MODULES = [
     "ft.cli.formats_cmd",
+    "ft.cli.bench_cmd",
+    "ft.cli.generate_cmd",
+    "ft.cli.checkpoint_cmd",
+    "ft.cli.serve_cmd",
+    "ft.cli.ctl_cmd",
+    "ft.cli.synth_cmd",
 ]
 
 app = typer.Typer(

@@ -19,7 +19,8 @@ def check_shapes(weight: torch.Tensor, scale: torch.Tensor) -> None:
     if weight.dim() < 2:
         raise ValueError(f"FP8 weight must be at least 2-D, got {tuple(weight.shape)}")
     if scale.numel() != 1 and scale.shape != weight.shape[:-1]:
-        raise ValueError(f"FP8 weight_scale {tuple(scale.shape)} must be a scalar or per row {tuple(weight.shape[:-1])}")
+        raise ValueError(f"FP8 weight_scale {tuple(scale.shape)} must be a scalar or per row "
+                         f"{tuple(weight.shape[:-1])}")
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -55,13 +55,15 @@ def check_shapes(weight: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tenso
     """Raise ValueError unless (weight, scale, scale_2) form one NVFP4 tensor (optionally with leading dims)."""
     if weight.dtype != torch.uint8 or scale.dtype != torch.float8_e4m3fn or scale_2.dtype != torch.float32:
         raise ValueError(
-            f"NVFP4 dtypes must be uint8 / float8_e4m3fn / float32, got {weight.dtype} / {scale.dtype} / {scale_2.dtype}"
+            "NVFP4 dtypes must be uint8 / float8_e4m3fn / float32, "
+            f"got {weight.dtype} / {scale.dtype} / {scale_2.dtype}"
         )
     if weight.dim() < 2 or scale.shape[:-1] != weight.shape[:-1] or scale.shape[-1] * BLOCK != weight.shape[-1] * 2:
         raise ValueError(f"NVFP4 weight {tuple(weight.shape)} and weight_scale {tuple(scale.shape)} do not match "
                          f"([..., out, in/2] and [..., out, in/16])")
     if scale_2.numel() != 1 and scale_2.shape != weight.shape[:-1]:
-        raise ValueError(f"NVFP4 weight_scale_2 {tuple(scale_2.shape)} must be a scalar or per row {tuple(weight.shape[:-1])}")
+        raise ValueError(f"NVFP4 weight_scale_2 {tuple(scale_2.shape)} must be a scalar or per row "
+                         f"{tuple(weight.shape[:-1])}")
 
 
 def block_scales(scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,39 @@
+"""`ft checkpoint`: compile a Hugging Face checkpoint (directory or repo id) into an FTW directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    app.command("checkpoint")(checkpoint)
+
+
+def checkpoint(
+    model: str = typer.Option(..., "--model", help="Checkpoint directory, or a Hugging Face repo id (org/name)."),
+    out: Path = typer.Option(..., "--out", help="FTW directory to create."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit)."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (keep the checkpoint's), bf16, fp16 or fp32."),
+    dequant: bool = typer.Option(False, "--dequant", help="Dequantize NVFP4/FP8 weights exactly into plain weights of "
+                                                          "--dtype, else of the checkpoint's dtype (bf16 for ModelOpt "
+                                                          "releases)."),
+    force: bool = typer.Option(False, "--force", help="Replace --out if it exists."),
+    progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar on stderr."),
+) -> None:
+    """Compile MoE safetensors (BF16/FP16/FP32 or ModelOpt NVFP4/FP8) into FTW, then verify the result."""
+    from rich.console import Console
+    from rich.markup import escape
+
+    from ft.compiler import CheckpointError, compile_checkpoint
+
+    console = Console(stderr=True, soft_wrap=True)
+    try:
+        path = compile_checkpoint(model, out, revision=revision, dtype=dtype, dequant=dequant, force=force,
+                                  progress=progress)
+    except CheckpointError as e:
+        console.print(f"[red]error[/red] {escape(str(e))}")
+        raise typer.Exit(1)
+    console.print(f"[green]OK[/green] {escape(str(path))}")

@@ -1,0 +1,145 @@
+"""`ft checkpoint`: compile a Hugging Face MoE checkpoint (local dir or hub repo id) into an FTW directory.
+
+Pipeline: locate → index headers → family config → quant declaration → plan → check the whole plan against the
+headers (nothing is written before this passes) → stream tensors into the FtwWriter (temp dir, renamed on finish) →
+verify what was written with the same checks as `ft verify`.
+"""
+
+from __future__ import annotations
+
+import errno
+import shutil
+from pathlib import Path
+
+import torch
+
+from ft.compiler.async_writer import AsyncWriter
+from ft.compiler.emit import Emitter
+from ft.compiler.errors import CheckpointError, supported
+from ft.compiler.families import family_for
+from ft.compiler.linear import DtypePolicy
+from ft.compiler.metadata import (Hasher, free_bytes, generation_defaults, provenance, source_files,
+                                  tokenizer_assets)
+from ft.compiler.prepare import prepare
+from ft.compiler.progress import byte_progress
+from ft.compiler.quant.modelopt import parse_quant
+from ft.compiler.safetensors_io import TensorReader
+from ft.compiler.source import Checkpoint, locate, read_json_if_exists
+from ft.formats import FtwReader, FtwWriter
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_CONFIG_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def dtype_policy(dtype: str, dequant: bool, hf: dict) -> DtypePolicy:
+    """--dtype / --dequant -> DtypePolicy; `plain` (for dequantized weights) is --dtype, else the config's declared
+    dtype (`torch_dtype` in older configs, `dtype` in newer ones, possibly inside text_config), else bf16."""
+    if dtype != "auto" and dtype not in DTYPES:
+        raise CheckpointError(f"--dtype {dtype!r} is not supported; supported: auto, {supported(DTYPES)}")
+    explicit = DTYPES.get(dtype)
+    declared = hf.get("torch_dtype") or hf.get("dtype") or (hf.get("text_config") or {}).get("dtype") \
+        or (hf.get("text_config") or {}).get("torch_dtype")
+    plain = explicit or _CONFIG_DTYPES.get(declared, torch.bfloat16)
+    return DtypePolicy(explicit, plain, dequant)
+
+
+def _size(n: int) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.1f} MB"
+
+
+def _check_out(out_dir: Path, root: Path, force: bool) -> None:
+    out, src = out_dir.resolve(), root.resolve()
+    if out == src or out in src.parents:
+        raise CheckpointError(f"--out {out_dir} would replace the input checkpoint; choose another directory")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CheckpointError(f"--out {out_dir} exists and is not a directory")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not force:
+        raise CheckpointError(f"--out {out_dir} exists and is not empty; pass --force to replace it")
+
+
+def compile_checkpoint(model: str | Path, out_dir: str | Path, *, revision: str | None = None, dtype: str = "auto",
+                       dequant: bool = False, force: bool = False, progress: bool = True) -> Path:
+    """Compile `model` (a directory or a hub repo id) into the FTW directory `out_dir`; returns `out_dir`.
+    Raises CheckpointError with a one-line reason for any bad or unsupported input."""
+    # The work is streaming copies of at most a few MB per op: torch's intra-op thread pool only adds barrier
+    # latency (tens of ms per op on a busy machine), so run single-threaded and restore the caller's setting.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _compile(model, Path(out_dir), revision, dtype, dequant, force, progress)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _compile(model: str | Path, out_dir: Path, revision: str | None, dtype: str, dequant: bool, force: bool,
+             progress: bool) -> Path:
+    loc = locate(str(model), revision)
+    _check_out(out_dir, loc.root, force)
+    ck = Checkpoint.open(loc.root)
+    # sha256 of every source file on a background thread, from now until the manifest is written
+    hasher = Hasher(loc.root, source_files(loc.root, ck.weight_files))
+    hasher.start()
+    try:
+        return _emit(loc, ck, out_dir, hasher, dtype, dequant, force, progress)
+    finally:
+        hasher.stop()
+
+
+def _emit(loc, ck: Checkpoint, out_dir: Path, hasher: Hasher, dtype: str, dequant: bool, force: bool,
+          progress: bool) -> Path:
+    family = family_for(ck.config)
+    gen = read_json_if_exists(loc.root, "generation_config.json")
+    cfg = family.normalize(ck.config, gen)
+    family.bind(ck)
+    reader = TensorReader()
+    try:
+        cfg, tied_skip = family.resolve_tie(cfg, ck, reader.read)
+    finally:
+        reader.close()
+    decl = parse_quant(ck.config, read_json_if_exists(loc.root, "hf_quant_config.json"))
+    pol = dtype_policy(dtype, dequant, ck.config)
+    prep = prepare(family.plan(cfg, ck), ck, decl, pol, family.skip_prefixes + tied_skip)
+    tok_meta, assets = tokenizer_assets(loc.root)
+    parent = out_dir.resolve().parent
+    parent.mkdir(parents=True, exist_ok=True)
+    need = prep.out_bytes + sum(len(a) for a in assets.values())
+    if free_bytes(parent) < need:
+        raise CheckpointError(f"not enough free space for {out_dir}: up to {_size(need)} needed, "
+                              f"{_size(free_bytes(parent))} free")
+
+    w = FtwWriter(out_dir, force=force)
+    aw = AsyncWriter(w)
+    try:
+        with byte_progress(progress, "compile", prep.read_bytes) as advance:
+            em = Emitter(ck, aw, pol, advance)
+            em.run(prep)
+            aw.drain()
+        for name, data in assets.items():
+            w.add_asset(name, data)
+        quant = {"linears": dict(sorted(em.linears.items())), "experts": prep.bank_scheme,
+                 "source": decl.source}
+        metadata = {"architectures": ck.config.get("architectures") or [], "model_type": ck.config.get("model_type"),
+                    "skipped": prep.skipped, "ignored": prep.ignored,
+                    "options": {"dtype": dtype, "dequant": dequant}}
+        w.finish(config=cfg, quant=quant, tokenizer=tok_meta, generation=generation_defaults(gen, cfg),
+                 provenance=provenance(loc.source, loc.revision, hasher.result()), metadata=metadata)
+    except BaseException as e:
+        aw.cancel()
+        w.abort()
+        if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+            raise CheckpointError(f"no space left on device while writing {out_dir}; nothing was kept") from None
+        raise
+    _verify(out_dir, progress)
+    return out_dir
+
+
+def _verify(out_dir: Path, progress: bool) -> None:
+    """The checks of `ft verify` on what was just written; a failure removes the output (it must not be used)."""
+    r = FtwReader(out_dir)
+    total = sum(f.nbytes for f in r.records.files) + sum(a.nbytes for a in r.records.assets.values())
+    with byte_progress(progress, "verify ", total) as advance:
+        failures = r.verify(advance)
+    if failures:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        raise CheckpointError(f"{out_dir}: verification failed after writing ({len(failures)} problems; first: "
+                              f"{failures[0]}); the output was removed")

@@ -1,0 +1,157 @@
+"""Linear weights in a row-wise encoding, so fusing and regrouping work the same for every scheme.
+
+A `Rows` holds one linear's tensors with the output rows as dim 0 of every tensor:
+
+  plain  {"weight": [out, in] float}
+  nvfp4  {"weight": u8 [out, in/2], "weight_scale": f8_e4m3 [out, in/16], "weight_scale_2": f32 [out]}
+  fp8    {"weight": f8_e4m3 [out, in], "weight_scale": f32 [out]}
+
+Per-tensor globals are broadcast to one value per row on load. Row concatenation (q|k|v, gate|up) and row
+permutation (de-interleaving, per-head regrouping) are then plain `cat`/`index_select` on each tensor: exact, bit for
+bit, even when the fused sources carried different per-tensor scales (families.md, "Quantized linears").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ft.compiler.errors import CheckpointError
+from ft.compiler.source import Checkpoint
+
+# FTW scheme names for plain float linears and banks
+PLAIN_SCHEME = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+# tensors a quantized checkpoint carries that W4A16 / weight-only execution does not use
+AUX_SUFFIXES = (".input_scale", ".k_scale", ".v_scale", ".q_scale", ".output_scale", ".prob_scale")
+
+
+@dataclass(frozen=True)
+class Sniffed:
+    """What the header says about one HF linear module: its scheme, logical [out, in] and its tensor names."""
+
+    module: str
+    scheme: str  # plain | nvfp4 | fp8
+    out_features: int
+    in_features: int
+    names: tuple[str, ...]
+
+
+def sniff(ck: Checkpoint, module: str) -> Sniffed:
+    w = f"{module}.weight"
+    if not ck.has(w):
+        raise CheckpointError(f"{ck.root.name}: tensor {w!r} not found in the checkpoint")
+    info = ck.info(w)
+    s, s2 = f"{module}.weight_scale", f"{module}.weight_scale_2"
+    if ck.has(f"{module}.weight_scale_inv"):
+        raise CheckpointError(f"{w}: block-scaled FP8 (weight_scale_inv) is not supported; supported: plain, "
+                              "ModelOpt NVFP4, ModelOpt FP8 per-tensor")
+    if len(info.shape) != 2:
+        raise CheckpointError(f"{w}: expected a 2-D linear weight, got shape {list(info.shape)}")
+    out, cols = info.shape
+    if info.dtype in ("F32", "F16", "BF16") and not ck.has(s):
+        return Sniffed(module, "plain", out, cols, (w,))
+    if info.dtype == "U8" and ck.has(s) and ck.has(s2):
+        si, s2i = ck.info(s), ck.info(s2)
+        if si.dtype != "F8_E4M3" or si.shape != (out, cols * 2 // 16) or s2i.dtype != "F32" or math.prod(s2i.shape) != 1:
+            raise CheckpointError(
+                f"{module}: NVFP4 tensors have unexpected layout: weight U8 {list(info.shape)}, weight_scale "
+                f"{si.dtype} {list(si.shape)} (want F8_E4M3 [{out}, {cols * 2 // 16}]), weight_scale_2 {s2i.dtype} "
+                f"{list(s2i.shape)} (want F32 scalar)")
+        return Sniffed(module, "nvfp4", out, cols * 2, (w, s, s2))
+    if info.dtype == "F8_E4M3" and ck.has(s):
+        si = ck.info(s)
+        if si.dtype != "F32" or math.prod(si.shape) not in (1, out):
+            raise CheckpointError(f"{module}: FP8 weight_scale is {si.dtype} {list(si.shape)}; supported: F32 "
+                                  f"per-tensor scalar or per-row [{out}]")
+        return Sniffed(module, "fp8", out, cols, (w, s))
+    raise CheckpointError(f"{w}: dtype {info.dtype} with the tensors present is not a supported encoding; supported: "
+                          "F32/F16/BF16, ModelOpt NVFP4 (U8 + weight_scale + weight_scale_2), FP8 + F32 weight_scale")
+
+
+@dataclass
+class Rows:
+    scheme: str
+    t: dict[str, torch.Tensor]
+
+    @property
+    def out_features(self) -> int:
+        return self.t["weight"].shape[0]
+
+
+def load(ck: Checkpoint, read, sn: Sniffed) -> Rows:
+    """Read one module's tensors (`read(name)` does the I/O) into row-wise form."""
+    t = {n[len(sn.module) + 1:]: read(n) for n in sn.names}
+    out = sn.out_features
+    if sn.scheme == "nvfp4":
+        t["weight_scale_2"] = t["weight_scale_2"].reshape(1).expand(out).contiguous()
+    elif sn.scheme == "fp8":
+        t["weight_scale"] = t["weight_scale"].reshape(-1).expand(out).contiguous()
+    return Rows(sn.scheme, t)
+
+
+def dequantize(r: Rows) -> torch.Tensor:
+    """Exact float32 [out, in] values of any encoding."""
+    if r.scheme == "plain":
+        return r.t["weight"].float()
+    if r.scheme == "nvfp4":
+        from ft.formats.quant import nvfp4
+
+        return nvfp4.dequantize(r.t["weight"], r.t["weight_scale"], r.t["weight_scale_2"])
+    from ft.formats.quant import fp8
+
+    return fp8.dequantize(r.t["weight"], r.t["weight_scale"])
+
+
+def to_dtype(t: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:
+    """Cast with an overflow check: narrowing that turns a finite value into inf is refused, naming the tensor."""
+    if t.dtype == dtype:
+        return t
+    out = t.to(dtype)
+    if dtype in (torch.float16, torch.bfloat16) and t.dtype.is_floating_point and t.dtype.itemsize > 1:
+        bad = torch.isinf(out) & ~torch.isinf(t)
+        if bool(bad.any()):
+            raise CheckpointError(f"{what}: value {float(t[bad][0])} overflows {dtype}; choose a wider --dtype")
+    return out
+
+
+def cat(parts: list[Rows]) -> Rows:
+    """Row-concatenate linears of one encoding, tensor by tensor (differing plain dtypes meet in fp32, exactly).
+    Mixed encodings are dequantized by the caller first."""
+    if len(parts) == 1:
+        return parts[0]
+    schemes = {p.scheme for p in parts}
+    if len(schemes) > 1:
+        raise ValueError(f"cat: mixed encodings {sorted(schemes)}")
+    if schemes == {"plain"}:
+        dts = {p.t["weight"].dtype for p in parts}
+        dt = dts.pop() if len(dts) == 1 else torch.float32  # any mix of fp32/fp16/bf16 is exact in fp32
+        return Rows("plain", {"weight": torch.cat([p.t["weight"].to(dt) for p in parts])})
+    return Rows(parts[0].scheme, {k: torch.cat([p.t[k] for p in parts]) for k in parts[0].t})
+
+
+def take(r: Rows, rows: torch.Tensor) -> Rows:
+    return Rows(r.scheme, {k: v.index_select(0, rows) for k, v in r.t.items()})
+
+
+@dataclass(frozen=True)
+class DtypePolicy:
+    """`dtype` None = keep each tensor's source dtype (--dtype auto). `plain` is used where a float dtype must be
+    chosen (dequantized weights, mixed-encoding fusions). `dequant` turns every quantized linear into `plain`."""
+
+    dtype: torch.dtype | None
+    plain: torch.dtype
+    dequant: bool
+
+
+def finalize(r: Rows, pol: DtypePolicy, what: str) -> tuple[str, dict[str, torch.Tensor]]:
+    """The FTW encoding of a linear: (scheme, {suffix: tensor}); scheme is fp32/fp16/bf16, nvfp4 or fp8_row.
+    (Dequantization, when asked for, has already happened: see Emitter.linear.)"""
+    if r.scheme == "plain":
+        w = r.t["weight"] if pol.dtype is None else to_dtype(r.t["weight"], pol.dtype, what)
+        return PLAIN_SCHEME[w.dtype], {"weight": w}
+    if r.scheme == "nvfp4":
+        return "nvfp4", {"weight": r.t["weight"], "weight_scale": r.t["weight_scale"],
+                         "weight_scale_2": r.t["weight_scale_2"]}
+    return "fp8_row", {"weight": r.t["weight"], "weight_scale": r.t["weight_scale"]}

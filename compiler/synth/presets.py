@@ -1,0 +1,157 @@
+"""Architectures and presets of `ft synth`: the Hugging Face config values each preset starts from.
+
+Every preset is a dict of the architecture's own transformers config keys (for qwen3_5_moe: `text_config` keys plus a
+`vision` dict). Full-size presets copy the published configs of the real releases (sources in the checkpoint-formats
+reference, §1); tiny/small/demo presets keep each family's structure (GQA, shared expert, qkv bias, hybrid layers,
+gated attention, partial/mrope rotary) at sizes that run on a laptop CPU.
+
+Vocabulary: tiny presets use a truncated real Qwen tokenizer (`TINY_RANKS` BPE ranks + the real special tokens right
+after), so `vocab_size` equals the tokenizer's size. Other presets use the full real vocabulary (embedding rows padded
+like the real releases: 151936 for Qwen3-family tokenizers, 248320 for Qwen3.5/3.6). Synthetic mixtral has no Llama
+tokenizer offline: it uses the Qwen3 tokenizer truncated to 32000 - (number of specials) ranks, so the embedding keeps
+the real 32000 rows and every token id the tokenizer can produce is < 32000.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "qwen3_5_moe")
+TOKENIZER_FLAVOR = {"qwen3_moe": "qwen3", "qwen2_moe": "qwen3", "mixtral": "qwen3", "qwen3_next": "qwen3",
+                    "qwen3_5_moe": "qwen3_5"}
+TINY_RANKS = 512  # BPE ranks kept by tiny presets (the 256 single bytes + 256 merges)
+MIXTRAL_VOCAB = 32000
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    archs: tuple[str, ...]
+    kind: str  # "hf": built with transformers + save_pretrained; "stream": written tensor by tensor
+    dtype: str  # default dtype: "fp32" | "bf16"
+    max_shard_size: int  # bytes per safetensors shard (several shards even for tiny models, like real releases)
+    configs: dict[str, dict] = field(default_factory=dict)  # arch -> config keys
+
+
+def _tiny() -> dict[str, dict]:
+    attn = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+                max_position_embeddings=4096, tie_word_embeddings=False)
+    hybrid = dict(attn, num_hidden_layers=4, head_dim=32, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                  num_experts=8, num_experts_per_tok=2, linear_num_key_heads=2, linear_num_value_heads=4,
+                  linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4)
+    return {
+        "qwen3_moe": dict(attn, num_hidden_layers=2, head_dim=16, intermediate_size=128, moe_intermediate_size=32,
+                          num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, rope_theta=1e6),
+        "qwen2_moe": dict(attn, num_hidden_layers=2, intermediate_size=128, moe_intermediate_size=32,
+                          shared_expert_intermediate_size=64, num_experts=8, num_experts_per_tok=2,
+                          norm_topk_prob=False, rope_theta=1e6),
+        "mixtral": dict(attn, num_hidden_layers=2, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+                        rms_norm_eps=1e-5, rope_theta=1e6),
+        "qwen3_next": dict(hybrid, intermediate_size=128, norm_topk_prob=True, rope_theta=1e7,
+                           partial_rotary_factor=0.25, full_attention_interval=4),
+        "qwen3_5_moe": dict(hybrid, rope_theta=1e7, partial_rotary_factor=0.25, mrope_section=[2, 1, 1],
+                            full_attention_interval=4,
+                            vision=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                        num_position_embeddings=16, patch_size=16)),
+    }
+
+
+def _small() -> dict[str, dict]:
+    base = dict(hidden_size=256, rms_norm_eps=1e-6, max_position_embeddings=32768, tie_word_embeddings=False)
+    hybrid = dict(base, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                  moe_intermediate_size=128, shared_expert_intermediate_size=128, num_experts=64,
+                  num_experts_per_tok=8, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
+                  linear_value_head_dim=64, linear_conv_kernel_dim=4, max_position_embeddings=262144)
+    return {
+        "qwen3_moe": dict(base, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                          intermediate_size=768, moe_intermediate_size=128, num_experts=64, num_experts_per_tok=8,
+                          norm_topk_prob=True, rope_theta=1e6, vocab_size=151936),
+        "qwen2_moe": dict(base, num_hidden_layers=12, num_attention_heads=8, num_key_value_heads=8,
+                          intermediate_size=768, moe_intermediate_size=128, shared_expert_intermediate_size=512,
+                          num_experts=60, num_experts_per_tok=4, norm_topk_prob=False, rope_theta=1e6,
+                          vocab_size=151936, max_position_embeddings=8192),
+        "mixtral": dict(base, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, intermediate_size=1024,
+                        num_local_experts=8, num_experts_per_tok=2, rms_norm_eps=1e-5, rope_theta=1e6,
+                        vocab_size=MIXTRAL_VOCAB),
+        "qwen3_next": dict(hybrid, intermediate_size=512, norm_topk_prob=True, rope_theta=1e7,
+                           partial_rotary_factor=0.25, full_attention_interval=4, vocab_size=151936),
+        "qwen3_5_moe": dict(hybrid, rope_theta=1e7, partial_rotary_factor=0.25, mrope_section=[6, 5, 5],
+                            full_attention_interval=4, vocab_size=248320,
+                            vision=dict(depth=2, hidden_size=128, intermediate_size=256, num_heads=4,
+                                        num_position_embeddings=64, patch_size=16)),
+    }
+
+
+# Qwen3.6-35B-A3B text_config and vision_config as published (nvidia/Qwen3.6-35B-A3B-NVFP4 config.json copy)
+_QWEN36_35B = dict(
+    vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16, num_key_value_heads=2,
+    head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=256, num_experts_per_tok=8,
+    moe_intermediate_size=512, shared_expert_intermediate_size=512, max_position_embeddings=262144,
+    rms_norm_eps=1e-6, rope_theta=1e7, partial_rotary_factor=0.25, mrope_section=[11, 11, 10],
+    full_attention_interval=4, tie_word_embeddings=False,
+    vision=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, num_position_embeddings=2304,
+                patch_size=16),
+)
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset("tiny", ARCHS, "hf", "fp32", 256 << 10, _tiny()),
+    "small": Preset("small", ARCHS, "hf", "bf16", 128 << 20, _small()),
+    # a Qwen3.6-shaped model with the real 248k tokenizer that compiles and serves on 2 CPU cores
+    "demo": Preset("demo", ("qwen3_5_moe",), "hf", "bf16", 64 << 20, {"qwen3_5_moe": dict(
+        hidden_size=128, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=32, linear_value_head_dim=32,
+        linear_conv_kernel_dim=4, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=64,
+        shared_expert_intermediate_size=64, vocab_size=248320, max_position_embeddings=262144, rms_norm_eps=1e-6,
+        rope_theta=1e7, partial_rotary_factor=0.25, mrope_section=[3, 3, 2], full_attention_interval=4,
+        tie_word_embeddings=False,
+        vision=dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, num_position_embeddings=16,
+                    patch_size=16))}),
+    "qwen3-30b-a3b": Preset("qwen3-30b-a3b", ("qwen3_moe",), "stream", "bf16", 4 << 30, {"qwen3_moe": dict(
+        vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+        head_dim=128, intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+        norm_topk_prob=True, rope_theta=1e6, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        tie_word_embeddings=False)}),
+    # qwen3_moe at the Qwen3.6 MoE geometry (attention and experts of the 35B-A3B, plain qwen3_moe layers)
+    "qwen3moe-35b-geom": Preset("qwen3moe-35b-geom", ("qwen3_moe",), "stream", "bf16", 4 << 30, {"qwen3_moe": dict(
+        vocab_size=151936, hidden_size=2048, num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=4,
+        head_dim=128, intermediate_size=6144, moe_intermediate_size=512, num_experts=256, num_experts_per_tok=8,
+        norm_topk_prob=True, rope_theta=1e6, max_position_embeddings=262144, rms_norm_eps=1e-6,
+        tie_word_embeddings=False)}),
+    "qwen3.6-35b-a3b": Preset("qwen3.6-35b-a3b", ("qwen3_5_moe",), "stream", "bf16", 4 << 30,
+                              {"qwen3_5_moe": _QWEN36_35B}),
+    "qwen3-next-80b-a3b": Preset("qwen3-next-80b-a3b", ("qwen3_next",), "stream", "bf16", 4 << 30, {"qwen3_next": dict(
+        vocab_size=151936, hidden_size=2048, num_hidden_layers=48, num_attention_heads=16, num_key_value_heads=2,
+        head_dim=256, intermediate_size=5120, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+        num_experts=512, num_experts_per_tok=10, norm_topk_prob=True, linear_num_key_heads=16,
+        linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        max_position_embeddings=262144, rope_theta=1e7, partial_rotary_factor=0.25, full_attention_interval=4,
+        rms_norm_eps=1e-6, tie_word_embeddings=False)}),
+    "qwen1.5-moe-a2.7b": Preset("qwen1.5-moe-a2.7b", ("qwen2_moe",), "stream", "bf16", 4 << 30, {"qwen2_moe": dict(
+        vocab_size=151936, hidden_size=2048, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=16,
+        intermediate_size=5632, moe_intermediate_size=1408, shared_expert_intermediate_size=5632, num_experts=60,
+        num_experts_per_tok=4, norm_topk_prob=False, max_position_embeddings=8192, rope_theta=1e6,
+        rms_norm_eps=1e-6, tie_word_embeddings=False)}),
+    "mixtral-8x7b": Preset("mixtral-8x7b", ("mixtral",), "stream", "bf16", 4 << 30, {"mixtral": dict(
+        vocab_size=MIXTRAL_VOCAB, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6,
+        rms_norm_eps=1e-5, max_position_embeddings=32768, tie_word_embeddings=False)}),
+}
+FULL_SIZE = tuple(name for name, p in PRESETS.items() if p.kind == "stream")
+
+
+def describe() -> str:
+    """One line per preset: the architectures it exists for (used by error messages and --help)."""
+    return "; ".join(f"{name} ({', '.join(p.archs)})" for name, p in PRESETS.items())
+
+
+def lookup(arch: str, preset: str) -> Preset:
+    """The preset, or ValueError naming what exists."""
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; supported: {', '.join(ARCHS)}")
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; presets: {describe()}")
+    p = PRESETS[preset]
+    if arch not in p.archs:
+        raise ValueError(f"preset {preset!r} does not exist for arch {arch!r}; presets: {describe()}")
+    return p

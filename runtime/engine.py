@@ -1,0 +1,223 @@
+"""The engine: a FIFO of requests, a fixed KV budget, chunked prefill and continuous batching over one model.
+
+Lifecycle of a request: `add_request` validates it against the KV budget and queues it (waiting); `step` admits
+waiting requests in arrival order while the budget and `max_running_requests` allow (strict FIFO, so a large request
+is never starved by later small ones); running requests then advance together in ONE `model.forward`: every request
+past its prompt contributes one decode token, and the oldest request still in its prompt contributes one chunk of at
+most `max_prefill_length` tokens, so a long prompt never stalls running streams. Sampled tokens become TokenEvents;
+a finished or aborted request frees its state and KV reservation at once.
+
+The engine is single-threaded: its owner applies add/abort between calls to `step`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ft.formats import FtwReader
+from ft.runtime.generate import GenerationResult, generate
+from ft.runtime.kv import ContextOverflowError, KvBudget, QueueFullError
+from ft.runtime.model import Segment, load_model
+from ft.runtime.request import Request, StopStringFilter, TokenEvent
+from ft.runtime.sampling import RequestSampler, SamplingParams, sample
+from ft.runtime.tokenizer import Tokenizer
+
+__all__ = ["Engine", "SamplingParams", "TokenEvent", "ContextOverflowError", "QueueFullError", "generate",
+           "GenerationResult"]
+
+
+class Engine:
+    """Serves one FTW model. `experts` replaces the default CPU experts (the GPU offload scheduler passes its own);
+    `max_output_tokens` clamps every request's max_tokens (a larger request is not refused)."""
+
+    def __init__(self, ftw_dir: str | Path | FtwReader, *, device: str = "cpu", kv_reserve_tokens: int = 8192,
+                 max_prefill_length: int = 2048, max_running_requests: int = 4,
+                 max_output_tokens: int = 32768, max_queued_requests: int = 64, experts: Any = None) -> None:
+        for name, value in (("kv_reserve_tokens", kv_reserve_tokens), ("max_prefill_length", max_prefill_length),
+                            ("max_running_requests", max_running_requests), ("max_output_tokens",
+                            max_output_tokens), ("max_queued_requests", max_queued_requests)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        reader = ftw_dir if isinstance(ftw_dir, FtwReader) else FtwReader(Path(ftw_dir))
+        self.model = load_model(reader, device=device, experts=experts)
+        self._experts = experts  # None = the model's CPU experts
+        self.config = self.model.config
+        self.tokenizer = Tokenizer.from_reader(reader)
+        self.generation_config: dict = dict(reader.generation)  # generation_config.json defaults
+        self.model_name = Path(reader.path).name.removesuffix(".ftw")  # the directory the user named
+        self.device = torch.device(device)
+        self.eos_token_ids = frozenset(self.config.eos_token_ids) | frozenset(
+            self.generation_config.get("eos_token_ids") or ())
+        self.kv = KvBudget(kv_reserve_tokens, self.config.max_position_embeddings)
+        self.max_prefill_length = max_prefill_length
+        self.max_running_requests = max_running_requests
+        self.max_output_tokens = max_output_tokens
+        self.max_queued_requests = max_queued_requests
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []  # admission order
+        self._aborted: list[Request] = []  # abort events still to emit
+        self._ids: set[str] = set()  # waiting + running
+        self._counters = dict(requests_total=0, requests_finished=0, requests_aborted=0,
+                              prompt_tokens_total=0, output_tokens_total=0, decode_tokens=0,
+                              prefill_tokens=0, steps=0)
+        self._decode_s = 0.0  # time of decode-only steps
+        self._prefill_s = 0.0  # time of steps that ran a prefill chunk
+        self._ttfts: deque[float] = deque(maxlen=1024)
+
+    @property
+    def max_context(self) -> int:
+        """Longest sequence (prompt + output) one request can have."""
+        return self.kv.max_context
+
+    # ---- requests -------------------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request. Raises ContextOverflowError, QueueFullError, or ValueError (bad ids, duplicate id)."""
+        if request_id in self._ids:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_ids = [int(t) for t in prompt_ids]
+        bad = [t for t in prompt_ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.config.vocab_size - 1})")
+        self.kv.check_prompt(len(prompt_ids))
+        if len(self._waiting) >= self.max_queued_requests:
+            raise QueueFullError(f"the request queue is full ({self.max_queued_requests} waiting)")
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        req = Request(
+            request_id=request_id, prompt_ids=prompt_ids, params=params,
+            max_tokens=min(params.max_tokens, self.max_output_tokens), stop_token_ids=stop_ids,
+            sampler=RequestSampler(params, prompt_ids, self.config.vocab_size, self.device),
+            decoder=self.tokenizer.incremental_decoder(), stop_filter=StopStringFilter(params.stop),
+        )
+        self._waiting.append(req)
+        self._ids.add(request_id)
+        self._counters["requests_total"] += 1
+        self._counters["prompt_tokens_total"] += len(prompt_ids)
+
+    def abort(self, request_id: str) -> None:
+        """Drop a waiting or running request and free its KV now; its final event comes from the next step.
+        Unknown or already finished ids are ignored (the caller may race with completion)."""
+        req = next((r for r in self._running if r.request_id == request_id), None)
+        if req is not None:
+            self._running.remove(req)
+        else:
+            req = next((r for r in self._waiting if r.request_id == request_id), None)
+            if req is None:
+                return
+            self._waiting.remove(req)
+        req.finish_reason = "abort"
+        self._release(req)
+        self._aborted.append(req)
+        self._counters["requests_aborted"] += 1
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running or self._aborted)
+
+    # ---- the step -------------------------------------------------------------------------------------------
+
+    def step(self) -> list[TokenEvent]:
+        """One iteration: abort events, admission, then one forward of all decodes plus at most one prefill chunk."""
+        events = [r.abort_event() for r in self._aborted]
+        self._aborted.clear()
+        self._admit()
+        decodes = [r for r in self._running if not r.is_prefilling]
+        prefill = next((r for r in self._running if r.is_prefilling), None)
+        if not decodes and prefill is None:
+            return events
+
+        t0 = time.perf_counter()
+        input_ids, segments = self._prepare_inputs(decodes, prefill)
+        logits = self.model.forward(torch.tensor(input_ids, dtype=torch.long, device=self.device), segments)
+        # Requests that sample this step: every decode, and the prefill request once its prompt is done.
+        sampling = [(r, lg) for r, lg in zip(decodes, logits)]
+        if prefill is not None:
+            prefill.num_prefilled += segments[-1].num_tokens
+            if not prefill.is_prefilling:
+                sampling.append((prefill, logits[-1]))
+        if sampling:
+            out = sample(torch.cat([lg[-1:] for _, lg in sampling]), [r.sampler for r, _ in sampling])
+            for j, (req, _) in enumerate(sampling):
+                events.append(req.accept(out.token_ids[j], out.logprobs[j], out.top_logprobs[j]))
+                if req.finish_reason is not None:
+                    self._finish(req)
+        self._account(time.perf_counter() - t0, [r for r, _ in sampling], len(decodes),
+                      segments[-1].num_tokens if prefill is not None else 0)
+        return events
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.max_running_requests:
+            req = self._waiting[0]
+            reservation = self.kv.reservation_for(req.num_prompt_tokens, req.max_tokens)
+            if not self.kv.try_reserve(req.request_id, reservation):
+                return  # strict FIFO: later requests wait behind the head
+            self._waiting.popleft()
+            req.reservation = reservation
+            req.state = self.model.new_state(reservation)
+            self._running.append(req)
+
+    def _prepare_inputs(self, decodes: list[Request], prefill: Request | None) -> tuple[list[int], list]:
+        """Concatenated input ids and one Segment per request: decodes first, then the prefill chunk."""
+        input_ids: list[int] = []
+        segments = []
+        for req in decodes:
+            input_ids.append(req.output_ids[-1])
+            segments.append(Segment(req.state, 1, logits="last"))
+        if prefill is not None:
+            chunk = prefill.next_prefill_chunk(self.max_prefill_length)
+            input_ids.extend(chunk)
+            segments.append(Segment(prefill.state, len(chunk), logits="last"))
+        return input_ids, segments
+
+    def _finish(self, req: Request) -> None:
+        self._running.remove(req)
+        self._release(req)
+        self._counters["requests_finished"] += 1
+
+    def _release(self, req: Request) -> None:
+        if req.state is not None:
+            req.state.free()
+            req.state = None
+        self.kv.release(req.request_id)
+        self._ids.discard(req.request_id)
+
+    def _account(self, seconds: float, sampled: list[Request], num_decodes: int, num_prefill: int) -> None:
+        c = self._counters
+        c["steps"] += 1
+        c["output_tokens_total"] += len(sampled)
+        for req in sampled:
+            if req.num_output_tokens == 1:
+                self._ttfts.append(req.first_token_time - req.arrival_time)
+        if num_prefill:
+            c["prefill_tokens"] += num_prefill
+            self._prefill_s += seconds
+        elif num_decodes:
+            c["decode_tokens"] += num_decodes
+            self._decode_s += seconds
+
+    # ---- observability --------------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """Counters since start. decode_tok_s covers decode-only steps; prefill_tok_s the steps with a prefill chunk
+        (those may also carry decodes). TTFT is measured from add_request over the last 1024 requests. "moe" holds
+        the experts implementation's own counters when it has any."""
+        c = self._counters
+        ttfts = sorted(self._ttfts)
+        out = {
+            "requests_total": c["requests_total"], "requests_finished": c["requests_finished"],
+            "requests_aborted": c["requests_aborted"], "running": len(self._running),
+            "waiting": len(self._waiting), "prompt_tokens_total": c["prompt_tokens_total"],
+            "output_tokens_total": c["output_tokens_total"], "steps": c["steps"],
+            "decode_tok_s": c["decode_tokens"] / self._decode_s if self._decode_s else 0.0,
+            "prefill_tok_s": c["prefill_tokens"] / self._prefill_s if self._prefill_s else 0.0,
+            "ttft_mean_s": sum(ttfts) / len(ttfts) if ttfts else None,
+            "ttft_p50_s": ttfts[len(ttfts) // 2] if ttfts else None,
+            "kv_tokens_used": self.kv.used, "kv_tokens_total": self.kv.total,
+        }
+        if callable(getattr(self._experts, "stats", None)):  # e.g. the GPU expert cache's hit/miss counters
+            out["moe"] = self._experts.stats()
+        return out

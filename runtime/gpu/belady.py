@@ -1,0 +1,119 @@
+"""Routing traces, Belady's optimum and policy replay: how many misses a cache of S slots *must* take.
+
+A trace is a list of steps; each step is one MoE layer call: (layer, unique experts it routed to). Belady's MIN evicts
+the resident expert whose next use is farthest in the future. With `bypass=True` (the hybrid path: a miss may be
+computed on the CPU without ever entering VRAM), an expert whose own next use is farther than every resident's is not
+admitted at all; this is the optimum for caches that may bypass. Misses counted this way are the lower bound the
+decode benchmark divides by the host bandwidth.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+from pathlib import Path
+
+import numpy as np
+
+from .expert_cache import ExpertCache
+
+Trace = list[tuple[int, np.ndarray]]
+_NEVER = 1 << 62
+
+
+def flatten(trace: Trace, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """(ids [N] flat layer*E+expert, step index [N]) in access order."""
+    ids, step = [], []
+    for i, (layer, experts) in enumerate(trace):
+        e = np.unique(np.asarray(experts, np.int64))
+        ids.append(layer * num_experts + e)
+        step.append(np.full(e.shape, i, np.int64))
+    if not ids:
+        return np.empty(0, np.int64), np.empty(0, np.int64)
+    return np.concatenate(ids), np.concatenate(step)
+
+
+def next_use(ids: np.ndarray) -> np.ndarray:
+    """For each access, the index of the next access of the same id (or a huge sentinel)."""
+    nxt = np.full(ids.shape[0], _NEVER, np.int64)
+    seen: dict[int, int] = {}
+    for i in range(ids.shape[0] - 1, -1, -1):
+        v = int(ids[i])
+        nxt[i] = seen.get(v, _NEVER)
+        seen[v] = i
+    return nxt
+
+
+def belady(trace: Trace, num_experts: int, num_slots: int, *, bypass: bool = True, count_from: int = 0) -> dict:
+    """Simulate MIN; returns {accesses, hits, misses, admitted}, counting only steps >= `count_from` (earlier steps
+    warm the cache, as a benchmark's warm-up does)."""
+    ids, steps = flatten(trace, num_experts)
+    nxt = next_use(ids)
+    resident: dict[int, int] = {}  # id -> its current next-use index
+    heap: list[tuple[int, int]] = []  # (-next_use, id), stale entries skipped lazily
+    hits = misses = admitted = 0
+    for i in range(ids.shape[0]):
+        v, nu = int(ids[i]), int(nxt[i])
+        counted = steps[i] >= count_from
+        if v in resident:
+            hits += counted
+            resident[v] = nu
+            heapq.heappush(heap, (-nu, v))
+            continue
+        misses += counted
+        if num_slots == 0:
+            continue
+        if len(resident) < num_slots:
+            resident[v] = nu
+            heapq.heappush(heap, (-nu, v))
+            admitted += 1
+            continue
+        while heap and (heap[0][1] not in resident or resident[heap[0][1]] != -heap[0][0]):
+            heapq.heappop(heap)
+        far = -heap[0][0]
+        if bypass and (nu >= far or nu == _NEVER):
+            continue
+        _, victim = heapq.heappop(heap)
+        del resident[victim]
+        resident[v] = nu
+        heapq.heappush(heap, (-nu, v))
+        admitted += 1
+    return {"accesses": int(hits + misses), "hits": int(hits), "misses": int(misses), "admitted": admitted}
+
+
+def replay(trace: Trace, num_layers: int, num_experts: int, num_slots: int, *, policy: str = "lru",
+           priors: np.ndarray | None = None, admit_all: bool = True) -> dict:
+    """Replay `ExpertCache` on a trace (every miss admitted, as a pure fetch-on-miss cache does)."""
+    cache = ExpertCache(num_layers, num_experts, num_slots, policy=policy, priors=priors)
+    hits = misses = 0
+    for layer, experts in trace:
+        cache.tick()
+        e = np.unique(np.asarray(experts, np.int64))
+        cache.observe(layer, e, 1)
+        slots = cache.lookup(layer, e)
+        hits += int((slots >= 0).sum())
+        misses += int((slots < 0).sum())
+        cache.touch(slots)
+        if admit_all:
+            for x in e[slots < 0]:
+                cache.admit(layer, int(x))
+    return {"accesses": hits + misses, "hits": hits, "misses": misses}
+
+
+def save_trace(path: Path, trace: Trace) -> None:
+    """JSON lines: {"layer": l, "experts": [...]} per step (plain data; no pickle)."""
+    with open(path, "w") as f:
+        for layer, experts in trace:
+            f.write(json.dumps({"layer": int(layer), "experts": [int(x) for x in np.unique(experts)]}) + "\n")
+
+
+def load_trace(path: Path) -> Trace:
+    out: Trace = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            try:
+                d = json.loads(line)
+                out.append((int(d["layer"]), np.asarray(d["experts"], np.int64)))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{n}: not a routing-trace line ({exc})") from None
+    return out

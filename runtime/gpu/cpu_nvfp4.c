@@ -1,0 +1,201 @@
+/* NVFP4 expert MLPs on the CPU, reading FTW expert records in place (mmapped file pages or pinned buffers).
+ *
+ * Same math as the GPU kernel (W4A16): x is fp32 holding bf16 values; [g; u] = gate_up . x with fp32 accumulation and
+ * the per-row fp32 scale_2 applied to each dot; act = bf16_rne(silu(g) * u); y = down . act * scale_2 * weight.
+ * W[o, i] = E2M1[code] * e4m3(scale[o, i / 16]) * scale_2[o]; codes pack element 2j in the low nibble of byte j.
+ *
+ * One call handles one MoE layer step: `n_groups` experts, each with the pairs (token, router weight) routed to it.
+ * Three phases inside one OpenMP team: gate_up rows (split over experts x row chunks), down rows, then the sum of
+ * pair outputs into y (column chunks, fixed pair order, so results do not depend on the thread count).
+ * With AVX-512 one 16-element block (8 code bytes + 1 scale byte) is decoded by a permute from a 16-float table.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+typedef struct {
+    int64_t hidden, inter;
+    int64_t off_gu, off_gus, off_gus2, off_d, off_ds, off_ds2;
+} ft_layout;
+
+static const float E2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+static float E4M3[256];
+static int tables_ready = 0;
+
+static void init_tables(void) {
+    if (tables_ready) return;
+    for (int b = 0; b < 256; b++) {
+        int e = (b >> 3) & 15, m = b & 7;
+        float v = e == 0 ? ldexpf((float)m, -9) : ldexpf(1.f + m / 8.f, e - 7);
+        if ((b & 0x7F) == 0x7F) v = NAN;
+        E4M3[b] = (b & 0x80) ? -v : v;
+    }
+    tables_ready = 1;
+}
+
+static inline float bf16_rne(float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+    memcpy(&v, &u, 4);
+    return v;
+}
+
+#define MAXT 4 /* token vectors per pass over a weight row */
+
+/* out[t] = sum_i W[row, i] * xs[t][i] (without scale_2) for NT token vectors, K inputs (K % 32 == 0).
+ * NT is a compile-time constant in every instantiation, so the accumulators stay in registers. */
+#if defined(__AVX512F__)
+static inline __attribute__((always_inline)) __m512 decode_block(const uint8_t *codes, uint8_t scale, __m512 lut) {
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    __m128i raw = _mm_loadl_epi64((const __m128i *)codes);
+    __m128i lo = _mm_and_si128(raw, low4);
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(raw, 4), low4);
+    __m512 w = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)), lut);
+    return _mm512_mul_ps(w, _mm512_set1_ps(E4M3[scale]));
+}
+
+static inline __attribute__((always_inline)) void row_dots_nt(const uint8_t *codes, const uint8_t *scales,
+                                                              int64_t K, const float *const *xs, float *out,
+                                                              const int NT) {
+    const __m512 lut = _mm512_loadu_ps(E2M1);
+    __m512 a0[MAXT], a1[MAXT]; /* even / odd blocks: two independent FMA chains per token */
+    for (int t = 0; t < NT; t++) a0[t] = a1[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < K / 16; b += 2) {
+        __m512 w0 = decode_block(codes + 8 * b, scales[b], lut);
+        __m512 w1 = decode_block(codes + 8 * b + 8, scales[b + 1], lut);
+        for (int t = 0; t < NT; t++) {
+            a0[t] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xs[t] + 16 * b), a0[t]);
+            a1[t] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xs[t] + 16 * b + 16), a1[t]);
+        }
+    }
+    for (int t = 0; t < NT; t++) out[t] = _mm512_reduce_add_ps(_mm512_add_ps(a0[t], a1[t]));
+}
+#else
+static inline void row_dots_nt(const uint8_t *codes, const uint8_t *scales, int64_t K, const float *const *xs,
+                               float *out, const int NT) {
+    float acc[MAXT] = {0};
+    for (int64_t b = 0; b < K / 16; b++) {
+        float s = E4M3[scales[b]];
+        float w[16];
+        for (int j = 0; j < 8; j++) {
+            w[2 * j] = E2M1[codes[8 * b + j] & 15] * s;
+            w[2 * j + 1] = E2M1[codes[8 * b + j] >> 4] * s;
+        }
+        for (int t = 0; t < NT; t++) {
+            float a = 0.f;
+            for (int j = 0; j < 16; j++) a += w[j] * xs[t][16 * b + j];
+            acc[t] += a;
+        }
+    }
+    for (int t = 0; t < NT; t++) out[t] = acc[t];
+}
+#endif
+
+static void row_dots(const uint8_t *codes, const uint8_t *scales, int64_t K, const float *const *xs, int nt,
+                     float *out) {
+    switch (nt) {
+    case 1: row_dots_nt(codes, scales, K, xs, out, 1); break;
+    case 2: row_dots_nt(codes, scales, K, xs, out, 2); break;
+    case 3: row_dots_nt(codes, scales, K, xs, out, 3); break;
+    default: row_dots_nt(codes, scales, K, xs, out, 4); break;
+    }
+}
+
+#define GU_ROWS 32   /* gate/up row pairs per work item */
+#define DOWN_ROWS 128 /* down rows per work item */
+#define SUM_COLS 256 /* y columns per work item */
+
+int ft_nvfp4_moe(const ft_layout *L, int32_t n_groups, const uint8_t *const *recs, const int32_t *grp_start,
+                 const int32_t *pair_tok, const float *pair_w, int32_t T, const float *x, float *act, float *part,
+                 float *y, int32_t nthreads) {
+    init_tables();
+    const int64_t H = L->hidden, I = L->inter;
+    if (H % 32 || I % 32 || n_groups < 0 || T < 0) return -1;
+    const int32_t P = grp_start[n_groups];
+    const int64_t gu_chunks = (I + GU_ROWS - 1) / GU_ROWS, d_chunks = (H + DOWN_ROWS - 1) / DOWN_ROWS;
+    const int64_t y_chunks = (H + SUM_COLS - 1) / SUM_COLS;
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel num_threads(nthreads)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < (int64_t)n_groups * gu_chunks; item++) {
+            const int64_t g = item / gu_chunks, r0 = (item % gu_chunks) * GU_ROWS;
+            const int64_t r1 = r0 + GU_ROWS < I ? r0 + GU_ROWS : I;
+            const uint8_t *rec = recs[g];
+            const uint8_t *codes = rec + L->off_gu, *scales = rec + L->off_gus;
+            const float *s2 = (const float *)(rec + L->off_gus2);
+            for (int32_t p0 = grp_start[g]; p0 < grp_start[g + 1]; p0 += MAXT) {
+                int nt = grp_start[g + 1] - p0 < MAXT ? grp_start[g + 1] - p0 : MAXT;
+                const float *xs[MAXT];
+                for (int t = 0; t < nt; t++) xs[t] = x + (int64_t)pair_tok[p0 + t] * H;
+                for (int64_t n = r0; n < r1; n++) {
+                    float gv[MAXT], uv[MAXT];
+                    row_dots(codes + n * (H / 2), scales + n * (H / 16), H, xs, nt, gv);
+                    row_dots(codes + (I + n) * (H / 2), scales + (I + n) * (H / 16), H, xs, nt, uv);
+                    for (int t = 0; t < nt; t++) {
+                        float gg = gv[t] * s2[n], uu = uv[t] * s2[I + n];
+                        act[(int64_t)(p0 + t) * I + n] = bf16_rne(gg / (1.f + expf(-gg)) * uu);
+                    }
+                }
+            }
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < (int64_t)n_groups * d_chunks; item++) {
+            const int64_t g = item / d_chunks, r0 = (item % d_chunks) * DOWN_ROWS;
+            const int64_t r1 = r0 + DOWN_ROWS < H ? r0 + DOWN_ROWS : H;
+            const uint8_t *rec = recs[g];
+            const uint8_t *codes = rec + L->off_d, *scales = rec + L->off_ds;
+            const float *s2 = (const float *)(rec + L->off_ds2);
+            for (int32_t p0 = grp_start[g]; p0 < grp_start[g + 1]; p0 += MAXT) {
+                int nt = grp_start[g + 1] - p0 < MAXT ? grp_start[g + 1] - p0 : MAXT;
+                const float *as[MAXT];
+                for (int t = 0; t < nt; t++) as[t] = act + (int64_t)(p0 + t) * I;
+                for (int64_t n = r0; n < r1; n++) {
+                    float dv[MAXT];
+                    row_dots(codes + n * (I / 2), scales + n * (I / 16), I, as, nt, dv);
+                    for (int t = 0; t < nt; t++) part[(int64_t)(p0 + t) * H + n] = dv[t] * s2[n] * pair_w[p0 + t];
+                }
+            }
+        }
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < (int64_t)T * y_chunks; item++) {
+            const int64_t t = item / y_chunks, c0 = (item % y_chunks) * SUM_COLS;
+            const int64_t c1 = c0 + SUM_COLS < H ? c0 + SUM_COLS : H;
+            float *yr = y + t * H;
+            for (int64_t c = c0; c < c1; c++) yr[c] = 0.f;
+            for (int32_t p = 0; p < P; p++) {
+                if (pair_tok[p] != t) continue;
+                const float *pr = part + (int64_t)p * H;
+                for (int64_t c = c0; c < c1; c++) yr[c] += pr[c];
+            }
+        }
+    }
+    return 0;
+}
+
+/* dst <- src, n bytes, split over threads (pageable file pages -> pinned staging). */
+void ft_memcpy(uint8_t *dst, const uint8_t *src, int64_t n, int32_t nthreads) {
+    const int64_t chunk = 256 << 10;
+    const int64_t nchunks = (n + chunk - 1) / chunk;
+    if (nthreads < 1) nthreads = 1;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t c = 0; c < nchunks; c++) {
+        int64_t off = c * chunk, len = off + chunk < n ? chunk : n - off;
+        memcpy(dst + off, src + off, (size_t)len);
+    }
+}
+
+int ft_has_avx512(void) {
+#if defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}

@@ -1,0 +1,293 @@
+"""`GpuExperts`: the experts interface on a GPU with a VRAM slot cache and hybrid CPU/GPU miss handling.
+
+Per MoE layer call (decode: few tokens):
+ 1. routing comes to the host; the slot table splits the routed experts into hits and misses;
+ 2. of the M misses, F = fetch share (min-wait rounding of q = B_pcie / (B_pcie + B_cpu), refined online) are
+    admitted into slots (evicting by the cache policy) and uploaded on the copy stream; the other M - F are handed
+    first to a CPU worker thread that runs the NVFP4 CPU kernel straight on the mmapped records;
+ 3. the GPU kernel runs over hits + fetched experts after the copy fence; the CPU partial sum is added on arrival.
+    Both partial sums cover disjoint (token, expert) pairs, so their sum is the full mixture;
+ 4. layer l+1's router applied to this layer's input predicts its experts; up to `prefetch_max` missing ones are
+    fetched now, overlapping the next attention block.
+Prefill calls (many tokens) compute hits from the cache and stream each miss once through two prefill buffers
+(double-buffered: group g+1 uploads while group g computes), never admitting them, so decode-hot slots survive.
+
+`device="cpu"` runs the same scheduler on a CPU "pool" with the PyTorch reference as the GPU side (tests, emulation).
+Decode is not captured in CUDA graphs: each call brings the routing to the host (one sync per MoE layer).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from ft.formats import FtwReader
+
+from .cpu_nvfp4 import CpuMoe
+from .expert_cache import ExpertCache, plan_num_slots
+from .moe_reference import moe_ref
+from .offload_config import OffloadConfig
+from .prefetch import NextLayerPredictor
+from .record_layout import RecordLayout
+from .split import SplitEstimator
+from .transfer import CudaUploader, HostUploader
+
+DEFAULT_B_PCIE = 25e9  # used only when neither options nor a bench profile give bandwidths
+DEFAULT_B_CPU = 25e9
+
+
+class GpuExperts:
+    def __init__(self, reader: FtwReader, opts: OffloadConfig, *, device: str = "cuda",
+                 profile: dict | None = None):
+        cfg = reader.config
+        self.opts, self.device = opts, torch.device(device)
+        self.moe_layers = [i for i, t in enumerate(cfg.mlp_types) if t == "moe"]
+        self.banks = {i: reader.bank(f"layers.{i}.mlp.experts") for i in self.moe_layers}
+        self.layout = RecordLayout.from_bank(self.banks[self.moe_layers[0]], cfg.hidden_size, cfg.moe_intermediate_size)
+        for i, b in self.banks.items():
+            if RecordLayout.from_bank(b, cfg.hidden_size, cfg.moe_intermediate_size) != self.layout:
+                raise ValueError(f"expert bank of layer {i} has a different record layout than layer {self.moe_layers[0]}")
+        self.L, self.E, self.k = cfg.num_layers, cfg.num_experts, cfg.num_experts_per_tok
+        bad = sorted(set(opts.cpu_layers) - set(self.moe_layers))
+        if bad:
+            raise ValueError(f"cpu_layers {bad} are not MoE layers (MoE layers: {self.moe_layers})")
+        b_p = opts.b_pcie or (profile or {}).get("b_pcie") or DEFAULT_B_PCIE
+        b_c = opts.b_cpu or (profile or {}).get("b_cpu") or DEFAULT_B_CPU
+        self.split = SplitEstimator.from_bandwidths(self.layout.payload_bytes, b_p, b_c, fixed=not opts.adapt)
+        self.cpu = CpuMoe(self.layout, threads=opts.cpu_threads)
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-cpu-moe")
+        routers = {i: reader.tensor(f"layers.{i}.mlp.gate.weight").to(self.device) for i in self.moe_layers}
+        self.predictor = NextLayerPredictor(routers, self.moe_layers, self.k) if opts.prefetch else None
+        self.cache: ExpertCache | None = None
+        self._prefill_done: list = [None, None]  # per prefill buffer: event after the last kernel reading it
+        self.trace: list[tuple[int, np.ndarray]] = []
+        self.counters = dict.fromkeys(("calls", "tokens", "pairs", "hits", "misses", "fetched", "cpu_experts",
+                                       "bytes_h2d", "bytes_cpu", "prefill_calls", "prefill_streamed"), 0)
+        self.counters["cpu_seconds"] = 0.0
+
+    # ---- allocation --------------------------------------------------------------------------------------
+    def allocate(self) -> None:
+        """Size and allocate the slot pool (+ two prefill buffers); preload resident / static layers."""
+        o, stride = self.opts, self.layout.stride
+        extra = 2 * o.prefill_slots
+        gpu_layers = [i for i in self.moe_layers if i not in o.cpu_layers]
+        if o.mode in ("resident", "static"):
+            n = len(gpu_layers) * self.E
+        elif o.num_slots is not None:
+            n = o.num_slots
+        else:
+            used = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+            n = plan_num_slots(o.vram_budget, used + extra * stride, stride, reserve=o.reserve_bytes,
+                               max_slots=len(self.moe_layers) * self.E)
+        self.num_slots = n
+        self.pool = torch.empty(n + extra, stride, dtype=torch.uint8, device=self.device)
+        self.cache = ExpertCache(self.L, self.E, n, policy=o.policy, moe_layers=self.moe_layers)
+        if self.device.type == "cuda":
+            self.uploader = CudaUploader(self.pool, num_staging=o.num_staging, copy_threads=o.copy_threads)
+            self.compute_stream = torch.cuda.current_stream(self.device)
+        else:
+            self.uploader = HostUploader(self.pool)
+        if o.mode in ("resident", "static"):
+            self.cache.tick()
+            for layer in gpu_layers:
+                for e in range(self.E):
+                    s, _ = self.cache.admit(layer, e)
+                    self.uploader.upload(s, self.banks[layer].record(e))
+                self.cache.tick()
+            self._wait(self.uploader.fence())
+
+    def _wait(self, event) -> None:
+        if event is not None:
+            self.compute_stream.wait_event(event)
+
+    # ---- the experts interface ---------------------------------------------------------------------------
+    def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if self.cache is None:
+            self.allocate()
+        T, k = topk_ids.shape
+        if T == 0:
+            return torch.zeros_like(x)
+        ids = topk_ids.to("cpu").numpy().reshape(-1)
+        self._observe_timing()
+        self.cache.tick()
+        self.cache.observe(layer, ids, T)
+        uniq = np.unique(ids)
+        c = self.counters
+        c["calls"] += 1
+        c["tokens"] += T
+        c["pairs"] += T * k
+        if self.predictor is not None:
+            self.predictor.check(layer, uniq)
+        if T >= self.opts.prefill_tokens and layer not in self.opts.cpu_layers:
+            return self._prefill(layer, x, ids, uniq, topk_weights).to(x.dtype)
+        if len(self.trace) < self.opts.trace_limit:
+            self.trace.append((layer, uniq))
+        slots = self.cache.lookup(layer, uniq)
+        hit = slots >= 0
+        self.cache.touch(slots[hit])
+        misses = uniq[~hit]
+        c["hits"] += int(hit.sum())
+        c["misses"] += len(misses)
+        fetch, on_cpu = self._split(layer, misses)
+        future = self._submit_cpu(layer, on_cpu, ids, x, topk_weights) if len(on_cpu) else None
+        slot_of = dict(zip(uniq[hit].tolist(), slots[hit].tolist()))
+        for e in fetch:
+            s, _ = self.cache.admit(layer, int(e))
+            self.uploader.upload(s, self.banks[layer].record(int(e)))
+            slot_of[int(e)] = s
+        c["fetched"] += len(fetch)
+        c["bytes_h2d"] += len(fetch) * self.layout.stride
+        y = self._gpu_moe(x, ids, slot_of, topk_weights)
+        if self.predictor is not None:
+            self._prefetch(layer, x)
+        if future is not None:
+            y_cpu, seconds = future.result()
+            c["cpu_seconds"] += seconds
+            self.split.observe_cpu(len(on_cpu), seconds)
+            y = y + y_cpu.to(self.device, non_blocking=True)
+        return y.to(x.dtype)
+
+    # ---- pieces ------------------------------------------------------------------------------------------
+    def _split(self, layer: int, misses: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        mode = self.opts.mode
+        if layer in self.opts.cpu_layers or mode in ("cpu", "static", "resident") or self.num_slots == 0:
+            return misses[:0], misses
+        # most frequently routed misses first: they are the likeliest to be hit again
+        order = np.argsort(-self.cache.counts[layer, misses], kind="stable")
+        misses = misses[order]
+        cap = self.num_slots - int((self.cache.protect_until >= self.cache.clock).sum())
+        nf = min(len(misses), cap) if mode == "offload" else self.split.count(len(misses), cap=cap)
+        return misses[:nf], misses[nf:]
+
+    def _submit_cpu(self, layer, experts, ids, x, topk_weights):
+        records = [self.banks[layer].record(int(e)) for e in experts]
+        groups = [np.nonzero(ids == e)[0] for e in experts]
+        pair_tok = np.arange(ids.size) // topk_weights.shape[1]
+        pair_w = topk_weights.reshape(-1).float().cpu().numpy()
+        x_cpu = x.to("cpu")
+        self.counters["cpu_experts"] += len(experts)
+        self.counters["bytes_cpu"] += len(experts) * self.layout.payload_bytes
+
+        def job():
+            t = time.perf_counter()
+            y = self.cpu(records, groups, pair_tok, pair_w, x_cpu)
+            if self.device.type == "cuda":
+                y = y.pin_memory()
+            return y, time.perf_counter() - t
+
+        return self.worker.submit(job)
+
+    def _gpu_moe(self, x, ids, slot_of, topk_weights, *, fence: bool = True) -> torch.Tensor:
+        pair_slots = np.array([slot_of.get(int(e), -1) for e in ids], np.int64)
+        if self.device.type != "cuda":
+            T, k = topk_weights.shape
+            return moe_ref(self.pool, self.layout, x, torch.from_numpy(pair_slots).view(T, k), topk_weights)
+        from .nvfp4_triton import moe_nvfp4
+
+        if fence:  # wait for every upload issued so far; later uploads wait for this kernel (slot reuse)
+            self._wait(self.uploader.fence())
+        y = moe_nvfp4(self.pool, self.layout, x, pair_slots, topk_weights)
+        if fence:
+            self.uploader.after_compute(self._record_compute())
+        return y
+
+    def _prefetch(self, layer: int, x: torch.Tensor) -> None:
+        pred = self.predictor.predict(layer, x)
+        if pred is None:
+            return
+        nxt, experts = pred
+        if nxt in self.opts.cpu_layers or self.num_slots == 0 or self.opts.mode in ("cpu", "static", "resident"):
+            return
+        budget = self.opts.prefetch_max if self.opts.prefetch_max is not None else self.k
+        missing = [int(e) for e in experts if self.cache.slot_of[nxt, e] < 0][:budget]
+        issued = []
+        for e in missing:
+            s, _ = self.cache.admit(nxt, e)
+            if s < 0:
+                break
+            self.uploader.upload(s, self.banks[nxt].record(e))
+            issued.append(e)
+        self.predictor.issued_for(nxt, issued)
+        self.counters["bytes_h2d"] += len(issued) * self.layout.stride
+
+    def _prefill(self, layer, x, ids, uniq, topk_weights) -> torch.Tensor:
+        slots = self.cache.lookup(layer, uniq)
+        hit = slots >= 0
+        self.cache.touch(slots[hit])
+        self.counters["prefill_calls"] += 1
+        misses = uniq[~hit].tolist()
+        P = self.opts.prefill_slots
+        groups = [misses[i:i + P] for i in range(0, len(misses), P)]
+
+        def upload(g: int) -> None:
+            if self._prefill_done[g % 2] is not None:  # a kernel may still read this buffer
+                self.uploader.after_compute(self._prefill_done[g % 2])
+            base = self.num_slots + (g % 2) * P
+            for j, e in enumerate(groups[g]):
+                self.uploader.upload(base + j, self.banks[layer].record(int(e)))
+
+        earlier = self.uploader.fence()  # uploads issued before this call (e.g. prefetches into hit slots)
+        if groups:
+            upload(0)
+        self._wait(earlier)
+        slot_of = dict(zip(uniq[hit].tolist(), slots[hit].tolist()))
+        y = self._gpu_moe(x, ids, slot_of, topk_weights, fence=False) if slot_of else torch.zeros(
+            x.shape[0], x.shape[1], dtype=torch.float32, device=self.device)
+        for g, group in enumerate(groups):
+            ready = self.uploader.fence()
+            if g + 1 < len(groups):
+                upload(g + 1)  # overlaps with group g's kernel
+            self._wait(ready)
+            base = self.num_slots + (g % 2) * P
+            y = y + self._gpu_moe(x, ids, {e: base + j for j, e in enumerate(group)}, topk_weights, fence=False)
+            self._prefill_done[g % 2] = self._record_compute()
+        last = self._record_compute()
+        if last is not None:  # slots read here may be evicted by later decode uploads
+            self.uploader.after_compute(last)
+        self.counters["prefill_streamed"] += len(misses)
+        self.counters["bytes_h2d"] += len(misses) * self.layout.stride
+        return y
+
+    def _record_compute(self):
+        if self.device.type != "cuda":
+            return None
+        ev = torch.cuda.Event()
+        ev.record(self.compute_stream)
+        return ev
+
+    def _observe_timing(self) -> None:
+        n, seconds = self.uploader.timing() if self.cache is not None else (0, 0.0)
+        if n:
+            stage = getattr(self.uploader, "staging_seconds", 0.0)
+            self.uploader.staging_seconds = 0.0
+            self.split.observe_fetch(n, max(seconds, stage))
+
+    # ---- observability -----------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        c = dict(self.counters)
+        looked = c["hits"] + c["misses"]
+        c.update(
+            mode=self.opts.mode, num_slots=getattr(self, "num_slots", None), record_bytes=self.layout.stride,
+            hit_rate=c["hits"] / looked if looked else None, fetch_share=self.split.share,
+            t_fetch_us=self.split.t_fetch * 1e6, t_cpu_us=self.split.t_cpu * 1e6, cpu_backend=self.cpu.backend,
+        )
+        if self.predictor is not None:
+            c.update(self.predictor.stats())
+        return c
+
+    def reset_stats(self) -> int:
+        """Zero the counters (the cache keeps its contents; call after a warm-up). Returns the trace position where
+        the new window starts (the trace itself is kept so that offline replays start from the same warm state)."""
+        for key in self.counters:
+            self.counters[key] = 0 if isinstance(self.counters[key], int) else 0.0
+        if self.predictor is not None:
+            p = self.predictor
+            p.issued = p.hits = p.wasted = p.predicted = p.correct = 0
+            p.pending.clear()
+        return len(self.trace)
+
+    def close(self) -> None:
+        self.worker.shutdown(wait=True)

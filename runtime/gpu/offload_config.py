@@ -1,0 +1,50 @@
+"""Settings of the GPU expert cache / hybrid offload scheduler (one frozen dataclass; unknown modes are refused)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MODES = ("hybrid", "offload", "cpu", "static", "resident")
+GIB = 1 << 30
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """
+    mode:
+      hybrid   - misses split between PCIe fetch (share q) and CPU compute, overlapped (default)
+      offload  - every miss is fetched (pure GPU cache)
+      cpu      - every miss is computed on the CPU (the cache only holds what was preloaded or prefetched)
+      static   - llama.cpp --n-cpu-moe style: `cpu_layers` always on the CPU, every other layer fully resident
+      resident - every expert of every layer in VRAM (needs the budget for it)
+    vram_budget: bytes the whole engine may use on the GPU (dense weights, KV, slots, prefill buffers, reserve);
+      slots get what is left when the first MoE call arrives. None: num_slots must be given (or mode resident).
+    """
+
+    mode: str = "hybrid"
+    vram_budget: int | None = None
+    num_slots: int | None = None
+    reserve_bytes: int = GIB // 2  # activations, logits, allocator slack
+    policy: str = "lru-freq"
+    cpu_layers: tuple[int, ...] = ()
+    prefetch: bool = True
+    prefetch_max: int | None = None  # experts per layer and step; None = top-k
+    prefill_tokens: int = 64  # calls with at least this many tokens stream their misses (prefill path)
+    prefill_slots: int = 32  # slots per prefill buffer (two buffers)
+    num_staging: int = 8  # pinned staging records
+    copy_threads: int = 4  # threads of the pageable -> pinned copy
+    cpu_threads: int | None = None
+    b_pcie: float | None = None  # bytes/s for the initial split; None = bench profile, else defaults
+    b_cpu: float | None = None
+    adapt: bool = True  # refine the split from measured step times
+    trace_limit: int = 200_000  # routing steps kept for Belady comparisons
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"unknown offload mode {self.mode!r}; supported: {', '.join(MODES)}")
+        if self.mode == "static" and not self.cpu_layers:
+            raise ValueError("static mode needs cpu_layers (the MoE layers whose experts stay on the CPU)")
+        if self.mode not in ("resident", "static") and self.vram_budget is None and self.num_slots is None:
+            raise ValueError(f"mode {self.mode} needs vram_budget or num_slots")
+        if self.prefill_slots < 1 or self.num_staging < 1:
+            raise ValueError("prefill_slots and num_staging must be >= 1")

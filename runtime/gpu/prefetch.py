@@ -1,0 +1,65 @@
+"""Next-layer expert prediction: apply layer l+1's router to layer l's MoE input.
+
+The residual stream changes little from one layer to the next, so the experts that layer l+1's router picks for
+layer l's (normalised) hidden state are a good guess of what it will pick one layer later; fetching them while
+layer l+1's attention runs turns some misses into hits. The guess costs one [T, H] x [H, E] product and a top-k.
+Accounting: every prefetched expert is later found used (a prefetch hit) or unused (wasted bytes).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class NextLayerPredictor:
+    def __init__(self, routers: dict[int, torch.Tensor], moe_layers: list[int], top_k: int):
+        self.routers = routers  # layer -> router weight [E, H] on the compute device
+        self.next_of = {a: b for a, b in zip(moe_layers, moe_layers[1:])}
+        self.top_k = top_k
+        self.pending: dict[int, set[int]] = {}  # layer -> experts prefetched for it, not yet checked
+        self.issued = 0
+        self.hits = 0
+        self.wasted = 0
+        self.predicted = 0
+        self.correct = 0  # predicted (resident or not) and then really routed
+
+    def next_layer(self, layer: int) -> int | None:
+        return self.next_of.get(layer)
+
+    def predict(self, layer: int, x: torch.Tensor) -> tuple[int, np.ndarray] | None:
+        """Experts the next MoE layer will probably route x to, most popular first (None at the last layer)."""
+        nxt = self.next_of.get(layer)
+        if nxt is None:
+            return None
+        logits = x @ self.routers[nxt].to(x.dtype).T  # [T, E]
+        ids = torch.topk(logits.float(), self.top_k, dim=-1).indices.reshape(-1).cpu().numpy()
+        uniq, counts = np.unique(ids, return_counts=True)
+        order = np.argsort(-counts, kind="stable")
+        pred = uniq[order]
+        self._last_prediction = (nxt, set(pred.tolist()))
+        return nxt, pred
+
+    def issued_for(self, layer: int, experts: list[int]) -> None:
+        self.pending.setdefault(layer, set()).update(experts)
+        self.issued += len(experts)
+
+    def check(self, layer: int, used: np.ndarray) -> None:
+        """Called when `layer` runs with its real routing."""
+        used_set = set(np.asarray(used).tolist())
+        fetched = self.pending.pop(layer, set())
+        self.hits += len(fetched & used_set)
+        self.wasted += len(fetched - used_set)
+        last = getattr(self, "_last_prediction", None)
+        if last is not None and last[0] == layer:
+            self.predicted += len(last[1])
+            self.correct += len(last[1] & used_set)
+            self._last_prediction = None
+
+    def stats(self) -> dict:
+        return {
+            "prefetch_issued": self.issued,
+            "prefetch_hits": self.hits,
+            "prefetch_wasted": self.wasted,
+            "prefetch_precision": self.correct / self.predicted if self.predicted else None,
+        }

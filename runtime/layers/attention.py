@@ -1,0 +1,77 @@
+"""Causal GQA attention over a per-sequence KV cache.
+
+Fused projection rows `[q (nq·hd) | k (nkv·hd) | v (nkv·hd) | gate (nq·hd), only if gated]`, optional bias.
+Per head: optional RMSNorm of q and k over head_dim (before RoPE), then (partial) RoPE. Each segment writes its k/v
+rows into its cache at positions `[past, past + T)` and its queries attend to cache rows `[0, past + T)`, query i
+seeing keys up to `past + i`. Gated attention multiplies the attention output by `sigmoid(gate)` before `o_proj`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ft.formats.config import ModelConfig
+from ft.runtime.layers.base import Op
+from ft.runtime.layers.batch import ForwardBatch
+from ft.runtime.layers.linear import Linear
+from ft.runtime.layers.norm import RMSNorm
+from ft.runtime.layers.rope import apply_rotary
+
+
+class Attention(Op):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.qkv_proj = Linear()
+        self.o_proj = Linear()
+        if cfg.attn_qk_norm:
+            self.q_norm = RMSNorm(cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.rms_norm_eps)
+        self._layer = layer
+        self._nq, self._nkv, self._hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self._gated = cfg.attn_output_gate
+        q_rows, kv_rows = self._nq * self._hd, self._nkv * self._hd
+        self._split = [q_rows, kv_rows, kv_rows] + ([q_rows] if self._gated else [])
+
+    @property
+    def expected_rows(self) -> int:
+        return sum(self._split)
+
+    def __call__(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        n = x.shape[0]                                              # x [N, H]
+        parts = self.qkv_proj(x).split(self._split, dim=-1)
+        q = parts[0].reshape(n, self._nq, self._hd)
+        k = parts[1].reshape(n, self._nkv, self._hd)
+        v = parts[2].reshape(n, self._nkv, self._hd)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = batch.rope["cos"], batch.rope["sin"]
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+        out = torch.empty_like(q)                                   # [N, nq, hd]
+        for seg in batch.segments:
+            k_cache, v_cache = seg.state.kv[self._layer]            # [max_tokens, nkv, hd] each
+            end = seg.past + seg.num_tokens
+            k_cache[seg.past:end] = k[seg.rows]
+            v_cache[seg.past:end] = v[seg.rows]
+            out[seg.rows] = causal_attention(q[seg.rows], k_cache[:end], v_cache[:end], seg.past)
+        out = out.reshape(n, self._nq * self._hd)
+        if self._gated:
+            out = out * torch.sigmoid(parts[3])
+        return self.o_proj(out)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
+    """q [T, nq, hd]; k, v [past + T, nkv, hd] -> [T, nq, hd]; query i attends keys 0..past+i."""
+    t, s = q.shape[0], k.shape[0]
+    qh, kh, vh = (a.transpose(0, 1).unsqueeze(0) for a in (q, k, v))    # [1, heads, len, hd]
+    scale = q.shape[-1] ** -0.5
+    if t == 1:
+        o = F.scaled_dot_product_attention(qh, kh, vh, scale=scale, enable_gqa=True)
+    elif past == 0:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        # Bottom-right aligned causal mask: row i may see columns <= past + i.
+        mask = torch.arange(s, device=q.device)[None, :] <= (past + torch.arange(t, device=q.device))[:, None]
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)

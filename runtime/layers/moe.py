@@ -1,0 +1,63 @@
+"""Sparse MoE block: softmax router, routed experts through the experts interface, optional shared expert.
+
+Router (all first-wave families): `p = softmax(x · gateᵀ)` in fp32, top-k over p, divided by the top-k sum iff
+`norm_topk_prob` (the compiler sets it true for mixtral and qwen3_5_moe). Routed experts are computed by whatever
+implements `experts(layer, x [T, H], topk_ids [T, k] int64, topk_weights [T, k] f32) -> [T, H]`
+(CPU from the mmapped bank by default, a GPU cache/offload scheduler otherwise). Shared expert (qwen2_moe, qwen3_next,
+qwen3_5_moe): `y += sigmoid(shared_expert_gate · x) · shared_expert(x)`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from ft.formats.config import ModelConfig
+from ft.runtime.layers.base import REQUIRED, Op
+from ft.runtime.layers.linear import Linear
+from ft.runtime.layers.mlp import GatedMLP
+
+
+class ExpertsFn(Protocol):
+    def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                 topk_weights: torch.Tensor) -> torch.Tensor: ...
+
+
+class BoundExperts:
+    """One layer's view of the experts interface (what `layers.{i}.mlp.experts` binds to)."""
+
+    def __init__(self, fn: ExpertsFn, layer: int) -> None:
+        self.fn, self.layer = fn, layer
+
+    def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        return self.fn(self.layer, x, topk_ids, topk_weights)
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] -> (topk_ids [T, k] int64, topk_weights [T, k] f32)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights
+
+
+class SparseMoe(Op):
+    banks = ("experts",)
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate = Linear()                       # router [E, H], never quantized
+        self.experts: BoundExperts = REQUIRED      # bound to the expert bank `layers.{i}.mlp.experts` at load
+        if cfg.shared_expert_intermediate_size > 0:
+            self.shared_expert = GatedMLP()
+            self.shared_expert_gate = Linear()     # [1, H]
+        self._top_k, self._renorm = cfg.num_experts_per_tok, cfg.norm_topk_prob
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = route(self.gate(x), self._top_k, self._renorm)     # x [T, H]
+        y = self.experts(x, ids, weights)
+        if hasattr(self, "shared_expert"):
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y

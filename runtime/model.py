@@ -1,0 +1,193 @@
+"""Logits from an FTW: `load_model`, `CausalLM`, `Segment`, `SequenceState`.
+
+Loading walks the FTW: every tensor name is an attribute path of the module tree (no rename table), the tensor is
+bound as a zero-copy view of the mmap, and each MoE layer's `mlp.experts` is bound to the experts interface (CPU from
+the bank by default). On a device other than the CPU the dense weights are copied there once; expert banks stay where
+the experts implementation wants them. The computation dtype is the weights' dtype (that of `embed_tokens.weight`);
+logits come back in fp32.
+
+    model = load_model(ftw_dir)
+    state = model.new_state(max_tokens=4096)
+    [logits] = model.forward(torch.tensor(prompt_ids), [Segment(state, len(prompt_ids))])
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from ft.formats import FtwReader, ModelConfig
+from ft.runtime.layers.base import REQUIRED, Op, resolve_slot
+from ft.runtime.layers.batch import ForwardBatch, SegmentRows
+from ft.runtime.layers.linear import Linear
+from ft.runtime.layers.moe import BoundExperts, ExpertsFn
+from ft.runtime.layers.norm import RMSNorm
+from ft.runtime.layers.rope import Rotary
+from ft.runtime.models.base import DecoderLayer, Family, expected_shapes
+from ft.runtime.state import Segment, SequenceState
+
+__all__ = ["CausalLM", "Segment", "SequenceState", "load_model"]
+
+
+class Embedding(Op):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight: torch.Tensor = REQUIRED    # [V, H]
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class CausalLM(Op):
+    """Decoder-only MoE language model; families subclass it and set `family` (their config rules)."""
+
+    family: ClassVar[Family]
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.family.check(config)
+        self._config = config
+        self.embed_tokens = Embedding()
+        self.layers = [DecoderLayer(config, i) for i in range(config.num_layers)]
+        self.norm = RMSNorm(config.rms_norm_eps)
+        if not config.tie_word_embeddings:
+            self.lm_head = Linear()
+        self._rotary = Rotary(config.rotary_dim, config.rope_theta) if config.rotary_dim else None
+        self._dtype = torch.float32
+        self._device = torch.device("cpu")
+
+    @property
+    def config(self) -> ModelConfig:
+        return self._config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def new_state(self, max_tokens: int) -> SequenceState:
+        return SequenceState(self._config, max_tokens, dtype=self._dtype, device=self._device)
+
+    def logits_head(self, h: torch.Tensor) -> torch.Tensor:
+        h = self.norm(h)
+        if self._config.tie_word_embeddings:
+            return F.linear(h, self.embed_tokens.weight).float()
+        return self.lm_head(h).float()
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, segments: list[Segment]) -> list[torch.Tensor]:
+        """input_ids [N] (all segments' tokens concatenated in order) -> per segment logits (see `Segment`).
+        Each segment continues its state at `state.length`; the states advance by `num_tokens` on success."""
+        batch = self._plan(input_ids, segments)
+        h = self.embed_tokens(input_ids.to(self._device))
+        if self._rotary is not None:
+            batch.rope["cos"], batch.rope["sin"] = self._rotary.cos_sin(batch.positions, self._dtype)
+        for layer in self.layers:
+            h = layer(h, batch)
+        rows = []
+        for seg, sr in zip(segments, batch.segments):
+            rows.append(torch.arange(sr.start, sr.start + sr.num_tokens) if seg.logits == "all"
+                        else torch.tensor([sr.start + sr.num_tokens - 1]))
+        picked = torch.cat(rows).to(self._device)
+        logits = self.logits_head(h[picked]).split([len(r) for r in rows])
+        for seg in segments:
+            seg.state.length += seg.num_tokens
+        return list(logits)
+
+    def _plan(self, input_ids: torch.Tensor, segments: list[Segment]) -> ForwardBatch:
+        if input_ids.dim() != 1 or input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids must be a 1-D integer tensor, got {input_ids.dtype} {tuple(input_ids.shape)}")
+        if not segments:
+            raise ValueError("forward needs at least one segment")
+        rows, positions, start, seen = [], [], 0, set()
+        for i, seg in enumerate(segments):
+            st = seg.state
+            if not isinstance(st, SequenceState) or st.freed or st.config is not self._config:
+                raise ValueError(f"segment {i}: state is not a live SequenceState of this model")
+            if id(st) in seen:
+                raise ValueError(f"segment {i}: the same state appears twice in one forward")
+            seen.add(id(st))
+            if seg.num_tokens <= 0 or seg.logits not in ("last", "all"):
+                raise ValueError(f"segment {i}: num_tokens must be > 0 and logits 'last' or 'all'")
+            if st.length + seg.num_tokens > st.max_tokens:
+                raise ValueError(f"segment {i}: {st.length} + {seg.num_tokens} tokens exceed the state's "
+                                 f"max_tokens {st.max_tokens}")
+            rows.append(SegmentRows(start, seg.num_tokens, st.length, st))
+            positions.append(torch.arange(st.length, st.length + seg.num_tokens))
+            start += seg.num_tokens
+        if start != input_ids.shape[0]:
+            raise ValueError(f"segments cover {start} tokens but input_ids has {input_ids.shape[0]}")
+        if int(input_ids.min()) < 0 or int(input_ids.max()) >= self._config.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self._config.vocab_size})")
+        return ForwardBatch(rows, torch.cat(positions).to(self._device))
+
+    # -- loading ----------------------------------------------------------------------------------------------
+    def bind(self, reader: FtwReader, experts: ExpertsFn) -> None:
+        """Attach every FTW tensor and expert bank to its attribute; refuse unknown or missing names."""
+        for name in reader.tensor_names():
+            try:
+                op, attr = resolve_slot(self, name)
+            except KeyError:
+                raise ValueError(f"{reader.path}: tensor {name!r} is not part of a {self._config.family} "
+                                 f"model with this config") from None
+            setattr(op, attr, reader.tensor(name))
+        for name in reader.bank_names():
+            try:
+                op, attr = resolve_slot(self, name, bank=True)
+            except KeyError:
+                raise ValueError(f"{reader.path}: expert bank {name!r} does not belong to an MoE layer") from None
+            setattr(op, attr, BoundExperts(experts, int(name.split(".")[1])))
+        missing = self.missing()
+        if missing:
+            raise ValueError(f"{reader.path}: missing tensors for {self._config.family}: {', '.join(missing)}")
+
+    def prepare(self, quant_linears: dict[str, str], device: torch.device, dtype: torch.dtype) -> None:
+        """Dequantize/move linears, move the other weights (norms and DeltaNet decay params stay fp32), check
+        every shape against the config."""
+        linears = {name: op for name, op in self.named_ops() if isinstance(op, Linear)}
+        unknown = sorted(set(quant_linears) - set(linears))
+        if unknown:
+            raise ValueError(f"manifest.quant.linears names modules this model does not have: {unknown}")
+        for name, op in linears.items():
+            op.prepare(name, quant_linears.get(name), dtype, device)
+        keep_fp32 = ("norm.weight", ".dt_bias", ".A_log")    # every RMSNorm weight ends in "norm.weight"
+        self.map_weights(lambda n, t: t.to(device, torch.float32 if n.endswith(keep_fp32) else dtype))
+        self._dtype, self._device = dtype, device
+        self._check_shapes()
+
+    def _check_shapes(self) -> None:
+        cfg = self._config
+        want = {"embed_tokens.weight": (cfg.vocab_size, cfg.hidden_size), "norm.weight": (cfg.hidden_size,)}
+        if not cfg.tie_word_embeddings:
+            want["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
+        for i in range(cfg.num_layers):
+            want |= {f"layers.{i}.{k}": v for k, v in expected_shapes(cfg, i).items()}
+        for name, shape in want.items():
+            op, attr = resolve_slot(self, name)
+            got = tuple(getattr(op, attr).shape)
+            if got != shape:
+                raise ValueError(f"tensor {name} has shape {got}, the config implies {shape}")
+
+
+def load_model(ftw: Path | str | FtwReader, *, device: str = "cpu", experts: ExpertsFn | None = None) -> CausalLM:
+    """Build the family's model from an FTW (see the module docstring). `experts=None` -> `CpuExperts`."""
+    from ft.runtime.experts import CpuExperts
+    from ft.runtime.models import model_class
+
+    reader = ftw if isinstance(ftw, FtwReader) else FtwReader(ftw)
+    config = reader.config
+    model = model_class(config.family)(config)
+    dtype = reader.tensor("embed_tokens.weight").dtype
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"{reader.path}: embed_tokens.weight is {dtype}; expected a float compute dtype")
+    if experts is None:
+        experts = CpuExperts(reader, config, dtype=dtype)
+    model.bind(reader, experts)
+    model.prepare(dict(reader.quant.get("linears") or {}), torch.device(device), dtype)
+    return model

@@ -1,0 +1,112 @@
+"""The decoder layer every first-wave family is built from, and the family rules checked at load.
+
+Layer i (pre-norm residual):
+    h = x + mixer(input_layernorm(x))            mixer = self_attn (full_attention) | linear_attn (linear_attention)
+    y = h + mlp(post_attention_layernorm(h))     mlp = SparseMoe (moe) | GatedMLP (dense)
+A family is this layer plus the facts its config must satisfy (`Family.rules`); a config that breaks them is refused
+by name, because it would describe a model this code was never checked against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ft.formats.config import ModelConfig
+from ft.runtime.layers.attention import Attention
+from ft.runtime.layers.base import Op
+from ft.runtime.layers.batch import ForwardBatch
+from ft.runtime.layers.deltanet import GatedDeltaNet
+from ft.runtime.layers.mlp import GatedMLP
+from ft.runtime.layers.moe import SparseMoe
+from ft.runtime.layers.norm import RMSNorm
+
+
+class DecoderLayer(Op):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.rms_norm_eps)
+        if cfg.layer_types[layer] == "full_attention":
+            self.self_attn = Attention(cfg, layer)
+        else:
+            self.linear_attn = GatedDeltaNet(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.rms_norm_eps)
+        self.mlp: SparseMoe | GatedMLP = SparseMoe(cfg) if cfg.mlp_types[layer] == "moe" else GatedMLP()
+
+    @property
+    def mixer(self) -> Attention | GatedDeltaNet:
+        return self.self_attn if hasattr(self, "self_attn") else self.linear_attn
+
+    def __call__(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        h = x + self.mixer(self.input_layernorm(x), batch)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a family's normalized config must say: `rules` maps a config key to its required value, `positive` lists
+    keys that must be > 0; `layer_types` / `mlp_types` list the kinds the family may use."""
+
+    name: str
+    rules: dict[str, Any] = field(default_factory=dict)
+    positive: tuple[str, ...] = ()
+    layer_types: tuple[str, ...] = ("full_attention",)
+    mlp_types: tuple[str, ...] = ("moe", "dense")
+    full_rotary: bool = True            # rotary_dim == head_dim
+    needs_linear_attention: bool = False
+
+    def check(self, cfg: ModelConfig) -> None:
+        problems = [f"{key} is {getattr(cfg, key)!r}, {self.name} requires {want!r}"
+                    for key, want in self.rules.items() if getattr(cfg, key) != want]
+        problems += [f"{key} must be > 0 for {self.name}" for key in self.positive if getattr(cfg, key) <= 0]
+        for key, allowed in (("layer_types", self.layer_types), ("mlp_types", self.mlp_types)):
+            bad = sorted(set(getattr(cfg, key)) - set(allowed))
+            if bad:
+                problems.append(f"{key} has {bad}; {self.name} allows {list(allowed)}")
+        if self.needs_linear_attention and "linear_attention" not in cfg.layer_types:
+            problems.append(f"{self.name} expects linear_attention layers, the config lists none")
+        if self.full_rotary and cfg.rotary_dim != cfg.head_dim:
+            problems.append(f"rotary_dim {cfg.rotary_dim} != head_dim {cfg.head_dim} ({self.name} rotates whole heads)")
+        if "full_attention" in cfg.layer_types and cfg.rotary_dim <= 0:
+            problems.append("full_attention layers need rotary_dim > 0")
+        if "moe" in cfg.mlp_types and cfg.moe_intermediate_size <= 0:
+            problems.append("moe layers need moe_intermediate_size > 0")
+        if "dense" in cfg.mlp_types and cfg.intermediate_size <= 0:
+            problems.append("dense layers need intermediate_size > 0")
+        if problems:
+            raise ValueError(f"config of family {cfg.family!r} is not supported: " + "; ".join(problems))
+
+
+def expected_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """Shapes of layer `layer`'s weights after dequantization (names relative to `layers.{layer}.`)."""
+    h = cfg.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
+    if cfg.layer_types[layer] == "full_attention":
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        rows = q + 2 * kv + (q if cfg.attn_output_gate else 0)
+        shapes |= {"self_attn.qkv_proj.weight": (rows, h), "self_attn.o_proj.weight": (h, q)}
+        if cfg.attn_qkv_bias:
+            shapes["self_attn.qkv_proj.bias"] = (rows,)
+        if cfg.attn_qk_norm:
+            shapes |= {"self_attn.q_norm.weight": (cfg.head_dim,), "self_attn.k_norm.weight": (cfg.head_dim,)}
+    else:
+        kd = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+        vd = cfg.linear_num_value_heads * cfg.linear_value_head_dim
+        hv = cfg.linear_num_value_heads
+        shapes |= {
+            "linear_attn.in_proj_qkvz.weight": (2 * kd + 2 * vd, h), "linear_attn.in_proj_ba.weight": (2 * hv, h),
+            "linear_attn.conv1d.weight": (2 * kd + vd, cfg.linear_conv_kernel_dim),
+            "linear_attn.dt_bias": (hv,), "linear_attn.A_log": (hv,),
+            "linear_attn.norm.weight": (cfg.linear_value_head_dim,), "linear_attn.out_proj.weight": (h, vd)}
+    if cfg.mlp_types[layer] == "moe":
+        shapes["mlp.gate.weight"] = (cfg.num_experts, h)
+        if cfg.shared_expert_intermediate_size > 0:
+            si = cfg.shared_expert_intermediate_size
+            shapes |= {"mlp.shared_expert.gate_up_proj.weight": (2 * si, h),
+                       "mlp.shared_expert.down_proj.weight": (h, si), "mlp.shared_expert_gate.weight": (1, h)}
+    else:
+        shapes |= {"mlp.gate_up_proj.weight": (2 * cfg.intermediate_size, h),
+                   "mlp.down_proj.weight": (h, cfg.intermediate_size)}
+    return shapes

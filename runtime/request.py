@@ -1,0 +1,130 @@
+"""Per-request engine state and the stop-string filter that turns decoded text into safe-to-emit deltas."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ft.runtime.sampling import RequestSampler, SamplingParams
+
+
+@dataclass
+class TokenEvent:
+    request_id: str
+    token_id: int | None
+    text: str  # text delta (stop strings trimmed; text that may start a stop string is held back)
+    logprob: float | None
+    top_logprobs: list[tuple[int, float]] | None
+    finish_reason: str | None  # None while running; "stop" | "length" | "abort" on the last event
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+class StopStringFilter:
+    """Finds stop strings in streamed text, across token boundaries.
+
+    Invariant: emitted text never contains the start of a stop-string occurrence. After each push the filter holds
+    back the longest suffix of the pending text that is a proper prefix of some stop string; any later match must
+    begin inside that held-back suffix, so searching `held + delta` finds every occurrence.
+    """
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = stops
+        self.held = ""
+
+    def push(self, delta: str) -> tuple[str, bool]:
+        """Add decoded text -> (text safe to emit now, whether a stop string ended the output)."""
+        if not self.stops:
+            return delta, False
+        pending = self.held + delta
+        hits = [i for i in (pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.held = ""
+            return pending[: min(hits)], True  # the stop string and anything after it are dropped
+        keep = self._held_suffix_len(pending)
+        self.held = pending[len(pending) - keep:]
+        return pending[: len(pending) - keep], False
+
+    def flush(self) -> str:
+        """The held-back text, when the output ends for another reason (stop token, length)."""
+        out, self.held = self.held, ""
+        return out
+
+    def _held_suffix_len(self, text: str) -> int:
+        best = 0
+        for s in self.stops:
+            for n in range(min(len(s) - 1, len(text)), best, -1):
+                if text.endswith(s[:n]):
+                    best = n
+                    break
+        return best
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # params.max_tokens clamped by the engine's max_output_tokens
+    stop_token_ids: frozenset[int]
+    sampler: RequestSampler
+    decoder: Any  # the tokenizer's IncrementalDecoder
+    stop_filter: StopStringFilter
+    arrival_time: float = field(default_factory=time.perf_counter)
+    reservation: int = 0  # KV tokens held (0 while waiting)
+    state: Any = None  # the model's SequenceState while running
+    num_prefilled: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    first_token_time: float | None = None
+    finish_reason: str | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_prefilled < len(self.prompt_ids)
+
+    @property
+    def max_output_tokens(self) -> int:
+        """Output tokens this request may produce: max_tokens, capped by its KV reservation."""
+        return min(self.max_tokens, self.reservation - self.num_prompt_tokens)
+
+    def next_prefill_chunk(self, max_len: int) -> list[int]:
+        return self.prompt_ids[self.num_prefilled: self.num_prefilled + max_len]
+
+    def accept(self, token_id: int, logprob: float | None,
+               top_logprobs: list[tuple[int, float]] | None) -> TokenEvent:
+        """Record one sampled token and build its event (decides finish_reason)."""
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        self.output_ids.append(token_id)
+        if token_id in self.stop_token_ids:
+            # The stop token's own text is not emitted; text held back so far is.
+            text, _ = self._drain()
+            self.finish_reason = "stop"
+        else:
+            text, stopped = self.stop_filter.push(self.decoder.push(token_id))
+            if stopped:
+                self.finish_reason = "stop"
+            elif self.num_output_tokens >= self.max_output_tokens:
+                tail, stopped = self._drain()
+                text += tail
+                self.finish_reason = "stop" if stopped else "length"
+        return TokenEvent(self.request_id, token_id, text, logprob, top_logprobs, self.finish_reason,
+                          self.num_prompt_tokens, self.num_output_tokens)
+
+    def _drain(self) -> tuple[str, bool]:
+        """At the end of the output: the decoder's held-back bytes and the stop filter's held-back text."""
+        text, stopped = self.stop_filter.push(self.decoder.flush())
+        return (text, True) if stopped else (text + self.stop_filter.flush(), False)
+
+    def abort_event(self) -> TokenEvent:
+        return TokenEvent(self.request_id, None, "", None, None, "abort", self.num_prompt_tokens,
+                          self.num_output_tokens)

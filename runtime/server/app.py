@@ -1,0 +1,126 @@
+"""The FastAPI app behind `ft serve`: OpenAI + Anthropic endpoints over one engine loop, plus operations routes.
+
+Routes: GET /health (no auth: 503 {"status": "loading"} -> 200 {"status": "ok"}; 500 {"status": "error"} if the
+load failed), GET /v1/models[/{id}], GET /v1/stats, GET /metrics (Prometheus), and the API routers (openai_api,
+responses_api, anthropic_api). The engine loads on the loop thread, started by the app's lifespan, so the socket is
+bound while the weights load. See specs/server.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import time
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse
+
+from ft.runtime.server import anthropic_api, openai_api, responses_api
+from ft.runtime.server.errors import ApiError, install_error_handlers
+from ft.runtime.server.loop import EngineLoop
+from ft.runtime.server.metrics import ServerMetrics, prometheus_text
+from ft.runtime.server.state import ServerState, ServeSettings, check_api_key, server_state
+
+log = logging.getLogger("ft.server")
+
+
+def load_engine(settings: ServeSettings) -> Any:
+    """Build the engine from the serve flags (runs on the engine-loop thread)."""
+    from ft.runtime.engine import Engine
+
+    kwargs: dict[str, Any] = dict(device=settings.device, kv_reserve_tokens=settings.kv_reserve_tokens,
+                                  max_prefill_length=settings.max_prefill_length,
+                                  max_running_requests=settings.max_running_requests,
+                                  max_output_tokens=settings.max_output_tokens,
+                                  max_queued_requests=settings.max_queued_requests)
+    if settings.device.startswith("cuda"):
+        if "memory_ratio" in inspect.signature(Engine).parameters:
+            kwargs["memory_ratio"] = settings.memory_ratio
+        else:
+            log.warning("this engine does not size its CUDA budget by --memory-ratio; the flag has no effect")
+    t0 = time.perf_counter()
+    engine = Engine(settings.ftw, **kwargs)
+    log.info("engine loaded in %.1f s (device %s, KV budget %d tokens)", time.perf_counter() - t0,
+             settings.device, settings.kv_reserve_tokens)
+    return engine
+
+
+def create_app(settings: ServeSettings, load: Callable[[], Any] | None = None) -> FastAPI:
+    metrics = ServerMetrics()
+    loop = EngineLoop(load or (lambda: load_engine(settings)), on_events=metrics.on_engine_events)
+    state = ServerState(settings, loop, metrics)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):  # noqa: ANN202
+        loop.start()
+        yield
+        await asyncio.to_thread(loop.stop)
+
+    app = FastAPI(title="ft", summary="OpenAI- and Anthropic-compatible MoE server", lifespan=lifespan,
+                  docs_url=None, redoc_url=None)
+    app.state.server = state
+    app.state.metrics = metrics
+    install_error_handlers(app)
+    app.include_router(_ops_router())
+    app.include_router(openai_api.router)
+    app.include_router(responses_api.router)
+    app.include_router(anthropic_api.router)
+    return app
+
+
+def _model_card(state: ServerState) -> dict:
+    engine = state.engine
+    created = int(state.loop.loaded_at or state.metrics.started)
+    return {"id": state.model_name, "object": "model", "created": created, "owned_by": "ft",
+            "max_model_len": engine.max_context, "context_length": engine.max_context,
+            "max_output_tokens": state.settings.max_output_tokens}
+
+
+def _ops_router() -> APIRouter:
+    router = APIRouter()
+    auth = [Depends(check_api_key)]
+
+    @router.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        loop = server_state(request).loop
+        if loop.status == "ok":
+            return JSONResponse({"status": "ok"})
+        if loop.status == "error":
+            return JSONResponse({"status": "error", "error": loop.error}, status_code=500)
+        return JSONResponse({"status": "loading"}, status_code=503)
+
+    @router.get("/v1/models", dependencies=auth)
+    async def models(request: Request) -> dict:
+        return {"object": "list", "data": [_model_card(server_state(request))]}
+
+    @router.get("/v1/models/{model_id:path}", dependencies=auth)
+    async def model(model_id: str, request: Request) -> dict:
+        state = server_state(request)
+        if model_id != state.model_name:
+            raise ApiError("not_found", f"model {model_id!r} does not exist; this server serves "
+                           f"{state.model_name!r}", param="model", code="model_not_found")
+        return _model_card(state)
+
+    @router.get("/v1/stats", dependencies=auth)
+    async def stats(request: Request) -> dict:
+        return server_state(request).stats()
+
+    @router.get("/metrics", dependencies=auth)
+    async def metrics(request: Request) -> PlainTextResponse:
+        return PlainTextResponse(prometheus_text(server_state(request).stats()),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return router
+
+
+def serve(settings: ServeSettings, *, log_level: str = "info") -> None:
+    """Run the server until interrupted (blocking)."""
+    import uvicorn
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(settings)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level, timeout_graceful_shutdown=5)

@@ -1,0 +1,144 @@
+"""Hybrid scheduler on the CPU emulation path: the "GPU" pool is a CPU tensor computed by the reference, the CPU
+side is the real CPU kernel; outputs must equal the full mixture and the counters must add up."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ft.formats import FtwReader
+from ft.runtime.gpu.hybrid import GpuExperts
+from ft.runtime.gpu.moe_reference import moe_ref
+from ft.runtime.gpu.offload_config import OffloadConfig
+from ft.runtime.gpu.record_layout import RecordLayout
+from ft.runtime.gpu.split import SplitEstimator, fetch_count, optimal_share
+
+from .gpu_fixtures import rel_err, tiny_moe_ftw
+
+E, K, H = 8, 2, 64
+
+
+@pytest.fixture(scope="module")
+def reader(tmp_path_factory):
+    return FtwReader(tiny_moe_ftw(tmp_path_factory.mktemp("hyb") / "m.ftw", experts=E, top_k=K, hidden=H))
+
+
+def _full_ref(reader, layer, x, ids, w):
+    bank = reader.bank(f"layers.{layer}.mlp.experts")
+    layout = RecordLayout.from_bank(bank, H, 32)
+    recs = torch.stack([bank.record(e) for e in range(E)])
+    return moe_ref(recs, layout, x, ids, w)
+
+
+def _calls(n, T, seed, skew=None):
+    g = torch.Generator().manual_seed(seed)
+    p = torch.ones(E) if skew is None else skew
+    for i in range(n):
+        layer = i % 3
+        x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+        ids = torch.stack([torch.multinomial(p, K, generator=g) for _ in range(T)])
+        w = torch.rand(T, K, generator=g)
+        yield layer, x, ids, w
+
+
+@pytest.mark.parametrize("mode", ["hybrid", "offload", "cpu"])
+def test_hybrid_output_is_the_full_mixture(reader, mode):
+    ex = GpuExperts(reader, OffloadConfig(mode=mode, num_slots=5, b_pcie=1e9, b_cpu=1e9, prefetch=False),
+                    device="cpu")
+    for layer, x, ids, w in _calls(12, 2, seed=1):
+        y = ex(layer, x, ids, w)
+        assert y.dtype == x.dtype and y.shape == x.shape
+        assert rel_err(y.float(), _full_ref(reader, layer, x, ids, w)) < 1e-2  # bf16 output rounding
+    s = ex.stats()
+    assert s["fetched"] + s["cpu_experts"] == s["misses"]
+    assert s["hits"] + s["misses"] == sum(len(np.unique(i.numpy())) for _, _, i, _ in _calls(12, 2, seed=1))
+    if mode == "offload":
+        assert s["cpu_experts"] == 0 and s["fetched"] > 0
+    if mode == "cpu":
+        assert s["fetched"] == 0 and s["hits"] == 0
+    if mode == "hybrid":
+        assert s["fetched"] > 0 and s["cpu_experts"] > 0
+    assert s["bytes_h2d"] == s["fetched"] * ex.layout.stride
+    ex.close()
+
+
+def test_partial_sums_merge_exactly(reader):
+    # fp32 view: the hybrid sum of disjoint partial sums equals the one-device sum up to fp32 rounding
+    ex = GpuExperts(reader, OffloadConfig(mode="hybrid", num_slots=3, b_pcie=1e9, b_cpu=1e9, prefetch=False),
+                    device="cpu")
+    x = torch.randn(3, H).to(torch.float32)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 4]])
+    w = torch.rand(3, K)
+    ex.allocate()
+    y = ex(0, x.to(torch.bfloat16), ids, w)  # 5 misses: split between "GPU" and CPU
+    assert 0 < ex.stats()["fetched"] < 5
+    ref = _full_ref(reader, 0, x.to(torch.bfloat16), ids, w)
+    assert rel_err(y.float(), ref) < 5e-3
+    ex.close()
+
+
+def test_prefill_streams_without_evicting(reader):
+    ex = GpuExperts(reader, OffloadConfig(mode="offload", num_slots=4, prefill_tokens=8, prefill_slots=2,
+                                          prefetch=False), device="cpu")
+    layer, x, ids, w = next(_calls(1, 2, seed=3))
+    ex(layer, x, ids, w)  # decode fills some slots
+    before = ex.cache.owner.copy()
+    for layer, x, ids, w in _calls(3, 16, seed=4):
+        y = ex(layer, x, ids, w)
+        assert rel_err(y.float(), _full_ref(reader, layer, x, ids, w)) < 1e-2
+    assert np.array_equal(ex.cache.owner, before)
+    s = ex.stats()
+    assert s["prefill_calls"] == 3 and s["prefill_streamed"] > 2  # more misses than one buffer: double-buffered
+    ex.close()
+
+
+def test_static_and_resident_placement(reader):
+    st = GpuExperts(reader, OffloadConfig(mode="static", cpu_layers=(0,), prefetch=False), device="cpu")
+    rs = GpuExperts(reader, OffloadConfig(mode="resident", prefetch=False), device="cpu")
+    for layer, x, ids, w in _calls(6, 1, seed=5):
+        ref = _full_ref(reader, layer, x, ids, w)
+        assert rel_err(st(layer, x, ids, w).float(), ref) < 1e-2
+        assert rel_err(rs(layer, x, ids, w).float(), ref) < 1e-2
+    s, r = st.stats(), rs.stats()
+    assert s["num_slots"] == 2 * E and s["fetched"] == 0 and s["cpu_experts"] == s["misses"] > 0
+    assert r["misses"] == 0 and r["num_slots"] == 3 * E
+    st.close()
+    rs.close()
+
+
+def test_prefetch_accounting(reader):
+    ex = GpuExperts(reader, OffloadConfig(mode="offload", num_slots=12, prefetch=True), device="cpu")
+    for layer, x, ids, w in _calls(30, 1, seed=6):
+        ex(layer, x, ids, w)
+    s = ex.stats()
+    pending = sum(len(v) for v in ex.predictor.pending.values())
+    assert s["prefetch_hits"] + s["prefetch_wasted"] + pending == s["prefetch_issued"] > 0
+    assert 0.0 <= s["prefetch_precision"] <= 1.0
+    ex.close()
+
+
+def test_split_math():
+    assert optimal_share(50.0, 50.0) == 0.5
+    assert optimal_share(0.0, 0.0) == 0.0
+    assert fetch_count(10, 1.0, 1.0) == 5
+    # q = 1/3: F in {3, 4}; waits max(3, 7*0.5)=3.5 vs max(4, 3)=4 -> 3
+    assert fetch_count(10, 1.0, 0.5) == 3
+    assert fetch_count(10, 1.0, 1.0, cap=2) == 2
+    assert fetch_count(0, 1.0, 1.0) == 0
+    est = SplitEstimator.from_bandwidths(1000, 1000.0, 3000.0, alpha=0.5)
+    assert est.share == pytest.approx(0.25)
+    est.observe_cpu(1, 3.0)  # the CPU turned out 9x slower than the profile said
+    assert est.share > 0.25
+    fixed = SplitEstimator.from_bandwidths(1000, 1000.0, 3000.0, fixed=True)
+    fixed.observe_cpu(1, 3.0)
+    assert fixed.share == pytest.approx(0.25)
+
+
+def test_bad_options_refused(reader):
+    with pytest.raises(ValueError, match="unknown offload mode"):
+        OffloadConfig(mode="magic", num_slots=1)
+    with pytest.raises(ValueError, match="needs vram_budget or num_slots"):
+        OffloadConfig(mode="hybrid")
+    with pytest.raises(ValueError, match="not MoE layers"):
+        GpuExperts(reader, OffloadConfig(mode="static", cpu_layers=(7,)), device="cpu")

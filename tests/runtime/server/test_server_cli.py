@@ -1,0 +1,107 @@
+"""`ft serve` (a real subprocess) and `ft ctl health|stats|cache` against live servers; /metrics text format."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from ft.cli.main import app
+
+runner = CliRunner()
+
+
+def _ctl(*args: str) -> tuple[int, str]:
+    result = runner.invoke(app, ["ctl", *args])
+    return result.exit_code, result.output
+
+
+def test_ctl_health_stats_cache(server):
+    code, out = _ctl("health", "--url", server.url)
+    assert code == 0 and "ok" in out
+    httpx.post(server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+    code, out = _ctl("stats", "--url", server.url)
+    assert code == 0 and "tiny-qwen3" in out and "tok/s" in out and "KV" in out and "time to first token" in out
+    code, out = _ctl("stats", "--url", server.url, "--json")
+    stats = json.loads(out)
+    assert stats["requests"]["completed"] >= 1 and stats["kv"]["total_tokens"] == 8192
+    assert stats["moe"] is None
+    code, out = _ctl("cache", "--url", server.url)
+    assert code == 0 and "no expert cache" in out
+    assert _ctl("cache", "--url", server.url, "--json") == (0, "null\n")
+
+
+def test_ctl_auth_and_unreachable(tight_server):
+    code, out = _ctl("stats", "--url", tight_server.url)
+    assert code == 1 and "--api-key" in out
+    code, out = _ctl("stats", "--url", tight_server.url, "--api-key", "secret", "--json")
+    assert code == 0 and json.loads(out)["model"] == "tiny-tight"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    code, out = _ctl("health", "--url", dead, "--timeout", "2")
+    assert code == 1 and "cannot reach" in out
+
+
+def test_prometheus_metrics(server):
+    text = httpx.get(server.url + "/metrics").text
+    assert "# TYPE ft_requests_completed_total counter" in text
+    assert re.search(r'^ft_up\{model="tiny-qwen3"\} 1$', text, re.M)
+    assert re.search(r"^ft_kv_total_tokens 8192$", text, re.M)
+    for line in text.splitlines():  # every sample line: name{labels} value
+        assert line.startswith("#") or re.fullmatch(r"ft_[a-z0-9_]+(\{[^}]*\})? -?[0-9.e+-]+", line), line
+
+
+def test_serve_flag_validation():
+    result = runner.invoke(app, ["serve", "--ftw", ".", "--memory-ratio", "0"])
+    assert result.exit_code == 2 and "--memory-ratio must be in (0, 1]" in result.output
+    result = runner.invoke(app, ["serve", "--ftw", "/no/such/dir"])
+    assert result.exit_code == 2 and "not a directory" in result.output
+    help_text = runner.invoke(app, ["serve", "--help"]).output
+    for flag in ("--kv-reserve-tokens", "--max-prefill-length", "--max-output-tokens", "--max-running-requests",
+                 "--memory-ratio", "--served-model-name", "--api-key", "127.0.0.1", "1919"):
+        assert flag in help_text
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
+def test_ft_serve_subprocess(qwen3_ftw):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-c", "from ft.cli.main import main; main()", "serve", "--ftw", str(qwen3_ftw),
+           "--port", str(port), "--device", "cpu", "--served-model-name", "sub", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ,
+                                                                                        "FT_API_KEY": "k"})
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()
+            time.sleep(0.1)
+        assert httpx.get(url + "/v1/models").status_code == 401  # FT_API_KEY is the default --api-key
+        models = httpx.get(url + "/v1/models", headers={"x-api-key": "k"}).json()
+        assert models["data"][0]["id"] == "sub"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(15)
+
+
+def test_server_imports_neither_the_compiler_nor_transformers():
+    code = ("import sys, ft.runtime.server.app, ft.cli.serve_cmd, ft.cli.ctl_cmd; "
+            "print([m for m in sys.modules if m.startswith(('ft.compiler', 'transformers'))])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
