@@ -10,20 +10,10 @@ import torch
 from typer.testing import CliRunner
 
 from ft.cli.main import app
-from ft.formats import FtwWriter, ModelConfig
+from ft.formats import FtwWriter
+from ftw_testlib import moe_config
 
 runner = CliRunner()
-
-
-def _config() -> ModelConfig:
-    return ModelConfig(
-        family="qwen3_moe", vocab_size=64, hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
-        rms_norm_eps=1e-6, rope_theta=1e6, rotary_dim=8, max_position_embeddings=256,
-        layer_types=("full_attention",), mlp_types=("moe",), attn_qkv_bias=False, attn_qk_norm=True,
-        attn_output_gate=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True,
-        shared_expert_intermediate_size=0, intermediate_size=0, linear_num_key_heads=0, linear_num_value_heads=0,
-        linear_key_head_dim=0, linear_value_head_dim=0, linear_conv_kernel_dim=0, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_ids=(1,))
 
 
 @pytest.fixture()
@@ -37,7 +27,7 @@ def ftw(tmp_path: Path) -> Path:
     for e in range(4):
         bank.write_expert(e, {"gate_up": torch.randn(32, 32, generator=g), "down": torch.randn(32, 16, generator=g)})
     w.add_asset("tokenizer.json", b"{}")
-    return w.finish(config=_config(), quant={"linears": {}, "experts": "fp32", "source": None}, tokenizer={},
+    return w.finish(config=moe_config(), quant={"linears": {}, "experts": "fp32", "source": None}, tokenizer={},
                     generation={}, provenance={"source": "unit-test"})
 
 

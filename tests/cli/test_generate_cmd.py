@@ -18,12 +18,8 @@ PROMPT_IDS = [15, 99, 42, 7, 180, 3, 64]
 
 
 @pytest.fixture(scope="module")
-def ftw(tmp_path_factory):
-    from ft.compiler import compile_checkpoint
-    from ft.compiler.synth import synth
-
-    root = tmp_path_factory.mktemp("generate-cmd")
-    return compile_checkpoint(synth("qwen3_moe", "tiny", root / "hf", seed=0), root / "model.ftw")
+def ftw(ftw_for):
+    return ftw_for("qwen3_moe")
 
 
 def _invoke(*args: str):

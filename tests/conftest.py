@@ -1,4 +1,4 @@
-"""Shared fixtures for runtime tests: tiny synthetic checkpoints compiled to FTW once per test session.
+"""Shared fixtures for all tests: tiny synthetic checkpoints compiled to FTW once per test session.
 
     def test_x(ftw_for):
         path = ftw_for("qwen3_moe", "none")     # -> Path of a compiled FTW (tiny preset)
