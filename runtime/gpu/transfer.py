@@ -1,11 +1,14 @@
-"""Moving expert records from host memory into VRAM slots.
+"""Host -> VRAM expert uploads on a dedicated copy stream.
 
-Records live in the FTW mmap: pageable file pages, which the copy engine cannot read directly (a pageable
-cudaMemcpy is staged by the driver at a fraction of the link speed). `CudaUploader` therefore copies each record
-into one of a small ring of pinned staging buffers (threaded memcpy, bounded pinned memory: `num_staging` records)
-and issues an async H2D copy from it on a dedicated copy stream. A staging buffer is reused only after the event of
-its previous copy has completed. `fence()` returns an event the compute stream waits on before reading the slots;
-`after_compute(event)` makes later copies wait for a kernel that still reads a slot about to be overwritten.
+FTW records live in mmapped (pageable) file pages; an H2D copy from pageable memory is staged by the driver at a
+fraction of the link speed. Two ways around it, both in `CudaUploader`:
+  * registered ranges: `register(base, nbytes)` page-locks a whole expert bank in place (cudaHostRegister, read-only
+    where the driver allows it); a record inside such a range is DMA'd straight from the file pages at link speed;
+  * staging: any other record is copied (threaded memcpy) into one of a ring of pinned buffers, then DMA'd.
+Both run on a staging thread that consumes a FIFO of commands, so the caller never waits for a memcpy at upload
+time: prefetches overlap the next attention block. `fence()` waits until every queued command is issued and returns
+an event on the copy stream; `after_compute(ev)` queues "later copies wait for ev" (slot reuse), in FIFO order with
+the copies, so two uploads into one slot can never be reordered.
 
 `HostUploader` is the same interface over a CPU "pool" (plain copies, no streams): the hybrid scheduler runs on it in
 CPU-only tests and emulation.
@@ -13,11 +16,14 @@ CPU-only tests and emulation.
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 
 import torch
 
 from .cpu_nvfp4 import parallel_copy
+from .pinning import clear_cuda_error
 
 
 class HostUploader:
@@ -25,6 +31,12 @@ class HostUploader:
         self.pool = pool
         self.bytes = 0
         self.copies = 0
+        self.staging_seconds = 0.0
+        self.direct_copies = 0
+        self.pinned_bytes = 0
+
+    def register(self, base: int, nbytes: int) -> bool:
+        return False
 
     def upload(self, slot: int, record: torch.Tensor) -> None:
         self.pool[slot].copy_(record)
@@ -40,6 +52,9 @@ class HostUploader:
     def timing(self) -> tuple[int, float]:
         return 0, 0.0
 
+    def close(self) -> None:
+        return None
+
 
 class CudaUploader:
     def __init__(self, pool: torch.Tensor, *, num_staging: int = 8, copy_threads: int = 4):
@@ -54,44 +69,119 @@ class CudaUploader:
         self.copy_threads = copy_threads
         self.bytes = 0
         self.copies = 0
+        self.direct_copies = 0  # from registered ranges, no staging memcpy
+        self.pinned_bytes = 0
+        self._ranges: list[tuple[int, int]] = []  # registered [start, end) host addresses
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # (start, end) per copy, not yet read
-        self.staging_seconds = 0.0  # host time spent in pageable -> pinned copies
+        self._lock = threading.Lock()
+        self.staging_seconds = 0.0  # staging-thread time spent in pageable -> pinned copies
+        self._q: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._work, name="ft-h2d-staging", daemon=True)
+        self._thread.start()
 
+    # ---- pinning ---------------------------------------------------------------------------------------------
+    def register(self, base: int, nbytes: int) -> bool:
+        """Page-lock [base, base + nbytes) for direct DMA; False (nothing changed) if the driver refuses."""
+        cudart = torch.cuda.cudart()
+        for flags in (8, 0):  # cudaHostRegisterReadOnly (file pages stay shared), then plain (copy-on-write pages)
+            rc = cudart.cudaHostRegister(base, nbytes, flags)
+            if int(rc) == 0:
+                self._ranges.append((base, base + nbytes))
+                self.pinned_bytes += nbytes
+                return True
+            clear_cuda_error()
+        return False
+
+    def _registered(self, ptr: int, n: int) -> bool:
+        return any(a <= ptr and ptr + n <= b for a, b in self._ranges)
+
+    # ---- commands (caller thread) ----------------------------------------------------------------------------
     def upload(self, slot: int, record: torch.Tensor) -> None:
-        i = self.next
-        self.next = (i + 1) % len(self.staging)
-        ev = self.events[i]
-        if ev is not None:
-            ev.synchronize()  # its previous H2D copy still reads this buffer
-        t = time.perf_counter()
-        parallel_copy(self.staging[i], record, self.copy_threads)
-        self.staging_seconds += time.perf_counter() - t
-        start, ev = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(self.stream):
-            start.record(self.stream)
-            self.pool[slot].copy_(self.staging[i], non_blocking=True)
-            ev.record(self.stream)
-        self.events[i] = ev
-        self._timed.append((start, ev))
+        self._raise()
+        self._q.put(("copy", slot, record))
         self.bytes += self.stride
         self.copies += 1
 
+    def after_compute(self, event: torch.cuda.Event) -> None:
+        self._q.put(("wait", event, None))
+
     def fence(self) -> torch.cuda.Event:
+        self._q.join()
+        self._raise()
         ev = torch.cuda.Event()
         ev.record(self.stream)
         return ev
 
-    def after_compute(self, event: torch.cuda.Event) -> None:
-        self.stream.wait_event(event)
-
     def timing(self) -> tuple[int, float]:
         """(copies, seconds they spent on the copy engine) among those finished since the last call (no waiting)."""
         n, ms, rest = 0, 0.0, []
-        for start, end in self._timed:
+        with self._lock:
+            timed, self._timed = self._timed, []
+        for start, end in timed:
             if end.query():
                 n += 1
                 ms += start.elapsed_time(end)
             else:
                 rest.append((start, end))
-        self._timed = rest
+        with self._lock:
+            self._timed = rest + self._timed
         return n, ms / 1e3
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._q.put(None)
+            self._thread.join()
+        self.stream.synchronize()
+        cudart = torch.cuda.cudart()
+        for a, _ in self._ranges:
+            cudart.cudaHostUnregister(a)
+        self._ranges.clear()
+        self.pinned_bytes = 0
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError("expert upload failed on the staging thread") from err
+
+    # ---- the staging thread ----------------------------------------------------------------------------------
+    def _work(self) -> None:
+        torch.cuda.set_device(self.pool.device)
+        while True:
+            cmd = self._q.get()
+            try:
+                if cmd is None:
+                    return
+                if self._error is None:
+                    kind, a, b = cmd
+                    if kind == "wait":
+                        self.stream.wait_event(a)
+                    else:
+                        self._copy(a, b)
+            except BaseException as e:  # noqa: BLE001 - handed to the caller at its next upload/fence
+                self._error = e
+            finally:
+                self._q.task_done()
+
+    def _copy(self, slot: int, record: torch.Tensor) -> None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if self._registered(record.data_ptr(), record.numel()):
+            src = record
+            self.direct_copies += 1
+        else:
+            i = self.next
+            self.next = (i + 1) % len(self.staging)
+            ev = self.events[i]
+            if ev is not None:
+                ev.synchronize()  # its previous H2D copy still reads this buffer
+            t = time.perf_counter()
+            parallel_copy(self.staging[i], record, self.copy_threads)
+            self.staging_seconds += time.perf_counter() - t
+            src = self.staging[i]
+            self.events[i] = end
+        with torch.cuda.stream(self.stream):
+            start.record(self.stream)
+            self.pool[slot].copy_(src, non_blocking=True)
+            end.record(self.stream)
+        with self._lock:
+            self._timed.append((start, end))

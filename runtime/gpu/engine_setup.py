@@ -1,0 +1,91 @@
+"""Build the model with the GPU expert scheduler for the engine, sized from one VRAM budget (see `sizing`).
+
+    model, experts = load_offloaded(reader, device="cuda", vram_budget=None, memory_ratio=0.9, offload=None,
+                                    kv_reserve_tokens=8192, max_running_requests=4)
+
+Order: resolve the budget (free VRAM before anything is loaded), load the dense weights onto the device, measure
+what they took, then give the expert slots what the KV reserve, prefill buffers and activation reserve leave. When
+every expert fits, the scheduler runs fully resident. `device="cpu"` with an explicit `offload` runs the same
+scheduler on the CPU emulation path (the "VRAM" is then host memory; used by tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from ft.formats import FtwReader
+
+from .hybrid import GpuExperts
+from .offload_config import OffloadConfig
+from .sizing import plan_vram, resolve_budget, state_bytes
+
+log = logging.getLogger("ft.gpu")
+
+
+def gpu_experts_supported(reader: FtwReader) -> str | None:
+    """None if the GPU scheduler can serve this FTW, else why not (only NVFP4 expert banks have GPU kernels)."""
+    scheme = (reader.quant or {}).get("experts")
+    if scheme != "nvfp4":
+        return f"expert scheme {scheme!r} has no GPU kernel (supported: nvfp4)"
+    return None
+
+
+def _weight_bytes(model) -> int:
+    total = [0]
+
+    def count(_name: str, t: torch.Tensor) -> torch.Tensor:
+        total[0] += t.numel() * t.element_size()
+        return t
+
+    model.map_weights(count)
+    return total[0]
+
+
+def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, memory_ratio: float,
+                   offload: OffloadConfig | None, kv_reserve_tokens: int, max_running_requests: int):
+    """-> (model, GpuExperts with its slot pool allocated; `experts.vram_plan` says how the budget was spent)."""
+    from ft.runtime.gpu.benchbw import load_profile
+    from ft.runtime.model import load_model
+
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    if cuda and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    explicit = vram_budget if vram_budget is not None else (offload.vram_budget if offload else None)
+    budget = None
+    if cuda or explicit is not None:
+        budget = resolve_budget(dev, explicit, memory_ratio)
+    opts = offload or OffloadConfig(mode="hybrid", vram_budget=budget)
+    if opts.vram_budget is None and budget is not None:
+        opts = dataclasses.replace(opts, vram_budget=budget)
+    experts = GpuExperts(reader, opts, device=str(dev), profile=load_profile(dev.index or 0) if cuda else None)
+    before = torch.cuda.memory_allocated(dev) if cuda else 0
+    model = load_model(reader, device=str(dev), experts=experts)
+    dense = torch.cuda.memory_allocated(dev) - before if cuda else _weight_bytes(model)
+    per_token, per_seq = state_bytes(model.config, model.dtype)
+    kv = kv_reserve_tokens * per_token + max_running_requests * per_seq
+    max_slots = len(experts.moe_layers) * experts.E
+    plan = None
+    if budget is not None:
+        plan = plan_vram(budget, dense=dense, kv=kv, stride=experts.layout.stride, prefill_slots=opts.prefill_slots,
+                         reserve=opts.reserve_bytes, max_slots=max_slots)
+    num_slots = opts.num_slots if opts.num_slots is not None else (plan.num_slots if plan else None)
+    if opts.mode in ("resident", "static"):
+        need = max_slots - len(opts.cpu_layers) * experts.E
+        if plan is not None and plan.num_slots < need:
+            raise ValueError(f"{opts.mode} placement needs {need} expert slots but the VRAM budget leaves room for "
+                             f"{plan.num_slots}; raise the budget or use mode hybrid")
+    elif offload is None and num_slots is not None and num_slots >= max_slots:
+        experts.opts = dataclasses.replace(opts, mode="resident")  # everything fits: no miss handling at all
+    experts.allocate(num_slots=num_slots)
+    experts.vram_plan = plan
+    if plan is not None:
+        gib = 1 << 30
+        log.info("VRAM budget %.2f GiB: dense %.2f, KV %.2f, prefill buffers %.2f, reserve %.2f, expert slots "
+                 "%d of %d (%.0f %%, %.2f GiB), mode %s", budget / gib, dense / gib, kv / gib,
+                 plan.prefill_buffers / gib, plan.reserve / gib, plan.num_slots, max_slots,
+                 100 * plan.cached_fraction, plan.slot_bytes / gib, experts.opts.mode)
+    return model, experts

@@ -1,0 +1,96 @@
+"""How much VRAM the engine may use and how it is shared out (the `--vram-budget` / `--memory-ratio` math).
+
+Everything the engine allocates on the GPU counts against one budget:
+
+    budget = dense weights (measured after loading) + KV reserve (kv_reserve_tokens x bytes per token)
+           + fixed per-sequence state (DeltaNet conv/recurrent state) x max_running_requests
+           + two prefill buffers (2 x prefill_slots x record stride) + activation reserve + expert slots
+
+The expert slots get what is left (never more than every expert of every MoE layer). Without an explicit budget it
+is `memory_ratio` x the VRAM free when the engine starts. Host-side pinned staging buffers are not VRAM and do not
+count.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ft.formats import ModelConfig
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """'8GiB', '12e9', '12 GB', '512MiB', 4096 -> bytes. GB/MB are decimal, GiB/MiB binary."""
+    if isinstance(text, (int, float)):
+        value, unit = float(text), ""
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+        if m is None or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"cannot read {text!r} as a byte count; use e.g. 8GiB, 12GB, 12e9 or 512MiB")
+        value, unit = float(m.group(1)), m.group(2).lower()
+    n = int(value * _UNITS[unit])
+    if n <= 0:
+        raise ValueError(f"a byte count must be positive, got {text!r}")
+    return n
+
+
+def state_bytes(config: ModelConfig, dtype: torch.dtype) -> tuple[int, int]:
+    """(KV bytes per token, fixed bytes per sequence) of a SequenceState, measured on the meta device."""
+    from ft.runtime.state import SequenceState
+
+    one = SequenceState(config, 1, dtype=dtype, device=torch.device("meta")).nbytes
+    two = SequenceState(config, 2, dtype=dtype, device=torch.device("meta")).nbytes
+    return two - one, one - (two - one)
+
+
+@dataclass(frozen=True)
+class VramPlan:
+    budget: int
+    dense: int  # weights already on the GPU
+    kv: int  # KV reserve + per-sequence fixed state
+    prefill_buffers: int
+    reserve: int  # activations, logits, allocator slack
+    num_slots: int
+    slot_bytes: int
+    max_slots: int
+
+    @property
+    def cached_fraction(self) -> float:
+        return self.num_slots / self.max_slots if self.max_slots else 0.0
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "cached_fraction": self.cached_fraction}
+
+
+def plan_vram(budget: int, *, dense: int, kv: int, stride: int, prefill_slots: int, reserve: int,
+              max_slots: int) -> VramPlan:
+    """Slots that fit after the fixed parts; refuses a budget that cannot even hold the fixed parts."""
+    prefill = 2 * prefill_slots * stride
+    free = budget - dense - kv - prefill - reserve
+    if free < 0:
+        gib = 1 << 30
+        raise ValueError(
+            f"the VRAM budget {budget / gib:.2f} GiB is smaller than the fixed allocations: dense weights "
+            f"{dense / gib:.2f} GiB + KV {kv / gib:.2f} GiB + prefill buffers {prefill / gib:.2f} GiB + reserve "
+            f"{reserve / gib:.2f} GiB; raise --vram-budget / --memory-ratio or lower --kv-reserve-tokens")
+    n = int(min(max_slots, free // stride))
+    return VramPlan(budget, dense, kv, prefill, reserve, n, n * stride, max_slots)
+
+
+def resolve_budget(device: torch.device, vram_budget: int | None, memory_ratio: float) -> int:
+    """The explicit budget, else memory_ratio x free VRAM now (call before loading anything)."""
+    if not 0 < memory_ratio <= 1:
+        raise ValueError(f"memory_ratio must be in (0, 1], got {memory_ratio}")
+    if vram_budget is not None:
+        if vram_budget <= 0:
+            raise ValueError(f"vram_budget must be positive, got {vram_budget}")
+        return int(vram_budget)
+    if device.type != "cuda":
+        raise ValueError("without a CUDA device the VRAM budget must be given explicitly (vram_budget)")
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free * memory_ratio)
