@@ -28,11 +28,18 @@ def generate_command(
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Do not stop at the model's end-of-sequence ids."),
     kv_reserve_tokens: int = typer.Option(8192, "--kv-reserve-tokens", help="KV budget in tokens."),
     max_prefill_length: int = typer.Option(2048, "--max-prefill-length", help="Prompt tokens per prefill step."),
+    device: str = typer.Option("auto", "--device", help="auto (cuda if available, else cpu), cpu, or cuda[:N]."),
+    vram_budget: Optional[str] = typer.Option(None, "--vram-budget",
+                                              help="CUDA only: VRAM for everything the engine allocates, e.g. 8GiB "
+                                                   "or 12e9; overrides --memory-ratio."),
+    memory_ratio: float = typer.Option(0.9, "--memory-ratio",
+                                       help="CUDA only: share of free GPU memory to use when --vram-budget is not "
+                                            "given, in (0, 1]."),
     verify: bool = typer.Option(False, "--verify", help="Check every checksum of the FTW before loading."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object: token ids, text, finish reason, "
                                                         "timings."),
 ) -> None:
-    """Generate from a prompt with an FTW model on the CPU."""
+    """Generate from a prompt with an FTW model (CPU, or CUDA with the GPU expert cache)."""
     sources = [s for s in (prompt, chat, token_ids) if s is not None]
     if len(sources) != 1:
         _fail("give exactly one of --prompt, --chat or --token-ids")
@@ -42,12 +49,24 @@ def generate_command(
     from ft.runtime.sampling import params_from_generation_config
 
     try:
+        device = _device(device)
+        budget = None
+        if vram_budget is not None:
+            from ft.runtime.gpu.sizing import parse_bytes
+
+            budget = parse_bytes(vram_budget)
+        if not 0 < memory_ratio <= 1:
+            raise ValueError(f"--memory-ratio must be in (0, 1], got {memory_ratio}")
+    except ValueError as e:
+        _fail(str(e))
+    try:
         reader = FtwReader(ftw)
         if verify:
             problems = reader.verify()
             if problems:
                 _fail(str(problems[0]) + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
-        engine = Engine(reader, kv_reserve_tokens=kv_reserve_tokens, max_prefill_length=max_prefill_length)
+        engine = Engine(reader, device=device, kv_reserve_tokens=kv_reserve_tokens,
+                        max_prefill_length=max_prefill_length, vram_budget=budget, memory_ratio=memory_ratio)
     except FtwError as e:  # structural problems, unknown family (V19), bad config
         _fail(str(e))
     except (ValueError, NotImplementedError) as e:
@@ -68,6 +87,7 @@ def generate_command(
             "prompt_token_ids": ids, "token_ids": result.token_ids, "text": result.text,
             "finish_reason": result.finish_reason, "prompt_tokens": result.prompt_tokens,
             "output_tokens": len(result.token_ids), "timings": result.timings,
+            **({"moe": moe} if (moe := engine.stats().get("moe")) else {}),  # GPU expert cache counters
         }))
     else:
         sys.stdout.write("\n")
@@ -75,6 +95,18 @@ def generate_command(
         typer.echo(f"[{result.finish_reason}] {result.prompt_tokens} prompt + {len(result.token_ids)} output tokens; "
                    f"prefill {t['prefill_tok_s']:.1f} tok/s, decode {t['decode_tok_s']:.2f} tok/s, "
                    f"TTFT {t['ttft_s']:.3f} s", err=True)
+
+
+def _device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device != "cpu" and not device.startswith("cuda"):
+        raise ValueError(f"--device {device!r}; use auto, cpu or cuda[:N]")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: torch sees no CUDA GPU on this machine")
+    return device
 
 
 def _prompt_ids(engine, prompt: str | None, chat: str | None, token_ids: str | None) -> list[int]:

@@ -39,6 +39,10 @@ def serve(
     memory_ratio: float = typer.Option(0.9, "--memory-ratio",
                                        help="CUDA only: share of free GPU memory for weights + expert cache + KV, "
                                             "in (0, 1]. Ignored on CPU."),
+    vram_budget: Optional[str] = typer.Option(None, "--vram-budget",
+                                              help="CUDA only: VRAM for everything the engine allocates (dense "
+                                                   "weights, KV, expert cache), e.g. 8GiB or 12e9; overrides "
+                                                   "--memory-ratio."),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
 ) -> None:
     """Serve an FTW with OpenAI (/v1/chat/completions, /v1/completions, /v1/responses) and Anthropic
@@ -55,11 +59,15 @@ def serve(
         err.print(f"[red]error[/red]: --log-level {log_level!r}; use debug, info, warning or error")
         raise typer.Exit(2)
     try:
+        from ft.runtime.gpu.sizing import parse_bytes
+
+        budget = parse_bytes(vram_budget) if vram_budget is not None else None
         settings = ServeSettings(ftw=ftw, host=host, port=port, api_key=api_key,
                                  served_model_name=served_model_name, device=device,
                                  kv_reserve_tokens=kv_reserve_tokens, max_prefill_length=max_prefill_length,
                                  max_output_tokens=max_output_tokens, max_running_requests=max_running_requests,
-                                 max_queued_requests=max_queued_requests, memory_ratio=memory_ratio)
+                                 max_queued_requests=max_queued_requests, memory_ratio=memory_ratio,
+                                 vram_budget=budget)
     except ValueError as e:
         err.print(f"[red]error[/red]: {e}")
         raise typer.Exit(2)

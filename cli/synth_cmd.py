@@ -42,6 +42,7 @@ def synth(
     layers: Optional[int] = typer.Option(None, "--layers", help="Cut the preset to this many layers."),
     max_shard_size: Optional[str] = typer.Option(None, "--max-shard-size", help="e.g. 500MB, 4GB."),
     override: list[str] = typer.Option([], "--override", help="HF config KEY=VALUE (JSON value); repeatable."),
+    no_twin: bool = typer.Option(False, "--no-twin", help="With --quant nvfp4: skip the BF16 twin <out>-twin."),
     force: bool = typer.Option(False, "--force", help="Replace --out (and its twin) if not empty."),
 ) -> None:
     """Generate a synthetic checkpoint with the exact tensor names, shapes, dtypes and configs of a real release."""
@@ -55,12 +56,12 @@ def synth(
     try:
         path = run_synth(arch, preset, out, dtype=dtype, quant=quant, routing=routing, seed=seed, force=force,
                          expert_layout=expert_layout, overrides=_parse_overrides(override) or None,
-                         max_shard_size=max_shard_size, num_layers=layers)
+                         max_shard_size=max_shard_size, num_layers=layers, twin=not no_twin)
     except SynthError as e:
         console.print(f"[red]error[/red] {escape(str(e))}")
         raise typer.Exit(2)
     except ValueError as e:  # impossible geometry for the request (e.g. NVFP4 with in_features % 16 != 0)
         console.print(f"[red]error[/red] {escape(str(e))}")
         raise typer.Exit(1)
-    twin = f" (+ {escape(str(path))}-twin)" if quant == "nvfp4" else ""
+    twin = f" (+ {escape(str(path))}-twin)" if quant == "nvfp4" and not no_twin else ""
     console.print(f"[green]OK[/green] {escape(str(path))}{twin}")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from pathlib import Path
+import logging
 from typing import Any
 
 import torch
@@ -27,24 +28,43 @@ from ft.runtime.request import Request, StopStringFilter, TokenEvent
 from ft.runtime.sampling import RequestSampler, SamplingParams, sample
 from ft.runtime.tokenizer import Tokenizer
 
+log = logging.getLogger("ft.engine")
+
 __all__ = ["Engine", "SamplingParams", "TokenEvent", "ContextOverflowError", "QueueFullError", "generate",
            "GenerationResult"]
 
 
 class Engine:
-    """Serves one FTW model. `experts` replaces the default CPU experts (the GPU offload scheduler passes its own);
-    `max_output_tokens` clamps every request's max_tokens (a larger request is not refused)."""
+    """Serves one FTW model. `experts` replaces the default CPU experts; on CUDA the engine builds the GPU expert
+    scheduler itself, sized from `vram_budget` bytes (dense weights, KV, buffers and expert slots all count) or, when
+    it is None, `memory_ratio` x the free VRAM at start; `offload` (an OffloadConfig) picks its mode, and also runs it
+    on the CPU emulation path. `max_output_tokens` clamps every request's max_tokens (a larger request is not
+    refused)."""
 
     def __init__(self, ftw_dir: str | Path | FtwReader, *, device: str = "cpu", kv_reserve_tokens: int = 8192,
                  max_prefill_length: int = 2048, max_running_requests: int = 4,
-                 max_output_tokens: int = 32768, max_queued_requests: int = 64, experts: Any = None) -> None:
+                 max_output_tokens: int = 32768, max_queued_requests: int = 64, experts: Any = None,
+                 vram_budget: int | None = None, memory_ratio: float = 0.9, offload: Any = None) -> None:
         for name, value in (("kv_reserve_tokens", kv_reserve_tokens), ("max_prefill_length", max_prefill_length),
                             ("max_running_requests", max_running_requests), ("max_output_tokens",
                             max_output_tokens), ("max_queued_requests", max_queued_requests)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         reader = ftw_dir if isinstance(ftw_dir, FtwReader) else FtwReader(Path(ftw_dir))
-        self.model = load_model(reader, device=device, experts=experts)
+        model = None
+        if experts is None and (torch.device(device).type == "cuda" or offload is not None):
+            from ft.runtime.gpu.engine_setup import load_offloaded, unsupported_reason
+
+            why = unsupported_reason(reader)
+            if why is not None and offload is not None:
+                raise ValueError(f"{reader.path}: the GPU expert scheduler cannot serve this model: {why}")
+            if why is None:
+                model, experts = load_offloaded(
+                    reader, device=device, vram_budget=vram_budget, memory_ratio=memory_ratio, offload=offload,
+                    kv_reserve_tokens=kv_reserve_tokens, max_running_requests=max_running_requests)
+            else:
+                log.warning("%s; routed experts run on the CPU", why)
+        self.model = model if model is not None else load_model(reader, device=device, experts=experts)
         self._experts = experts  # None = the model's CPU experts
         self.config = self.model.config
         self.tokenizer = Tokenizer.from_reader(reader)
@@ -68,6 +88,11 @@ class Engine:
         self._decode_s = 0.0  # time of decode-only steps
         self._prefill_s = 0.0  # time of steps that ran a prefill chunk
         self._ttfts: deque[float] = deque(maxlen=1024)
+
+    def close(self) -> None:
+        """Stop the experts implementation's worker threads (GPU scheduler) and release pinned host memory."""
+        if callable(getattr(self._experts, "close", None)):
+            self._experts.close()
 
     @property
     def max_context(self) -> int:

@@ -83,6 +83,8 @@ def main() -> None:
         reply = client.chat.completions.create(
             model="demo", max_tokens=32, temperature=0,
             messages=[{"role": "user", "content": "Name three uses of a mixture-of-experts model."}],
+            # Qwen3.6 thinks by default; a random model never closes </think>, so ask for a plain answer.
+            extra_body={"chat_template_kwargs": {"enable_thinking": False}},
         )
         msg = reply.choices[0].message
         print(f"   ({time.perf_counter() - t:.1f} s, finish_reason={reply.choices[0].finish_reason}, "

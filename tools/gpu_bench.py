@@ -65,7 +65,7 @@ def stage_tests(out: Path) -> dict:
 def stage_bw(seconds: float, timeout: float) -> dict:
     """`ft bench bw --json` in a child process (a wedged driver call cannot take the whole run with it)."""
     cmd = [sys.executable, "-c", "from ft.cli.main import main; main()", "bench", "bw", "--json",
-           "--seconds", str(seconds)]
+           "--seconds", str(seconds), "--registered-mmap"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if res.returncode != 0:
         raise RuntimeError(f"ft bench bw failed ({res.returncode}): {res.stderr[-2000:]}")
@@ -110,6 +110,8 @@ def stage_e2e(args, prof: dict, out: dict, flush, deadline: float) -> dict:
         g = torch.Generator().manual_seed(1)
         prompt = torch.randint(0, cfg.vocab_size, (args.prompt,), generator=g).tolist()
         common = dict(prefill_slots=args.prefill_slots, prefetch=not args.no_prefetch)
+        if args.no_pin:
+            common["pin_host_bytes"] = 0
         run = lambda opts: e2e.run_decode(model, reader, opts, prompt, warmup=args.warmup,  # noqa: E731
                                           tokens=args.tokens, profile=prof)
         # Steady state: every record's checksum verified once (the reader checks lazily on first touch, which would
@@ -132,7 +134,7 @@ def stage_e2e(args, prof: dict, out: dict, flush, deadline: float) -> dict:
         layout = RecordLayout.from_bank(reader.bank(f"layers.{first_moe}.mlp.experts"), cfg.hidden_size,
                                         cfg.moe_intermediate_size)
         payload, stride = layout.payload_bytes, layout.stride
-        if routing == args.routings.split(",")[0]:
+        if routing == args.routings.split(",")[0] and not args.no_logits:
             ex = GpuExperts(reader, OffloadConfig(mode="resident", prefetch=False), device=args.device)
             e2e.attach(model, ex)
             r["logits_vs_cpu"] = e2e.check_logits(ftw, model, prompt[:16])
@@ -152,7 +154,9 @@ def stage_e2e(args, prof: dict, out: dict, flush, deadline: float) -> dict:
                 key = f"{mode}@{gib}GiB"
                 if time.time() + 15 > deadline:
                     continue
-                res = run(OffloadConfig(mode=mode, num_slots=sc["num_slots"], **common))
+                pin = {"pin_host_bytes": 0} if mode.endswith("-staged") else {}  # A/B: no page-locked banks
+                res = run(OffloadConfig(mode=mode.removesuffix("-staged"), num_slots=sc["num_slots"], **pin,
+                                        **common))
                 res["budget"] = sc
                 res["bound"] = e2e.bound(res, resident_ms=res_ms, num_experts=E, payload=payload, b_pcie=b_p,
                                          b_cpu=b_c)
@@ -174,6 +178,9 @@ def stage_e2e(args, prof: dict, out: dict, flush, deadline: float) -> dict:
             res["greedy_equal_to_resident"] = sum(a == b for a, b in zip(res["tokens"], ref_tokens))
             res["greedy_len"] = len(res["tokens"])
             res.pop("tokens")
+        if routing == args.routings.split(",")[0] and time.time() + 40 < deadline:
+            r["engine"] = e2e.engine_run(ftw, reader, budget_gib=args.budgets[0], log=log)
+            flush()
         if time.time() + 30 < deadline:
             r["prefill"] = e2e.prefill_runs(model, reader, args, prompt_len=args.prefill_tokens, prof=prof,
                                         h2d_link=h2d_link, stride=stride, deadline=deadline)
@@ -205,10 +212,12 @@ def main() -> None:
     ap.add_argument("--kv-tokens", type=int, default=8192)
     ap.add_argument("--bw-seconds", type=float, default=2.0)
     ap.add_argument("--no-prefetch", action="store_true")
+    ap.add_argument("--no-pin", action="store_true", help="never page-lock expert banks (staged fetches only)")
+    ap.add_argument("--no-logits", action="store_true", help="skip the GPU-vs-CPU logits check")
     ap.add_argument("--device", default="cuda", help="cpu = dry run of the e2e glue on the CPU emulation path")
     ap.add_argument("--profile", default="", help="bandwidth profile JSON to use instead of the bw stage's")
     ap.add_argument("--deadline-s", type=float, default=480, help="stop starting new work after this many seconds")
-    ap.add_argument("--bg-ckpt", default="", help="routing whose checkpoint is built in the background from the start")
+    ap.add_argument("--bg-ckpt", default="", help="routings (comma-separated) whose checkpoints are built in the background from the start")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -217,16 +226,20 @@ def main() -> None:
     prof = None
     deadline = time.time() + args.deadline_s
     flush = lambda: path.write_text(json.dumps(results, indent=1, default=str))  # noqa: E731
-    bg = None
-    if args.bg_ckpt:  # CPU/disk-bound build overlaps the GPU-only stages; joined before anything is timed on the CPU
-        bg = subprocess.Popen([sys.executable, __file__, "--out", str(out / "ckpt"), "--stages", "ckpt", "--layers",
-                               str(args.layers), "--routings", args.bg_ckpt, "--work", args.work],
-                              stdout=open(out / "ckpt.log", "w"), stderr=subprocess.STDOUT)
+    bg = []  # one background build per routing: CPU/disk-bound, overlaps the GPU-only stages; joined before
+    for routing in filter(None, args.bg_ckpt.split(",")):  # anything is timed on the CPU
+        d = Path(args.work) / f"ckpt-{routing}"
+        d.mkdir(parents=True, exist_ok=True)
+        bg.append(subprocess.Popen([sys.executable, __file__, "--out", str(d), "--stages", "ckpt", "--layers",
+                                    str(args.layers), "--routings", routing, "--work", args.work],
+                                   stdout=open(d / "ckpt.log", "w"), stderr=subprocess.STDOUT))
     for stage in args.stages.split(","):
-        if bg is not None and stage in ("bw", "kernel", "e2e"):
-            bg.wait()
-            results["bg_ckpt_returncode"] = bg.returncode
-            bg = None
+        if bg and stage in ("bw", "kernel", "e2e", "pin"):
+            results["bg_ckpt_returncode"] = [p.wait() for p in bg]
+            bg = []
+            for routing in filter(None, args.bg_ckpt.split(",")):
+                f = Path(args.work) / f"ckpt-{routing}" / "gpu_bench.json"
+                results.setdefault("bg_ckpt", {})[routing] = json.loads(f.read_text()).get("ckpt") if f.exists() else None
         t = time.perf_counter()
         log(f"stage {stage}")
         try:
@@ -236,6 +249,12 @@ def main() -> None:
                 results["tests"] = stage_tests(out)
             elif stage == "bw":
                 prof = results["bw"] = stage_bw(args.bw_seconds, timeout=150)
+            elif stage == "pin":  # can this VM page-lock FTW file pages? (isolated: a hang cannot stop the run)
+                import gpu_bench_e2e as e2e
+
+                results["pin"] = e2e.pin_probe(Path(args.work), args.layers, args.routings.split(",")[0])
+                args.no_pin = args.no_pin or not results["pin"].get("ok")
+                log(f"pin probe: {results['pin']}")
             elif stage == "kernel":
                 results["kernel"] = stage_kernel()
             elif stage == "ckpt":  # only build (and time) the checkpoints
@@ -273,10 +292,15 @@ def main() -> None:
         print(routing, "logits", r.get("logits_vs_cpu"), "resident", round(r.get("resident", {}).get("tok_s", 0), 1))
         for key, d in r.get("decode", {}).items():
             b = d.get("bound") or {}
-            print(f"  {key:16s} {d['tok_s']:7.1f} tok/s hit {d['stats']['hit_rate'] or 0:.2f} "
+            static = r["decode"].get("static@" + key.split("@")[1], {}).get("tok_s")
+            vs = f"{d['tok_s'] / static:.2f}x static" if static and not key.startswith("static") else ""
+            print(f"  {key:20s} {d['tok_s']:7.1f} tok/s hit {d['stats']['hit_rate'] or 0:.2f} "
                   f"h2d {d.get('h2d_mb_per_token', 0):6.1f} MB/t cpu {d.get('cpu_mb_per_token', 0):6.1f} MB/t "
-                  f"bound {b.get('bound_tok_s', 0):7.1f} frac {b.get('fraction_of_bound', 0):.2f} "
+                  f"bound {b.get('bound_tok_s', 0):7.1f} frac {b.get('fraction_of_bound', 0):.2f} {vs} "
+                  f"direct {d['stats'].get('uploads_direct')}/{d['stats'].get('uploads')} "
                   f"greedy {d.get('greedy_equal_to_resident')}/{d.get('greedy_len')}")
+        if r.get("engine"):
+            print("  engine", {k: v for k, v in r["engine"].items() if k != "moe"})
         for key, d in r.get("prefill", {}).items():
             print(f"  prefill {key}: {d['tok_s']:.0f} tok/s roofline {d.get('pcie_roofline_tok_s', 0):.0f}")
     if shutil.which("nvidia-smi"):

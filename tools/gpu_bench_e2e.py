@@ -209,3 +209,80 @@ def prefill_runs(model, reader, args, *, prompt_len: int, prof: dict, h2d_link: 
         del ex
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
     return out
+
+
+def engine_run(ftw: Path, reader: FtwReader, *, budget_gib: float, log, tokens: int = 48) -> dict:
+    """The product path: Engine(device="cuda", vram_budget=...) sizes the cache itself; greedy decode of `tokens`.
+    The budget is the measured dense weights + KV + buffers + reserve + the same expert share that `budget_gib`
+    gives the full model (so the 4-layer engine holds the same fraction of experts as the scaled runs)."""
+    from ft.runtime.engine import Engine, SamplingParams, generate
+
+    sc = scaled_slots(int(budget_gib * GIB), reader, full_layers=40, kv_tokens=8192, reserve=GIB // 2,
+                      prefill_slots=32)
+    nonlayer, per_layer = dense_gpu_bytes(reader)
+    stride = reader.bank(f"layers.{reader.config.mlp_types.index('moe')}.mlp.experts").stride
+    kv = 8192 * 2 * reader.config.num_kv_heads * reader.config.head_dim * 2 * 2  # generous: states are small here
+    budget = nonlayer + sum(per_layer.values()) + kv + GIB // 2 + 64 * stride + sc["num_slots"] * stride + (64 << 20)
+    t = time.perf_counter()
+    eng = Engine(reader, device="cuda", vram_budget=budget, kv_reserve_tokens=8192)
+    load_s = time.perf_counter() - t
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, reader.config.vocab_size, (64,), generator=g).tolist()
+    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    generate(eng, prompt, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))  # warm-up
+    res = generate(eng, prompt, params)
+    moe = eng.stats()["moe"]
+    out = {"budget_gib": budget / GIB, "load_s": load_s, "scaled_slots": sc["num_slots"],
+           "num_slots": moe.get("num_slots"), "mode": moe.get("mode"), "vram": moe.get("vram"),
+           "decode_tok_s": res.timings.get("decode_tok_s"), "prefill_tok_s": res.timings.get("prefill_tok_s"),
+           "tokens": len(res.token_ids), "moe": moe}
+    log(f"engine @ {out['budget_gib']:.2f} GiB: {out['num_slots']} slots ({out['mode']}), decode "
+        f"{out['decode_tok_s']:.1f} tok/s, hit {moe.get('hit_rate')}, pinned {moe.get('pinned_bytes')}")
+    eng.close()
+    del eng
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+_PIN_PROBE = """
+import json, sys, time, torch
+from ft.formats import FtwReader
+from ft.runtime.gpu.pinning import bank_range
+from ft.runtime.gpu.transfer import CudaUploader
+r = FtwReader(sys.argv[1]); cfg = r.config
+bank = r.bank(f"layers.{cfg.mlp_types.index('moe')}.mlp.experts")
+pool = torch.empty(64, bank.stride, dtype=torch.uint8, device="cuda")
+out = {}
+for pin in (False, True):
+    up = CudaUploader(pool)
+    t = time.perf_counter(); ok = up.register(*bank_range(bank)) if pin else False
+    out[f"register_s_{pin}"] = time.perf_counter() - t; out[f"registered_{pin}"] = ok
+    for rep in range(3):
+        torch.cuda.synchronize(); t = time.perf_counter()
+        for i in range(64): up.upload(i, bank.record((i * 7 + rep) % bank.num_experts))
+        up.fence().synchronize(); dt = time.perf_counter() - t
+    out[f"gbs_pinned_{pin}"] = 64 * bank.stride / dt / 1e9; out[f"direct_{pin}"] = up.direct_copies
+    assert all(torch.equal(pool[i].cpu(), bank.record((i * 7 + 2) % bank.num_experts)) for i in range(64))
+    up.close()
+out["ok"] = bool(out["registered_True"])
+print(json.dumps(out))
+"""
+
+
+def pin_probe(work: Path, layers: int, routing: str, timeout: float = 25.0) -> dict:
+    """Register one expert bank of the bench checkpoint and upload 64 records staged vs direct, in a child process
+    with a timeout (page-locking file pages is VM-dependent); {"ok": bool, GB/s of each path, ...}."""
+    import json
+    import subprocess
+    import sys
+
+    ftw = work / f"q36-{layers}L-{routing}.ftw"
+    try:
+        res = subprocess.run([sys.executable, "-c", _PIN_PROBE, str(ftw)], capture_output=True, text=True,
+                             timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"timed out after {timeout} s"}
+    if res.returncode != 0:
+        return {"ok": False, "error": res.stderr[-1500:]}
+    return json.loads(res.stdout.strip().splitlines()[-1])

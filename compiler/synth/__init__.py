@@ -1,14 +1,15 @@
 """`ft synth`: synthetic Hugging Face MoE checkpoints with the exact on-disk layout of real releases, random weights.
 
     synth(arch, preset, out_dir, *, dtype=None, quant="none", routing="uniform", seed=0, force=False,
-          expert_layout="auto", overrides=None, max_shard_size=None, num_layers=None) -> Path
+          expert_layout="auto", overrides=None, max_shard_size=None, num_layers=None, twin=True) -> Path
 
     tensor_table(arch, preset, ...) -> list[TensorSpec]   # what synth would write, computed without any data
 
 Writes sharded safetensors + index, a config.json / generation_config.json in the style of the real release, the real
 Qwen tokenizer files, the fake extra tensors real checkpoints carry (mtp.*, model.visual.*), and with
-`quant="nvfp4"` the ModelOpt NVFP4 layout plus its exact BF16 twin in `<out_dir>-twin`. Both directories are
-written into temporary siblings and renamed into place when complete. How values are chosen: `weights`; expert
+`quant="nvfp4"` the ModelOpt NVFP4 layout plus its exact BF16 twin in `<out_dir>-twin` (`twin=False` writes the
+quantized checkpoint alone: the qwen3.6-35b-a3b twin is 72 GB). Both directories are written into temporary siblings
+and renamed into place when complete. How values are chosen: `weights`; expert
 popularity (uniform / Zipf-skewed): `routing`; NVFP4 choices: `nvfp4_checkpoint`; big presets: `full_size`.
 """
 
@@ -131,20 +132,23 @@ def tensor_table(arch: str, preset: str, *, dtype: str | None = None, quant: str
 
 def synth(arch: str, preset: str, out_dir: Path, *, dtype: str | None = None, quant: str = "none",
           routing: str = "uniform", seed: int = 0, force: bool = False, expert_layout: str = "auto",
-          overrides: dict | None = None, max_shard_size: str | None = None, num_layers: int | None = None) -> Path:
-    """Write a synthetic checkpoint of `arch` at `preset` into out_dir (and `<out_dir>-twin` for NVFP4)."""
+          overrides: dict | None = None, max_shard_size: str | None = None, num_layers: int | None = None,
+          twin: bool = True) -> Path:
+    """Write a synthetic checkpoint of `arch` at `preset` into out_dir (and `<out_dir>-twin` for NVFP4 unless
+    `twin` is False; the flag has no effect on unquantized checkpoints, which are their own reference)."""
     p, keys, torch_dtype, fused = _resolve(arch, preset, dtype, quant, routing, expert_layout, overrides, num_layers)
     out_dir = Path(out_dir).absolute()
     twin_dir = out_dir.with_name(out_dir.name + "-twin")
+    write_twin = quant == "nvfp4" and twin
     _check_out(out_dir, force)
-    if quant == "nvfp4":
+    if write_twin:
         _check_out(twin_dir, force)
     shard = parse_size(max_shard_size, p.max_shard_size)
 
     from ft.compiler.synth.build import build_checkpoint
 
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    tmp_twin = twin_dir.with_name(f".{twin_dir.name}.tmp-{os.getpid()}") if quant == "nvfp4" else None
+    tmp_twin = twin_dir.with_name(f".{twin_dir.name}.tmp-{os.getpid()}") if write_twin else None
     try:
         for d in (tmp, tmp_twin):
             if d is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -106,12 +107,34 @@ def _meta_tables(arch: str, cfg, dtype: torch.dtype, fused: bool) -> list[Tensor
 
 def build_checkpoint(*, arch: str, preset: Preset, keys: dict, dtype: torch.dtype, quant: str, routing: str,
                      seed: int, fused: bool, shard: int, out: Path, twin: Path | None) -> None:
+    """Write the checkpoint into `out` and, when `twin` is a directory, its exact BF16 twin (NVFP4 only).
+
+    Without a twin directory an NVFP4 checkpoint is written alone; in-memory presets (tiny/small/demo) still write
+    their twin into a temporary directory, because the coverage report runs transformers on it (<= 380 MB)."""
     console = _console()
     tok, cfg = _config(arch, preset, keys, dtype, out)
     text = hf_config.text_config(cfg)
     ctx = ValueContext(arch, text.hidden_size, text.num_hidden_layers, seed, routing)
     table, main, twin_entries, writer = _entries(arch, preset, cfg, dtype, quant, fused, ctx)
 
+    with tempfile.TemporaryDirectory(prefix="ft-synth-twin-") as scratch:
+        if quant == "nvfp4" and twin is None and writer is None:
+            twin = Path(scratch)
+        _write_files(arch, cfg, tok, table, dtype, quant, out, twin)
+        total = total_bytes(main) + (total_bytes(twin_entries) if twin is not None else 0)
+        with _progress(console) as progress:
+            task = progress.add_task(f"{arch} {preset.name}", total=total)
+            advance = lambda n: progress.advance(task, n)  # noqa: E731
+            write_checkpoint(out, main, shard, advance)
+            if twin is not None:
+                write_checkpoint(twin, twin_entries, shard, advance)
+        cov = _coverage(arch, preset, twin or out, text, writer, table)
+    console.print(f"routing {routing}: {routing_mod.summary(cov)}", highlight=False, markup=False)
+
+
+def _write_files(arch: str, cfg, tok: dict, table: list[TensorSpec], dtype: torch.dtype, quant: str, out: Path,
+                 twin: Path | None) -> None:
+    """config.json / generation_config.json (+ NVFP4 quant configs) in `out`; the twin's unquantized copies."""
     cfg.save_pretrained(out)  # transformers' own config.json, then rewritten like the real release
     config = hf_config.realistic_config(arch, json.loads((out / "config.json").read_text()), dtype)
     gen = hf_config.generation_config(arch, tok)
@@ -120,22 +143,12 @@ def build_checkpoint(*, arch: str, preset: Preset, keys: dict, dtype: torch.dtyp
         _write_json(twin / "generation_config.json", gen)
         for f in TOKENIZER_FILES:
             shutil.copyfile(out / f, twin / f)
+    if quant == "nvfp4":
         qc, legacy = quant_configs(arch, [t.name for t in table])
         config = dict(config, quantization_config=qc)
         (out / "hf_quant_config.json").write_text(json.dumps(legacy) + "\n")
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", gen)
-
-    total = total_bytes(main) + (total_bytes(twin_entries) if twin_entries else 0)
-    with _progress(console) as progress:
-        task = progress.add_task(f"{arch} {preset.name}", total=total)
-        advance = lambda n: progress.advance(task, n)  # noqa: E731
-        write_checkpoint(out, main, shard, advance)
-        if twin is not None:
-            write_checkpoint(twin, twin_entries, shard, advance)
-
-    cov = _coverage(arch, preset, twin or out, text, writer, table)
-    console.print(f"routing {routing}: {routing_mod.summary(cov)}", highlight=False, markup=False)
 
 
 def _coverage(arch: str, preset: Preset, model_dir: Path, text, writer, table) -> list[routing_mod.Coverage]:

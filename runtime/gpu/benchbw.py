@@ -157,6 +157,7 @@ def run_bench(*, hidden: int = 2048, inter: int = 512, top_k: int = 8, pool_gib:
     def staged_records(offset=0):
         for i in range(n_copy):
             up.upload(i, host_pool[(offset + i * 13) % count])
+        up.fence()  # uploads are issued by the staging thread
 
     res["h2d_expert_staged"] = _rate(n_copy * layout.stride, staged_records, iters=5, cuda=True)
     if registered_mmap:  # opt-in: pins file pages; not yet seen working on every VM
@@ -181,6 +182,7 @@ def run_bench(*, hidden: int = 2048, inter: int = 512, top_k: int = 8, pool_gib:
         moe([host_pool[int(e)] for e in pick], groups, pair_tok, pair_w, x)
 
     res["cpu_expert"] = _rate(top_k * layout.payload_bytes, cpu_step, iters=max(20, int(seconds * 50)), cuda=False)
+    res["cpu_fixed_s"], res["cpu_per_expert_s"] = _cpu_call_line(moe, host_pool, count, x, rng)
     res["cpu_backend"] = moe.backend
 
     say("PCIe fetches and CPU experts at the same time")
@@ -203,6 +205,7 @@ def run_bench(*, hidden: int = 2048, inter: int = 512, top_k: int = 8, pool_gib:
     torch.cuda.synchronize()
     stop.set()
     th.join()
+    up.close()
     dt = time.perf_counter() - t0
     res["concurrent_pcie"] = fetched * layout.stride / dt / 1e9
     res["concurrent_cpu"] = cpu_done[0] * top_k * layout.payload_bytes / dt / 1e9
@@ -221,7 +224,26 @@ def run_bench(*, hidden: int = 2048, inter: int = 512, top_k: int = 8, pool_gib:
         "b_pcie": b_p * 1e9,
         "b_cpu": b_c * 1e9,
         "fetch_share": b_p / (b_p + b_c) if b_p + b_c > 0 else 0.0,
+        "cpu_fixed_s": res["cpu_fixed_s"],
     }
+
+
+def _cpu_call_line(moe, host_pool, count: int, x, rng) -> tuple[float, float]:
+    """(fixed, per-expert) seconds of one batch-1 CPU kernel call, least squares over calls with 1..8 experts
+    (medians of back-to-back calls, like decode: the worker team stays warm between them)."""
+    ns, ts = [], []
+    for n in (1, 2, 4, 8):
+        groups, tok, w = [np.array([j]) for j in range(n)], np.zeros(n, np.int64), np.full(n, 1.0 / n, np.float32)
+        times = []
+        for _ in range(30):
+            recs = [host_pool[int(e)] for e in rng.choice(count, n, replace=False)]
+            t = time.perf_counter()
+            moe(recs, groups, tok, w, x)
+            times.append(time.perf_counter() - t)
+        ns.append(n)
+        ts.append(float(np.median(times)))
+    per, fixed = np.polyfit(ns, ts, 1)
+    return max(0.0, float(fixed)), max(1e-9, float(per))
 
 
 def save_profile(prof: dict, path: Path | None = None) -> Path:

@@ -25,7 +25,7 @@ from .sizing import plan_vram, resolve_budget, state_bytes
 log = logging.getLogger("ft.gpu")
 
 
-def gpu_experts_supported(reader: FtwReader) -> str | None:
+def unsupported_reason(reader: FtwReader) -> str | None:
     """None if the GPU scheduler can serve this FTW, else why not (only NVFP4 expert banks have GPU kernels)."""
     scheme = (reader.quant or {}).get("experts")
     if scheme != "nvfp4":
@@ -61,8 +61,8 @@ def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, m
     opts = offload or OffloadConfig(mode="hybrid", vram_budget=budget)
     if opts.vram_budget is None and budget is not None:
         opts = dataclasses.replace(opts, vram_budget=budget)
+    before = torch.cuda.memory_allocated(dev) if cuda else 0  # routers (prefetch) count as dense weights too
     experts = GpuExperts(reader, opts, device=str(dev), profile=load_profile(dev.index or 0) if cuda else None)
-    before = torch.cuda.memory_allocated(dev) if cuda else 0
     model = load_model(reader, device=str(dev), experts=experts)
     dense = torch.cuda.memory_allocated(dev) - before if cuda else _weight_bytes(model)
     per_token, per_seq = state_bytes(model.config, model.dtype)

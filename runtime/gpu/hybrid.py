@@ -2,9 +2,9 @@
 
 Per MoE layer call (decode: few tokens):
  1. routing comes to the host; the slot table splits the routed experts into hits and misses;
- 2. of the M misses, F = fetch share (min-wait rounding of q = B_pcie / (B_pcie + B_cpu), refined online) are
-    admitted into slots (evicting by the cache policy) and uploaded on the copy stream; the other M - F are handed
-    first to a CPU worker thread that runs the NVFP4 CPU kernel straight on the mmapped records;
+ 2. of the M misses, F (min-wait under fixed + per-expert cost lines of both paths, see `split`) are admitted
+    into slots (evicting by the cache policy) and uploaded on the copy stream; the other M - F are handed first
+    to a CPU worker thread that runs the NVFP4 CPU kernel straight on the mmapped records;
  3. the GPU kernel runs over hits + fetched experts after the copy fence; the CPU partial sum is added on arrival.
     Both partial sums cover disjoint (token, expert) pairs, so their sum is the full mixture;
  4. layer l+1's router applied to this layer's input predicts its experts; up to `prefetch_max` missing ones are
@@ -14,6 +14,8 @@ Prefill calls (many tokens) compute hits from the cache and stream each miss onc
 
 `device="cpu"` runs the same scheduler on a CPU "pool" with the PyTorch reference as the GPU side (tests, emulation).
 Decode is not captured in CUDA graphs: each call brings the routing to the host (one sync per MoE layer).
+Uploads go through the uploader's staging thread (see `transfer`); with `pin_host_bytes` the expert banks are
+page-locked in place so fetches skip the staging copy.
 """
 
 from __future__ import annotations
@@ -28,11 +30,13 @@ from ft.formats import FtwReader
 
 from .cpu_nvfp4 import CpuMoe
 from .expert_cache import ExpertCache, plan_num_slots
+from .hybrid_stats import experts_stats, reset_experts_stats
 from .moe_reference import moe_ref
 from .offload_config import OffloadConfig
+from .pinning import pin_banks
 from .prefetch import NextLayerPredictor
 from .record_layout import RecordLayout
-from .split import SplitEstimator
+from .split import SplitEstimator, split_from_profile
 from .transfer import CudaUploader, HostUploader
 
 DEFAULT_B_PCIE = 25e9  # used only when neither options nor a bench profile give bandwidths
@@ -54,9 +58,8 @@ class GpuExperts:
         bad = sorted(set(opts.cpu_layers) - set(self.moe_layers))
         if bad:
             raise ValueError(f"cpu_layers {bad} are not MoE layers (MoE layers: {self.moe_layers})")
-        b_p = opts.b_pcie or (profile or {}).get("b_pcie") or DEFAULT_B_PCIE
-        b_c = opts.b_cpu or (profile or {}).get("b_cpu") or DEFAULT_B_CPU
-        self.split = SplitEstimator.from_bandwidths(self.layout.payload_bytes, b_p, b_c, fixed=not opts.adapt)
+        self.profile = profile or {}
+        self.split = self._make_split(pinned=False)
         self.cpu = CpuMoe(self.layout, threads=opts.cpu_threads)
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-cpu-moe")
         routers = {i: reader.tensor(f"layers.{i}.mlp.gate.weight").to(self.device) for i in self.moe_layers}
@@ -67,17 +70,28 @@ class GpuExperts:
         self.counters = dict.fromkeys(("calls", "tokens", "pairs", "hits", "misses", "fetched", "cpu_experts",
                                        "bytes_h2d", "bytes_cpu", "prefill_calls", "prefill_streamed"), 0)
         self.counters["cpu_seconds"] = 0.0
+        self.per_layer = np.zeros((4, self.L), np.int64)  # hits, misses, fetched, cpu-computed per layer
+        self.vram_plan = None  # set by the engine when it sized the pool from a VRAM budget
+        self.pin_info: dict = {}
+        self._stage_seen = 0.0
+
+    def _make_split(self, *, pinned: bool) -> SplitEstimator:
+        return split_from_profile(self.opts, self.profile, self.layout.payload_bytes, pinned=pinned,
+                                  default_b_pcie=DEFAULT_B_PCIE, default_b_cpu=DEFAULT_B_CPU)
 
     # ---- allocation --------------------------------------------------------------------------------------
-    def allocate(self) -> None:
-        """Size and allocate the slot pool (+ two prefill buffers); preload resident / static layers."""
+    def allocate(self, num_slots: int | None = None) -> None:
+        """Size and allocate the slot pool (+ two prefill buffers); preload resident / static layers.
+        `num_slots` (the engine's VRAM plan) overrides the options' sizing."""
         o, stride = self.opts, self.layout.stride
         extra = 2 * o.prefill_slots
         gpu_layers = [i for i in self.moe_layers if i not in o.cpu_layers]
         if o.mode in ("resident", "static"):
             n = len(gpu_layers) * self.E
-        elif o.num_slots is not None:
-            n = o.num_slots
+        elif num_slots is not None or o.num_slots is not None:
+            n = num_slots if num_slots is not None else o.num_slots
+        elif o.vram_budget is None:
+            raise ValueError(f"mode {o.mode} needs vram_budget or num_slots to size the expert cache")
         else:
             used = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
             n = plan_num_slots(o.vram_budget, used + extra * stride, stride, reserve=o.reserve_bytes,
@@ -88,6 +102,10 @@ class GpuExperts:
         if self.device.type == "cuda":
             self.uploader = CudaUploader(self.pool, num_staging=o.num_staging, copy_threads=o.copy_threads)
             self.compute_stream = torch.cuda.current_stream(self.device)
+            if o.mode not in ("resident", "static") and o.pin_host_bytes != 0:
+                self.pin_info = pin_banks(self.uploader, [self.banks[i] for i in gpu_layers], o.pin_host_bytes)
+                if self.pin_info["pinned_bytes"]:
+                    self.split = self._make_split(pinned=True)
         else:
             self.uploader = HostUploader(self.pool)
         if o.mode in ("resident", "static"):
@@ -110,7 +128,15 @@ class GpuExperts:
         T, k = topk_ids.shape
         if T == 0:
             return torch.zeros_like(x)
-        ids = topk_ids.to("cpu").numpy().reshape(-1)
+        o = self.opts
+        pred = None  # next layer's predicted experts ride along with this layer's routing: one host sync
+        if self.predictor is not None and self.num_slots and T < o.prefill_tokens and o.mode in ("hybrid", "offload"):
+            pred = self.predictor.predict_ids(layer, x)
+        if pred is not None:
+            both = torch.cat([topk_ids.reshape(-1), pred[1].to(topk_ids.dtype)]).to("cpu").numpy()
+            ids, pred = both[: T * k], (pred[0], both[T * k:])
+        else:
+            ids = topk_ids.to("cpu").numpy().reshape(-1)
         self._observe_timing()
         self.cache.tick()
         self.cache.observe(layer, ids, T)
@@ -132,6 +158,7 @@ class GpuExperts:
         c["hits"] += int(hit.sum())
         c["misses"] += len(misses)
         fetch, on_cpu = self._split(layer, misses)
+        self.per_layer[:, layer] += (int(hit.sum()), len(misses), len(fetch), len(on_cpu))
         future = self._submit_cpu(layer, on_cpu, ids, x, topk_weights) if len(on_cpu) else None
         slot_of = dict(zip(uniq[hit].tolist(), slots[hit].tolist()))
         for e in fetch:
@@ -141,8 +168,8 @@ class GpuExperts:
         c["fetched"] += len(fetch)
         c["bytes_h2d"] += len(fetch) * self.layout.stride
         y = self._gpu_moe(x, ids, slot_of, topk_weights)
-        if self.predictor is not None:
-            self._prefetch(layer, x)
+        if pred is not None and pred[0] not in o.cpu_layers:
+            self._prefetch(pred[0], self.predictor.rank(*pred))
         if future is not None:
             y_cpu, seconds = future.result()
             c["cpu_seconds"] += seconds
@@ -181,7 +208,11 @@ class GpuExperts:
         return self.worker.submit(job)
 
     def _gpu_moe(self, x, ids, slot_of, topk_weights, *, fence: bool = True) -> torch.Tensor:
-        pair_slots = np.array([slot_of.get(int(e), -1) for e in ids], np.int64)
+        lut = np.full(self.E, -1, np.int64)  # expert -> slot for this call (vectorised: prefill has T*k pairs)
+        if slot_of:
+            n = len(slot_of)
+            lut[np.fromiter(slot_of.keys(), np.int64, n)] = np.fromiter(slot_of.values(), np.int64, n)
+        pair_slots = lut[ids]
         if self.device.type != "cuda":
             T, k = topk_weights.shape
             return moe_ref(self.pool, self.layout, x, torch.from_numpy(pair_slots).view(T, k), topk_weights)
@@ -194,13 +225,7 @@ class GpuExperts:
             self.uploader.after_compute(self._record_compute())
         return y
 
-    def _prefetch(self, layer: int, x: torch.Tensor) -> None:
-        pred = self.predictor.predict(layer, x)
-        if pred is None:
-            return
-        nxt, experts = pred
-        if nxt in self.opts.cpu_layers or self.num_slots == 0 or self.opts.mode in ("cpu", "static", "resident"):
-            return
+    def _prefetch(self, nxt: int, experts: np.ndarray) -> None:
         budget = self.opts.prefetch_max if self.opts.prefetch_max is not None else self.k
         missing = [int(e) for e in experts if self.cache.slot_of[nxt, e] < 0][:budget]
         issued = []
@@ -259,35 +284,23 @@ class GpuExperts:
         return ev
 
     def _observe_timing(self) -> None:
+        """Feed finished copies to the fetch cost line: seconds = max(copy engine, staging memcpy) since last time."""
         n, seconds = self.uploader.timing() if self.cache is not None else (0, 0.0)
         if n:
-            stage = getattr(self.uploader, "staging_seconds", 0.0)
-            self.uploader.staging_seconds = 0.0
-            self.split.observe_fetch(n, max(seconds, stage))
+            stage = self.uploader.staging_seconds
+            self.split.observe_fetch(n, max(seconds, stage - self._stage_seen))
+            self._stage_seen = stage
 
     # ---- observability -----------------------------------------------------------------------------------
     def stats(self) -> dict:
-        c = dict(self.counters)
-        looked = c["hits"] + c["misses"]
-        c.update(
-            mode=self.opts.mode, num_slots=getattr(self, "num_slots", None), record_bytes=self.layout.stride,
-            hit_rate=c["hits"] / looked if looked else None, fetch_share=self.split.share,
-            t_fetch_us=self.split.t_fetch * 1e6, t_cpu_us=self.split.t_cpu * 1e6, cpu_backend=self.cpu.backend,
-        )
-        if self.predictor is not None:
-            c.update(self.predictor.stats())
-        return c
+        return experts_stats(self)
 
     def reset_stats(self) -> int:
         """Zero the counters (the cache keeps its contents; call after a warm-up). Returns the trace position where
         the new window starts (the trace itself is kept so that offline replays start from the same warm state)."""
-        for key in self.counters:
-            self.counters[key] = 0 if isinstance(self.counters[key], int) else 0.0
-        if self.predictor is not None:
-            p = self.predictor
-            p.issued = p.hits = p.wasted = p.predicted = p.correct = 0
-            p.pending.clear()
-        return len(self.trace)
+        return reset_experts_stats(self)
 
     def close(self) -> None:
         self.worker.shutdown(wait=True)
+        if getattr(self, "uploader", None) is not None:
+            self.uploader.close()

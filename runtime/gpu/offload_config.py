@@ -18,7 +18,8 @@ class OffloadConfig:
       static   - llama.cpp --n-cpu-moe style: `cpu_layers` always on the CPU, every other layer fully resident
       resident - every expert of every layer in VRAM (needs the budget for it)
     vram_budget: bytes the whole engine may use on the GPU (dense weights, KV, slots, prefill buffers, reserve);
-      slots get what is left when the first MoE call arrives. None: num_slots must be given (or mode resident).
+      slots get what is left when the first MoE call arrives (or what the engine's VRAM plan gives them). With
+      neither a budget nor num_slots, allocating the pool fails (modes resident and static need neither).
     """
 
     mode: str = "hybrid"
@@ -33,9 +34,11 @@ class OffloadConfig:
     prefill_slots: int = 32  # slots per prefill buffer (two buffers)
     num_staging: int = 8  # pinned staging records
     copy_threads: int = 4  # threads of the pageable -> pinned copy
+    pin_host_bytes: int | None = None  # page-lock expert banks up to this many bytes; None = half of MemAvailable
     cpu_threads: int | None = None
     b_pcie: float | None = None  # bytes/s for the initial split; None = bench profile, else defaults
     b_cpu: float | None = None
+    cpu_fixed_s: float | None = None  # fixed seconds per CPU call for the initial split; None = profile / default
     adapt: bool = True  # refine the split from measured step times
     trace_limit: int = 200_000  # routing steps kept for Belady comparisons
 
@@ -44,7 +47,7 @@ class OffloadConfig:
             raise ValueError(f"unknown offload mode {self.mode!r}; supported: {', '.join(MODES)}")
         if self.mode == "static" and not self.cpu_layers:
             raise ValueError("static mode needs cpu_layers (the MoE layers whose experts stay on the CPU)")
-        if self.mode not in ("resident", "static") and self.vram_budget is None and self.num_slots is None:
-            raise ValueError(f"mode {self.mode} needs vram_budget or num_slots")
+        if self.pin_host_bytes is not None and self.pin_host_bytes < 0:
+            raise ValueError(f"pin_host_bytes must be >= 0 (0 = no pinning), got {self.pin_host_bytes}")
         if self.prefill_slots < 1 or self.num_staging < 1:
             raise ValueError("prefill_slots and num_staging must be >= 1")

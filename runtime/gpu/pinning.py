@@ -19,18 +19,13 @@ def clear_cuda_error() -> None:
     """Reset the CUDA runtime's sticky last-error after a refused cudaHostRegister (torch's next kernel-launch check
     would report it otherwise). Best effort: finds the libcudart this process already loaded."""
     if not _CUDART:
-        lib = None
         try:
             with open("/proc/self/maps") as f:
-                paths = {line.split()[-1] for line in f if "libcudart" in line}
-            for p in sorted(paths):
-                lib = ctypes.CDLL(p)
-                break
+                paths = sorted({line.split()[-1] for line in f if "libcudart" in line})
+            _CUDART.extend(ctypes.CDLL(p) for p in paths)
         except OSError:
-            lib = None
-        _CUDART.append(lib)
-    lib = _CUDART[0]
-    if lib is not None:
+            pass
+    for lib in _CUDART:  # every runtime copy in the process (the error state is per runtime and thread)
         lib.cudaGetLastError()
 
 

@@ -27,18 +27,25 @@ class NextLayerPredictor:
     def next_layer(self, layer: int) -> int | None:
         return self.next_of.get(layer)
 
-    def predict(self, layer: int, x: torch.Tensor) -> tuple[int, np.ndarray] | None:
-        """Experts the next MoE layer will probably route x to, most popular first (None at the last layer)."""
+    def predict_ids(self, layer: int, x: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+        """(next MoE layer, its top-k expert ids for x: int64 [T*k] on x's device, no host sync), or None."""
         nxt = self.next_of.get(layer)
         if nxt is None:
             return None
         logits = x @ self.routers[nxt].to(x.dtype).T  # [T, E]
-        ids = torch.topk(logits.float(), self.top_k, dim=-1).indices.reshape(-1).cpu().numpy()
+        return nxt, torch.topk(logits.float(), self.top_k, dim=-1).indices.reshape(-1)
+
+    def rank(self, nxt: int, ids: np.ndarray) -> np.ndarray:
+        """Predicted experts of layer `nxt` from host ids, most popular first (recorded for precision stats)."""
         uniq, counts = np.unique(ids, return_counts=True)
-        order = np.argsort(-counts, kind="stable")
-        pred = uniq[order]
+        pred = uniq[np.argsort(-counts, kind="stable")]
         self._last_prediction = (nxt, set(pred.tolist()))
-        return nxt, pred
+        return pred
+
+    def predict(self, layer: int, x: torch.Tensor) -> tuple[int, np.ndarray] | None:
+        """Experts the next MoE layer will probably route x to, most popular first (None at the last layer)."""
+        p = self.predict_ids(layer, x)
+        return None if p is None else (p[0], self.rank(p[0], p[1].cpu().numpy()))
 
     def issued_for(self, layer: int, experts: list[int]) -> None:
         self.pending.setdefault(layer, set()).update(experts)

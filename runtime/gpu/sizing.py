@@ -39,6 +39,10 @@ def parse_bytes(text: str | int | float) -> int:
     return n
 
 
+def fmt_bytes(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+
+
 def state_bytes(config: ModelConfig, dtype: torch.dtype) -> tuple[int, int]:
     """(KV bytes per token, fixed bytes per sequence) of a SequenceState, measured on the meta device."""
     from ft.runtime.state import SequenceState
@@ -73,11 +77,10 @@ def plan_vram(budget: int, *, dense: int, kv: int, stride: int, prefill_slots: i
     prefill = 2 * prefill_slots * stride
     free = budget - dense - kv - prefill - reserve
     if free < 0:
-        gib = 1 << 30
         raise ValueError(
-            f"the VRAM budget {budget / gib:.2f} GiB is smaller than the fixed allocations: dense weights "
-            f"{dense / gib:.2f} GiB + KV {kv / gib:.2f} GiB + prefill buffers {prefill / gib:.2f} GiB + reserve "
-            f"{reserve / gib:.2f} GiB; raise --vram-budget / --memory-ratio or lower --kv-reserve-tokens")
+            f"the VRAM budget {fmt_bytes(budget)} is smaller than the fixed allocations: dense weights "
+            f"{fmt_bytes(dense)} + KV {fmt_bytes(kv)} + prefill buffers {fmt_bytes(prefill)} + reserve "
+            f"{fmt_bytes(reserve)}; raise --vram-budget / --memory-ratio or lower --kv-reserve-tokens")
     n = int(min(max_slots, free // stride))
     return VramPlan(budget, dense, kv, prefill, reserve, n, n * stride, max_slots)
 

@@ -39,7 +39,7 @@ def load_engine(settings: ServeSettings) -> Any:
                                   max_queued_requests=settings.max_queued_requests)
     if settings.device.startswith("cuda"):
         if "memory_ratio" in inspect.signature(Engine).parameters:
-            kwargs["memory_ratio"] = settings.memory_ratio
+            kwargs.update(memory_ratio=settings.memory_ratio, vram_budget=settings.vram_budget)
         else:
             log.warning("this engine does not size its CUDA budget by --memory-ratio; the flag has no effect")
     t0 = time.perf_counter()

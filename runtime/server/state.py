@@ -29,12 +29,15 @@ class ServeSettings:
     max_running_requests: int = 4
     max_queued_requests: int = 64
     memory_ratio: float = 0.9  # CUDA only: share of free VRAM for weights + expert cache + KV
+    vram_budget: int | None = None  # CUDA only: bytes for everything the engine allocates (overrides memory_ratio)
     keepalive_s: float = 15.0  # silence before an SSE keep-alive (OpenAI comment / Anthropic ping)
 
     def __post_init__(self) -> None:
         problems = []
         if self.api_key is not None and not self.api_key:
             problems.append("--api-key must not be empty (omit it to disable authentication)")
+        if self.vram_budget is not None and self.vram_budget <= 0:
+            problems.append(f"--vram-budget must be positive, got {self.vram_budget}")
         if not 0 < self.memory_ratio <= 1:
             problems.append(f"--memory-ratio must be in (0, 1], got {self.memory_ratio}")
         for flag, value in (("--kv-reserve-tokens", self.kv_reserve_tokens), ("--max-prefill-length",

@@ -59,3 +59,17 @@ def test_nvfp4_twin_also_guarded(tmp_path):
     with pytest.raises(SynthError, match="q-twin exists and is not empty"):
         synth("qwen3_moe", "tiny", tmp_path / "q", quant="nvfp4")
     assert not (tmp_path / "q").exists()
+
+
+def test_no_twin_writes_the_quantized_checkpoint_alone(tmp_path):
+    res = runner.invoke(app, ["synth", "--arch", "qwen3_moe", "--preset", "tiny", "--quant", "nvfp4", "--layers", "1",
+                              "--no-twin", "--out", str(tmp_path / "q")])
+    assert res.exit_code == 0, res.output
+    assert "OK" in res.output and "-twin" not in res.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]  # no twin, no temporary directory left behind
+    synth("qwen3_moe", "tiny", tmp_path / "ref", quant="nvfp4", num_layers=1)
+    assert (tmp_path / "ref-twin").is_dir()
+    names = sorted(p.name for p in (tmp_path / "ref").iterdir())
+    assert "hf_quant_config.json" in names and sorted(p.name for p in (tmp_path / "q").iterdir()) == names
+    for f in names:  # the same quantized checkpoint, byte for byte, with or without its twin
+        assert (tmp_path / "q" / f).read_bytes() == (tmp_path / "ref" / f).read_bytes(), f

@@ -12,7 +12,7 @@ from ft.runtime.gpu.hybrid import GpuExperts
 from ft.runtime.gpu.moe_reference import moe_ref
 from ft.runtime.gpu.offload_config import OffloadConfig
 from ft.runtime.gpu.record_layout import RecordLayout
-from ft.runtime.gpu.split import SplitEstimator, fetch_count, optimal_share
+from ft.runtime.gpu.split import AffineCost, SplitEstimator, fetch_count, optimal_share
 
 from .gpu_fixtures import rel_err, tiny_moe_ftw
 
@@ -44,7 +44,8 @@ def _calls(n, T, seed, skew=None):
 
 @pytest.mark.parametrize("mode", ["hybrid", "offload", "cpu"])
 def test_hybrid_output_is_the_full_mixture(reader, mode):
-    ex = GpuExperts(reader, OffloadConfig(mode=mode, num_slots=5, b_pcie=1e9, b_cpu=1e9, prefetch=False),
+    ex = GpuExperts(reader, OffloadConfig(mode=mode, num_slots=5, b_pcie=1e9, b_cpu=1e9, cpu_fixed_s=0.0,
+                                          prefetch=False),
                     device="cpu")
     for layer, x, ids, w in _calls(12, 2, seed=1):
         y = ex(layer, x, ids, w)
@@ -65,7 +66,8 @@ def test_hybrid_output_is_the_full_mixture(reader, mode):
 
 def test_partial_sums_merge_exactly(reader):
     # fp32 view: the hybrid sum of disjoint partial sums equals the one-device sum up to fp32 rounding
-    ex = GpuExperts(reader, OffloadConfig(mode="hybrid", num_slots=3, b_pcie=1e9, b_cpu=1e9, prefetch=False),
+    ex = GpuExperts(reader, OffloadConfig(mode="hybrid", num_slots=3, b_pcie=1e8, b_cpu=1e8, cpu_fixed_s=0.0,
+                                          prefetch=False),
                     device="cpu")
     x = torch.randn(3, H).to(torch.float32)
     ids = torch.tensor([[0, 1], [2, 3], [1, 4]])
@@ -126,19 +128,36 @@ def test_split_math():
     assert fetch_count(10, 1.0, 0.5) == 3
     assert fetch_count(10, 1.0, 1.0, cap=2) == 2
     assert fetch_count(0, 1.0, 1.0) == 0
-    est = SplitEstimator.from_bandwidths(1000, 1000.0, 3000.0, alpha=0.5)
+    est = SplitEstimator.from_bandwidths(1000, 1000.0, 3000.0, alpha=0.5, cpu_fixed_s=0.0)
     assert est.share == pytest.approx(0.25)
-    est.observe_cpu(1, 3.0)  # the CPU turned out 9x slower than the profile said
+    est.observe_cpu(8, 8 * 3.0)  # the CPU turned out 9x slower per expert than the profile said
     assert est.share > 0.25
     fixed = SplitEstimator.from_bandwidths(1000, 1000.0, 3000.0, fixed=True)
-    fixed.observe_cpu(1, 3.0)
+    fixed.observe_cpu(8, 24.0)
     assert fixed.share == pytest.approx(0.25)
+
+
+def test_affine_split_keeps_small_steps_off_a_cpu_with_fixed_cost():
+    # per expert the CPU is 3x faster, but each CPU call costs 5 fetches' worth of fixed time
+    est = SplitEstimator.from_bandwidths(1000, 1000.0, 3000.0, fetch_fixed_s=0.0, cpu_fixed_s=5.0)
+    assert est.count(4) == 4  # max(4, 0) beats any split (the CPU side alone would take > 5)
+    assert 0 < est.count(64) < 64  # enough misses: the CPU takes a share again
+    assert fetch_count(64, 1.0, 1 / 3, fixed_cpu=5.0) == est.count(64)
+
+
+def test_affine_fit_recovers_fixed_and_per_expert_cost():
+    cost = AffineCost(fixed=0.0, per=1.0, decay=0.9)
+    for n in [1, 2, 4, 8, 3, 6] * 20:
+        cost.observe(n, 0.5 + 0.1 * n)  # true line: 0.5 s + 0.1 s per expert
+    assert cost.fixed == pytest.approx(0.5, rel=0.05) and cost.per == pytest.approx(0.1, rel=0.05)
+    cost.observe(3, float("nan"))  # ignored
+    assert cost(0) == 0.0 and cost(2) == pytest.approx(0.7, rel=0.05)
 
 
 def test_bad_options_refused(reader):
     with pytest.raises(ValueError, match="unknown offload mode"):
         OffloadConfig(mode="magic", num_slots=1)
     with pytest.raises(ValueError, match="needs vram_budget or num_slots"):
-        OffloadConfig(mode="hybrid")
+        GpuExperts(reader, OffloadConfig(mode="hybrid"), device="cpu").allocate()
     with pytest.raises(ValueError, match="not MoE layers"):
         GpuExperts(reader, OffloadConfig(mode="static", cpu_layers=(7,)), device="cpu")

@@ -1,0 +1,46 @@
+"""Counters of `GpuExperts` as one JSON-ready dict (what `engine.stats()["moe"]`, /v1/stats and `ft ctl cache` show).
+
+Totals: calls, tokens, routed pairs, hits / misses (unique experts per layer call), fetched vs CPU-computed misses,
+bytes over PCIe (demand + prefetch + prefill streaming) and read by the CPU kernel, prefetch accounting, the split's
+current cost lines, upload-path figures (records DMA'd straight from pinned banks vs staged) and the VRAM plan.
+`per_layer` holds lists over the MoE layers (layer ids in `per_layer["layer"]`).
+"""
+
+from __future__ import annotations
+
+
+def experts_stats(ex) -> dict:
+    c = dict(ex.counters)
+    looked = c["hits"] + c["misses"]
+    c.update(mode=ex.opts.mode, num_slots=getattr(ex, "num_slots", None), record_bytes=ex.layout.stride,
+             hit_rate=c["hits"] / looked if looked else None, cpu_backend=ex.cpu.backend, cpu_threads=ex.cpu.threads)
+    c.update(ex.split.stats())
+    up = getattr(ex, "uploader", None)
+    if up is not None:
+        c.update(uploads=up.copies, uploads_direct=up.direct_copies, staging_seconds=up.staging_seconds,
+                 pinned_bytes=up.pinned_bytes)
+    if ex.pin_info:
+        c["pin_refused"] = ex.pin_info.get("pin_refused")
+    if ex.predictor is not None:
+        c.update(ex.predictor.stats())
+    if ex.vram_plan is not None:
+        c["vram"] = ex.vram_plan.as_dict()
+    rows = ex.moe_layers
+    c["per_layer"] = {"layer": list(rows), **{name: ex.per_layer[i, rows].tolist() for i, name in
+                                             enumerate(("hits", "misses", "fetched", "cpu_experts"))}}
+    return c
+
+
+def reset_experts_stats(ex) -> int:
+    for key in ex.counters:
+        ex.counters[key] = 0 if isinstance(ex.counters[key], int) else 0.0
+    ex.per_layer[:] = 0
+    up = getattr(ex, "uploader", None)
+    if up is not None:
+        up.copies = up.direct_copies = 0
+        up.staging_seconds = ex._stage_seen = 0.0
+    if ex.predictor is not None:
+        p = ex.predictor
+        p.issued = p.hits = p.wasted = p.predicted = p.correct = 0
+        p.pending.clear()
+    return len(ex.trace)

@@ -1,0 +1,138 @@
+"""The engine with the GPU expert scheduler (CPU emulation path): VRAM sizing, counters under stats()["moe"],
+and the byte-count parser behind --vram-budget."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from ft.formats import FtwReader
+from ft.runtime.engine import Engine, SamplingParams, generate
+from ft.runtime.gpu.engine_setup import _weight_bytes
+from ft.runtime.gpu.offload_config import OffloadConfig
+from ft.runtime.gpu.sizing import parse_bytes, plan_vram, state_bytes
+from ft.runtime.state import SequenceState
+
+GIB = 1 << 30
+
+
+def test_parse_bytes():
+    assert parse_bytes("8GiB") == 8 * GIB
+    assert parse_bytes("12e9") == 12_000_000_000
+    assert parse_bytes("12 GB") == 12_000_000_000
+    assert parse_bytes("1.5GiB") == 3 * GIB // 2
+    assert parse_bytes("512MiB") == 512 << 20
+    assert parse_bytes(4096) == 4096
+    for bad in ("eight", "8 parsecs", "-1GiB", "0", "0.1"):
+        with pytest.raises(ValueError):
+            parse_bytes(bad)
+
+
+def test_plan_vram_math():
+    p = plan_vram(10_000, dense=3_000, kv=1_000, stride=100, prefill_slots=2, reserve=500, max_slots=1_000)
+    assert p.prefill_buffers == 400 and p.num_slots == (10_000 - 3_000 - 1_000 - 400 - 500) // 100 == 51
+    assert plan_vram(10**9, dense=0, kv=0, stride=100, prefill_slots=1, reserve=0, max_slots=7).num_slots == 7
+    with pytest.raises(ValueError, match="smaller than the fixed allocations"):
+        plan_vram(4_000, dense=3_000, kv=1_000, stride=100, prefill_slots=2, reserve=500, max_slots=10)
+
+
+def test_state_bytes_match_a_real_state(ftw_for):
+    cfg = FtwReader(ftw_for("qwen3_5_moe", "nvfp4")).config
+    per_token, per_seq = state_bytes(cfg, torch.bfloat16)
+    assert per_token > 0 and per_seq > 0  # qwen3_5_moe: full-attention KV + DeltaNet state
+    for n in (1, 7, 33):
+        assert SequenceState(cfg, n, dtype=torch.bfloat16, device=torch.device("cpu")).nbytes == per_seq + n * per_token
+
+
+def _engine(ftw, **kw):
+    return Engine(ftw, device="cpu", kv_reserve_tokens=256, max_prefill_length=8, max_running_requests=2, **kw)
+
+
+def test_engine_sizes_slots_from_the_budget_and_reports_counters(ftw_for):
+    ftw = ftw_for("qwen3_5_moe", "nvfp4")
+    ref = _engine(ftw)
+    probe = _engine(ftw, offload=OffloadConfig(mode="hybrid", num_slots=1, prefetch=False, b_pcie=1e9, b_cpu=1e9))
+    ex = probe._experts
+    stride, E, L = ex.layout.stride, ex.E, len(ex.moe_layers)
+    dense = _weight_bytes(probe.model)
+    probe.close()
+    per_token, per_seq = state_bytes(ref.config, ref.model.dtype)
+    kv, fixed = 256 * per_token + 2 * per_seq, 2 * 32 * stride + (1 << 20)
+    budget = dense + kv + fixed + 11 * stride + stride // 2  # room for 11 slots (out of L * E)
+    eng = _engine(ftw, vram_budget=budget, offload=OffloadConfig(mode="hybrid", prefetch=True, b_pcie=1e9,
+                                                                  b_cpu=1e9, reserve_bytes=1 << 20))
+    plan = eng._experts.vram_plan
+    assert (plan.dense, plan.kv, plan.prefill_buffers) == (dense, kv, 64 * stride)
+    assert plan.num_slots == eng._experts.num_slots == 11 < L * E
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompt = [5, 17, 3, 99, 42, 7, 11, 2, 9, 4]
+    got, exp = generate(eng, prompt, params), generate(ref, prompt, params)
+    assert len(got.token_ids) == 6 and got.token_ids[0] == exp.token_ids[0]
+    moe = eng.stats()["moe"]
+    assert moe["calls"] > 0 and moe["hits"] + moe["misses"] > 0
+    assert moe["fetched"] + moe["cpu_experts"] == moe["misses"]
+    per = moe["per_layer"]
+    assert per["layer"] == eng._experts.moe_layers
+    for key in ("hits", "misses", "fetched", "cpu_experts"):
+        assert sum(per[key]) == moe[key]
+    assert moe["vram"]["num_slots"] == plan.num_slots and "prefetch_issued" in moe
+    assert "moe" not in ref.stats()
+    eng.close()
+
+
+def test_engine_goes_resident_when_everything_fits_and_refuses_too_small(ftw_for):
+    ftw = ftw_for("qwen3_5_moe", "nvfp4")
+    with pytest.raises(ValueError, match="smaller than the fixed allocations"):
+        _engine(ftw, vram_budget=1 << 20, offload=OffloadConfig(mode="hybrid", vram_budget=1 << 20))
+    assert "moe" not in _engine(ftw, vram_budget=64 * GIB).stats()  # CPU without `offload`: plain CPU experts
+    eng = Engine(ftw, device="cpu", vram_budget=64 * GIB, memory_ratio=0.9,
+                 offload=OffloadConfig(mode="resident", prefetch=False))
+    ex = eng._experts
+    assert ex.num_slots == len(ex.moe_layers) * ex.E and ex.vram_plan.cached_fraction == 1.0
+    out = generate(eng, [3, 4, 5], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    assert len(out.token_ids) == 3 and eng.stats()["moe"]["misses"] == 0
+    assert np.all(np.asarray(eng.stats()["moe"]["per_layer"]["hits"]) > 0)
+    eng.close()
+
+
+def test_cli_flags_are_checked(ftw_for):
+    from typer.testing import CliRunner
+
+    from ft.cli.main import app
+
+    ftw = str(ftw_for("qwen3_5_moe", "nvfp4"))
+    res = CliRunner().invoke(app, ["generate", "--ftw", ftw, "--token-ids", "1,2", "--vram-budget", "lots"])
+    assert res.exit_code == 1 and "byte count" in res.output
+    res = CliRunner().invoke(app, ["generate", "--ftw", ftw, "--token-ids", "1,2", "--memory-ratio", "1.5"])
+    assert res.exit_code == 1 and "--memory-ratio" in res.output
+    if not torch.cuda.is_available():
+        res = CliRunner().invoke(app, ["generate", "--ftw", ftw, "--token-ids", "1,2", "--device", "cuda"])
+        assert res.exit_code == 1 and "no CUDA GPU" in res.output
+    pytest.importorskip("fastapi")  # `ft serve` needs the server extras
+    res = CliRunner().invoke(app, ["serve", "--ftw", ftw, "--vram-budget", "-3GiB"])
+    assert res.exit_code == 2 and "byte count" in res.output
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_engine_resident_and_hybrid(ftw_for):
+    ftw = ftw_for("qwen3_5_moe", "nvfp4")
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompt = [5, 17, 3, 99, 42, 7, 11, 2, 9, 4]
+    exp = generate(_engine(ftw), prompt, params)
+    kw = dict(device="cuda", kv_reserve_tokens=256, max_prefill_length=8, max_running_requests=2)
+    eng = Engine(ftw, memory_ratio=0.5, **kw)  # a tiny model: everything fits -> resident
+    plan, ex = eng._experts.vram_plan, eng._experts
+    assert ex.opts.mode == "resident" and plan.dense > 0
+    got = generate(eng, prompt, params)
+    assert got.token_ids[0] == exp.token_ids[0] and eng.stats()["moe"]["misses"] == 0
+    eng.close()
+    budget = plan.dense + plan.kv + plan.prefill_buffers + plan.reserve + 5 * ex.layout.stride + 4096
+    eng = Engine(ftw, vram_budget=budget, **kw)
+    ex2 = eng._experts  # allocator rounding moves the measured dense bytes a little between loads
+    assert ex2.opts.mode == "hybrid" and ex2.num_slots == ex2.vram_plan.num_slots and 4 <= ex2.num_slots <= 7
+    got = generate(eng, prompt, params)
+    moe = eng.stats()["moe"]
+    assert got.token_ids[0] == exp.token_ids[0] and moe["misses"] > 0
+    assert moe["fetched"] + moe["cpu_experts"] == moe["misses"] and moe["uploads"] >= moe["fetched"]
+    eng.close()

@@ -1,0 +1,72 @@
+"""Upload paths: bank ranges for page-locking, the pinning allowance, and (on CUDA) the staging thread and direct
+DMA from registered memory landing byte-identical records in their slots."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ft.formats import FtwReader
+from ft.runtime.gpu.pinning import bank_range, pin_banks
+from ft.runtime.gpu.transfer import HostUploader
+
+from .gpu_fixtures import tiny_moe_ftw
+
+
+@pytest.fixture(scope="module")
+def reader(tmp_path_factory):
+    return FtwReader(tiny_moe_ftw(tmp_path_factory.mktemp("xfer") / "m.ftw", experts=8, top_k=2, hidden=64))
+
+
+def test_bank_range_covers_exactly_the_records(reader):
+    bank = reader.bank("layers.1.mlp.experts")
+    base, nbytes = bank_range(bank)
+    assert base == bank.record(0).data_ptr() and nbytes == bank.num_experts * bank.stride
+    assert bank.record(bank.num_experts - 1).data_ptr() + bank.stride == base + nbytes
+
+
+class _Recorder(HostUploader):
+    """Accepts registrations (to test the allowance logic without a GPU)."""
+
+    def __init__(self, accept: bool):
+        super().__init__(torch.empty(0, 1, dtype=torch.uint8))
+        self.accept, self.ranges = accept, []
+
+    def register(self, base: int, nbytes: int) -> bool:
+        if self.accept:
+            self.ranges.append((base, nbytes))
+        return self.accept
+
+
+def test_pin_banks_respects_the_allowance(reader):
+    banks = [reader.bank(f"layers.{i}.mlp.experts") for i in range(3)]
+    size = bank_range(banks[0])[1]
+    rec = _Recorder(True)
+    info = pin_banks(rec, banks, allowance=2 * size + 1)
+    assert info["pinned_banks"] == 2 and info["pinned_bytes"] == 2 * size and len(rec.ranges) == 2
+    assert pin_banks(_Recorder(True), banks, allowance=0)["pinned_bytes"] == 0
+    refused = pin_banks(_Recorder(False), banks, allowance=None)
+    assert refused["pin_refused"] and refused["pinned_bytes"] == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_uploads_staged_and_direct_are_exact(reader):
+    from ft.runtime.gpu.transfer import CudaUploader
+
+    bank = reader.bank("layers.0.mlp.experts")
+    other = reader.bank("layers.2.mlp.experts")
+    pool = torch.zeros(2 * bank.num_experts, bank.stride, dtype=torch.uint8, device="cuda")
+    up = CudaUploader(pool, num_staging=2, copy_threads=2)
+    registered = up.register(*bank_range(bank))
+    for e in range(bank.num_experts):
+        up.upload(e, bank.record(e))
+        up.upload(bank.num_experts + e, other.record(e))
+    torch.cuda.current_stream().wait_event(up.fence())
+    for e in range(bank.num_experts):
+        assert torch.equal(pool[e].cpu(), bank.record(e))
+        assert torch.equal(pool[bank.num_experts + e].cpu(), other.record(e))
+    assert up.direct_copies == (bank.num_experts if registered else 0)
+    n, seconds = up.timing()
+    assert n <= 2 * bank.num_experts and seconds >= 0
+    up.close()
+    assert up.pinned_bytes == 0
