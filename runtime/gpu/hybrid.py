@@ -13,9 +13,8 @@ Prefill calls (many tokens) compute hits from the cache and stream each miss onc
 (double-buffered: group g+1 uploads while group g computes), never admitting them, so decode-hot slots survive.
 
 `device="cpu"` runs the same scheduler on a CPU "pool" with the PyTorch reference as the GPU side (tests, emulation).
-Decode is not captured in CUDA graphs: each call brings the routing to the host (one sync per MoE layer).
-Uploads go through the uploader's staging thread (see `transfer`); with `pin_host_bytes` the expert banks are
-page-locked in place so fetches skip the staging copy.
+No CUDA graphs: each call brings the routing (and the next layer's prediction) to the host, one sync per MoE layer.
+Uploads run on the uploader's staging thread; page-locked banks (`pin_host_bytes`) skip the staging copy.
 """
 
 from __future__ import annotations

@@ -112,6 +112,8 @@ class EngineLoop:
             log.exception("engine loop crashed")
         finally:
             self._refuse_pending()
+            if callable(getattr(self.engine, "close", None)):  # GPU scheduler threads, page-locked banks
+                self.engine.close()
 
     def _apply_commands(self) -> bool:
         changed = False

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Run tools/gpu_bench.py on a bare GPU machine that has torch/triton/transformers but cannot reach PyPI:
+# wheels carried in .whl/ go to /tmp/site, and the repo's folders are exposed under the `ft` namespace
+# (the same mapping pyproject.toml installs). All arguments go to gpu_bench.py.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+SITE=/tmp/ft-site
+mkdir -p "$SITE/ft"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+fi
+for pkg in cli formats compiler runtime; do ln -sfn "$PWD/$pkg" "$SITE/ft/$pkg"; done
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+exec python3 tools/gpu_bench.py "$@"
