@@ -69,7 +69,7 @@ def generate_command(
                         max_prefill_length=max_prefill_length, vram_budget=budget, memory_ratio=memory_ratio)
     except FtwError as e:  # structural problems, unknown family (V19), bad config
         _fail(str(e))
-    except (ValueError, NotImplementedError) as e:
+    except ValueError as e:
         _fail(f"{ftw}: {e}")
 
     try:

@@ -25,6 +25,7 @@ from ft.compiler.progress import byte_progress
 from ft.compiler.quant.modelopt import parse_quant
 from ft.compiler.safetensors_io import TensorReader
 from ft.compiler.source import Checkpoint, locate, read_json_if_exists
+from ft.compiler.source_stream import SourceStream
 from ft.formats import FtwReader, FtwWriter
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -76,17 +77,20 @@ def _compile(model: str | Path, out_dir: Path, revision: str | None, dtype: str,
     loc = locate(str(model), revision)
     _check_out(out_dir, loc.root, force)
     ck = Checkpoint.open(loc.root)
-    # sha256 of every source file on a background thread, from now until the manifest is written
-    hasher = Hasher(loc.root, source_files(loc.root, ck.weight_files))
+    # sha256 of every source file: the small metadata files on a background thread, the weight files by the
+    # stream that also serves the compile's tensor reads (each weight byte is read from disk once)
+    hasher = Hasher(loc.root, source_files(loc.root, []))
     hasher.start()
+    stream = SourceStream(loc.root, ck.weight_files)
     try:
-        return _emit(loc, ck, out_dir, hasher, dtype, dequant, force, progress)
+        return _emit(loc, ck, out_dir, hasher, stream, dtype, dequant, force, progress)
     finally:
+        stream.stop()
         hasher.stop()
 
 
-def _emit(loc, ck: Checkpoint, out_dir: Path, hasher: Hasher, dtype: str, dequant: bool, force: bool,
-          progress: bool) -> Path:
+def _emit(loc, ck: Checkpoint, out_dir: Path, hasher: Hasher, stream: SourceStream, dtype: str, dequant: bool,
+          force: bool, progress: bool) -> Path:
     family = family_for(ck.config)
     gen = read_json_if_exists(loc.root, "generation_config.json")
     cfg = family.normalize(ck.config, gen)
@@ -111,7 +115,7 @@ def _emit(loc, ck: Checkpoint, out_dir: Path, hasher: Hasher, dtype: str, dequan
     aw = AsyncWriter(w)
     try:
         with byte_progress(progress, "compile", prep.read_bytes) as advance:
-            em = Emitter(ck, aw, pol, advance)
+            em = Emitter(ck, aw, pol, advance, stream)
             em.run(prep)
             aw.drain()
         for name, data in assets.items():
@@ -122,7 +126,7 @@ def _emit(loc, ck: Checkpoint, out_dir: Path, hasher: Hasher, dtype: str, dequan
                     "skipped": prep.skipped, "ignored": prep.ignored,
                     "options": {"dtype": dtype, "dequant": dequant}}
         w.finish(config=cfg, quant=quant, tokenizer=tok_meta, generation=generation_defaults(gen, cfg),
-                 provenance=provenance(loc.source, loc.revision, hasher.result()), metadata=metadata)
+                 provenance=provenance(loc.source, loc.revision, _digests(hasher, stream)), metadata=metadata)
     except BaseException as e:
         aw.cancel()
         w.abort()
@@ -131,6 +135,10 @@ def _emit(loc, ck: Checkpoint, out_dir: Path, hasher: Hasher, dtype: str, dequan
         raise
     _verify(out_dir, progress)
     return out_dir
+
+
+def _digests(hasher: Hasher, stream: SourceStream) -> dict[str, str]:
+    return dict(sorted({**hasher.result(), **stream.digests()}.items()))
 
 
 def _verify(out_dir: Path, progress: bool) -> None:

@@ -18,6 +18,7 @@ from ft.compiler.plan import LinearItem, TensorItem
 from ft.compiler.prepare import Prepared
 from ft.compiler.safetensors_io import TensorReader
 from ft.compiler.source import Checkpoint
+from ft.compiler.source_stream import SourceStream
 
 CHUNK_BYTES = 64 << 20
 
@@ -29,9 +30,10 @@ def _chunks(rows: int, row_bytes: int):
 
 
 class Emitter:
-    def __init__(self, ck: Checkpoint, w: AsyncWriter, pol: DtypePolicy, on_read: Callable[[int], None]) -> None:
+    def __init__(self, ck: Checkpoint, w: AsyncWriter, pol: DtypePolicy, on_read: Callable[[int], None],
+                 reader: TensorReader | SourceStream | None = None) -> None:
         self.ck, self.w, self.pol, self.on_read = ck, w, pol, on_read
-        self.reader = TensorReader()
+        self.reader = reader if reader is not None else TensorReader()
         self.linears: dict[str, str] = {}  # FTW module -> quantized scheme (manifest.quant.linears)
 
     # -- reading --------------------------------------------------------------------------------

@@ -1,0 +1,162 @@
+"""The single-pass source reader: tensors served in any order equal the file's bytes, every weight file's sha256 is
+that of its bytes, whatever the window size; it falls back to buffered reads where O_DIRECT is refused and fails
+loudly on a file that shrinks under it."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from ft.compiler.errors import CheckpointError
+from ft.compiler.safetensors_io import read_header
+from ft.compiler.source_stream import SourceStream
+
+
+def _files(d: Path) -> tuple[list[str], dict[str, dict[str, torch.Tensor]]]:
+    g = torch.Generator().manual_seed(0)
+    tensors: dict[str, dict[str, torch.Tensor]] = {}
+    for f, n in (("a.safetensors", 40), ("b.safetensors", 25)):
+        # sizes straddle chunk boundaries: 1 byte to ~50 KB, several dtypes
+        tensors[f] = {f"{f[0]}.{i:03d}": torch.randint(0, 255, (int(torch.randint(1, 50_000, (1,), generator=g)),),
+                                                        dtype=torch.uint8, generator=g).view(torch.uint8)
+                      for i in range(n)}
+        tensors[f][f"{f[0]}.bf16"] = torch.randn(33, 17, generator=g).to(torch.bfloat16)
+        save_file(tensors[f], d / f)
+    return list(tensors), tensors
+
+
+def _run(d: Path, names: list[str], tensors, order_seed: int, **kw) -> SourceStream:
+    infos = {n: i for f in names for n, i in read_header(d / f).items()}
+    order = sorted(infos)
+    random.Random(order_seed).shuffle(order)
+    s = SourceStream(d, names, **kw)
+    s.expect([infos[n] for n in order])
+    want = {n: t for f in names for n, t in tensors[f].items()}
+    for n in order + order[:5]:  # re-reads (outside the plan) come last
+        got = s.read(n, infos[n])
+        assert got.dtype == want[n].dtype and torch.equal(got, want[n]), n
+    big = max(order, key=lambda n: infos[n].nbytes)
+    rows = s.read(big, infos[big], (1, 3))
+    assert torch.equal(rows, want[big][1:3])
+    digests = s.digests()
+    assert digests == {f: hashlib.sha256((d / f).read_bytes()).hexdigest() for f in names}
+    s.stop()
+    return s
+
+
+@pytest.mark.parametrize("window,chunk,seed", [(64 << 20, 8 << 20, 1), (3 * 8192, 8192, 2), (8 * 4096, 4096, 3)])
+def test_any_order_any_window(tmp_path: Path, window: int, chunk: int, seed: int) -> None:
+    names, tensors = _files(tmp_path)
+    s = _run(tmp_path, names, tensors, seed, window=window, chunk=chunk, big=window // 2)
+    if window < 1 << 20:  # a tiny window cannot hold a shuffled plan: some reads went direct, still exact
+        assert s.direct_bytes > 0
+
+
+def test_in_order_plan_reads_once(tmp_path: Path) -> None:
+    names, tensors = _files(tmp_path)
+    infos = {n: i for f in names for n, i in read_header(tmp_path / f).items()}
+    order = sorted(infos, key=lambda n: (names.index(infos[n].path.name), infos[n].begin))
+    s = SourceStream(tmp_path, names, window=12 * 8192, chunk=8192)  # > the largest tensor + 1 chunk
+    s.expect([infos[n] for n in order])
+    for n in order:
+        s.read(n, infos[n])
+    s.digests()
+    assert s.direct_bytes == 0  # file order plan: every byte came from the single pass
+
+
+def test_falls_back_when_o_direct_refused(tmp_path: Path, monkeypatch) -> None:
+    names, tensors = _files(tmp_path)
+    real_open = os.open
+
+    def no_direct(path, flags, *a):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(22, "Invalid argument")
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    _run(tmp_path, names, tensors, 4, window=3 * 8192, chunk=8192)
+
+
+def test_truncated_file_is_an_error(tmp_path: Path) -> None:
+    names, _ = _files(tmp_path)
+    infos = read_header(tmp_path / names[0])
+    s = SourceStream(tmp_path, names, chunk=4096, window=4 * 4096)
+    os.truncate(tmp_path / names[0], 20_000)  # shrinks after the sizes were taken
+    s.expect(list(infos.values()))
+    with pytest.raises(CheckpointError, match="a.safetensors"):
+        for n, i in infos.items():
+            s.read(n, i)
+        s.digests()
+    s.stop()
+
+
+def test_stop_before_the_end(tmp_path: Path) -> None:
+    names, _ = _files(tmp_path)
+    infos = read_header(tmp_path / names[0])
+    s = SourceStream(tmp_path, names, chunk=4096, window=2 * 4096)
+    s.expect(list(infos.values()))
+    s.stop()  # returns (the reader is blocked on a full window of pinned chunks)
+
+
+def _drop_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _cached(path: Path) -> bool:
+    """Whether the first page is in the page cache (an RWF_NOWAIT read does not block on the disk)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.preadv(fd, [bytearray(4096)], 0, os.RWF_NOWAIT) > 0
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def test_written_output_pages_dropped_oldest_first(tmp_path: Path) -> None:
+    from ft.compiler.async_writer import _drop_written
+
+    old, new = tmp_path / "a.bin", tmp_path / "b.bin"
+    for i, p in enumerate((old, new)):
+        p.write_bytes(os.urandom(1 << 20))
+        os.utime(p, ns=(10**18 + i, 10**18 + i))
+        fd = os.open(p, os.O_RDONLY)
+        os.fsync(fd)
+        os.close(fd)
+    if not (_cached(old) and _cached(new)):
+        pytest.skip("this filesystem does not keep written pages in the page cache")
+    _drop_written(tmp_path, keep=1 << 20)
+    if _cached(old):
+        pytest.skip("this filesystem ignores POSIX_FADV_DONTNEED")
+    assert _cached(new)  # the newest `keep` bytes stay for the final verify
+
+
+def test_verify_reads_uncached_output_from_disk(tmp_path: Path) -> None:
+    """The final verify's O_DIRECT path (pages not cached) reads the same bytes, and finds a flipped byte."""
+    from ftw_testlib import small_ftw
+
+    from ft.formats import FtwReader
+
+    out = small_ftw(tmp_path / "m.ftw")
+    data = out / "data-00000.ftd"
+    _drop_cache(data)
+    assert FtwReader(out).verify() == []
+    with open(data, "r+b") as f:
+        f.seek(4096)  # first byte of tensor t.bf16
+        b = f.read(1)
+        f.seek(4096)
+        f.write(bytes([b[0] ^ 0xFF]))
+    _drop_cache(data)
+    failures = FtwReader(out).verify()
+    assert len(failures) == 1 and "t.bf16" in str(failures[0])
