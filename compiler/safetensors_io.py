@@ -104,6 +104,21 @@ def _pread_into(fd: int, buf: torch.Tensor, offset: int, path: Path) -> None:
         done += n
 
 
+def byte_range(name: str, info: TensorInfo, rows: tuple[int, int] | None) -> tuple[tuple[int, ...], int, int]:
+    """(shape, file offset, nbytes) of a tensor, or of rows [r0, r1) of its first dim; refuses dtypes torch lacks."""
+    if info.dtype not in ST_DTYPES:
+        raise CheckpointError(f"{info.path.name}: tensor {name!r} has dtype {info.dtype}, which torch cannot "
+                              f"hold; supported: {supported(ST_DTYPES)}")
+    shape, begin, nbytes = info.shape, info.begin, info.nbytes
+    if rows is not None:
+        r0, r1 = rows
+        if not shape or not 0 <= r0 <= r1 <= shape[0]:
+            raise CheckpointError(f"{info.path.name}: rows {rows} out of range for {name!r} {list(shape)}")
+        row_bytes = nbytes // shape[0] if shape[0] else 0
+        shape, begin, nbytes = (r1 - r0, *shape[1:]), begin + r0 * row_bytes, (r1 - r0) * row_bytes
+    return shape, begin, nbytes
+
+
 class TensorReader:
     """Positioned reads from a set of safetensors files (one descriptor per file, opened lazily).
 
@@ -136,16 +151,7 @@ class TensorReader:
 
     def read(self, name: str, info: TensorInfo, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The tensor (or rows [r0, r1) of its first dim) as a new CPU tensor of its own dtype."""
-        if info.dtype not in ST_DTYPES:
-            raise CheckpointError(f"{info.path.name}: tensor {name!r} has dtype {info.dtype}, which torch cannot "
-                                  f"hold; supported: {supported(ST_DTYPES)}")
-        shape, begin, nbytes = info.shape, info.begin, info.nbytes
-        if rows is not None:
-            r0, r1 = rows
-            if not shape or not 0 <= r0 <= r1 <= shape[0]:
-                raise CheckpointError(f"{info.path.name}: rows {rows} out of range for {name!r} {list(shape)}")
-            row_bytes = nbytes // shape[0] if shape[0] else 0
-            shape, begin, nbytes = (r1 - r0, *shape[1:]), begin + r0 * row_bytes, (r1 - r0) * row_bytes
+        shape, begin, nbytes = byte_range(name, info, rows)
         buf = torch.empty(nbytes, dtype=torch.uint8)
         if nbytes:
             _pread_into(self._fd(info.path), buf, begin, info.path)

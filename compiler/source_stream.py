@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ft.compiler.errors import CheckpointError, supported
-from ft.compiler.safetensors_io import ST_DTYPES, TensorInfo
+from ft.compiler.errors import CheckpointError
+from ft.compiler.safetensors_io import TensorInfo, byte_range
 
 ALIGN = 4096
 
@@ -183,16 +183,7 @@ class SourceStream:
     # -- reads ---------------------------------------------------------------------------------------
     def read(self, name: str, info: TensorInfo, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """The tensor (or rows [r0, r1) of its first dim) as a new CPU tensor of its own dtype."""
-        if info.dtype not in ST_DTYPES:
-            raise CheckpointError(f"{info.path.name}: tensor {name!r} has dtype {info.dtype}, which torch cannot "
-                                  f"hold; supported: {supported(ST_DTYPES)}")
-        shape, begin, nbytes = info.shape, info.begin, info.nbytes
-        if rows is not None:
-            r0, r1 = rows
-            if not shape or not 0 <= r0 <= r1 <= shape[0]:
-                raise CheckpointError(f"{info.path.name}: rows {rows} out of range for {name!r} {list(shape)}")
-            row_bytes = nbytes // shape[0] if shape[0] else 0
-            shape, begin, nbytes = (r1 - r0, *shape[1:]), begin + r0 * row_bytes, (r1 - r0) * row_bytes
+        shape, begin, nbytes = byte_range(name, info, rows)
         idx = self._index.get((info.path, info.begin, info.end))
         fi = self._fidx.get(info.path)
         out = None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import mmap
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -21,7 +20,7 @@ from . import errors as E
 from .config import ModelConfig
 from .dtypes import torch_dtype
 from .layout import HEADER_SIZE, INDEX_NAME, MAGIC, MAX_MANIFEST_BYTES, VERSION_MAJOR, Header, xxh3_hex
-from .manifest import AssetRecord, BankRecord, Component, Manifest, parse_manifest
+from .manifest import BankRecord, Component, Manifest, parse_manifest
 
 
 def read_index(path: Path) -> dict[str, Any]:

@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
-import xxhash
 
 from .config import ModelConfig
 from .dtypes import SCHEMES, dtype_name
