@@ -211,7 +211,10 @@ class SourceStream:
             if not missing:
                 break
             passed = any(k < self._read_upto[fi] for k in missing)
-            stuck = self._waiting and all(c.hashed for c in self._chunks.values())
+            # stuck: the reader waits for space and nothing can free any (a just-freed slot does not count: the
+            # reader may not have woken yet to clear `_waiting`)
+            stuck = (self._waiting and self._held + self.chunk > self.window
+                     and all(c.hashed for c in self._chunks.values()))
             if not wait or passed or stuck or self._cancel:
                 return None
             self._cv.wait()
