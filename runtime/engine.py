@@ -1,12 +1,24 @@
-"""The engine: a FIFO of requests, a fixed KV budget, chunked prefill and continuous batching over one model.
+"""The engine: a FIFO of requests, a shared KV budget, chunked prefill and continuous batching over one model.
 
 Lifecycle of a request: `add_request` validates it against the KV budget and queues it (waiting); `step` admits
-waiting requests in arrival order while the budget and `max_running_requests` allow (strict FIFO, so a large request
-is never starved by later small ones); running requests then advance together in ONE `model.forward`: every request
-past its prompt contributes one decode token, and the oldest request still in its prompt contributes one chunk of at
-most `max_prefill_length` tokens, so a long prompt never stalls running streams. Sampled tokens become TokenEvents;
-a finished or aborted request frees its state and KV reservation at once.
+waiting requests in queue order while `max_running_requests` and the budget allow (strict FIFO, so a large request is
+never starved by later small ones). Admission reserves only what the request needs now (`ft.runtime.kv`): its
+prefill plus one token, rounded to a block, and, when others run, one block of headroom left free for their growth.
+Running requests then advance together in ONE `model.forward`: every request past its prefill contributes one decode
+token, and the oldest request still prefilling contributes one chunk of at most `max_prefill_length` tokens, so a
+long prompt never stalls running streams. Sampled tokens become TokenEvents; a finished or aborted request frees
+its state and KV reservation at once.
 
+Growth and preemption (recompute, as vLLM): before the forward, each scheduled request, oldest first, makes its
+reservation and KV buffers cover the tokens it adds. When the budget cannot, the most recently admitted running
+request is preempted: its state and reservation are freed and it goes back to the HEAD of the waiting queue.
+Re-admitted, it prefills its prompt + the output it already has, then samples its next token; nothing already sent is
+emitted again and its sampler state is untouched. The oldest running request is never preempted, so it always
+advances. One alone that still cannot grow ends with "length" (unreachable while the engine owns the whole budget).
+
+Invariants: `_running` is in admission order and `_running + _waiting` in arrival order, preempted requests included;
+`kv.used == sum of the running reservations <= kv.total`; a running state's KV capacity <= its reservation, so the
+KV memory held stays within the budget; waiting requests hold neither state nor KV.
 The engine is single-threaded: its owner applies add/abort between calls to `step`.
 """
 
@@ -39,15 +51,17 @@ class Engine:
     scheduler itself, sized from `vram_budget` bytes (dense weights, KV, buffers and expert slots all count) or, when
     it is None, `memory_ratio` x the free VRAM at start; `offload` (an OffloadConfig) picks its mode, and also runs it
     on the CPU emulation path. `max_output_tokens` clamps every request's max_tokens (a larger request is not
-    refused)."""
+    refused). `kv_block_tokens` is the step in which KV reservations grow (see `ft.runtime.kv`)."""
 
     def __init__(self, ftw_dir: str | Path | FtwReader, *, device: str = "cpu", kv_reserve_tokens: int = 8192,
                  max_prefill_length: int = 2048, max_running_requests: int = 4,
                  max_output_tokens: int = 32768, max_queued_requests: int = 64, experts: Any = None,
-                 vram_budget: int | None = None, memory_ratio: float = 0.9, offload: Any = None) -> None:
+                 vram_budget: int | None = None, memory_ratio: float = 0.9, offload: Any = None,
+                 kv_block_tokens: int = 256) -> None:
         for name, value in (("kv_reserve_tokens", kv_reserve_tokens), ("max_prefill_length", max_prefill_length),
                             ("max_running_requests", max_running_requests), ("max_output_tokens",
-                            max_output_tokens), ("max_queued_requests", max_queued_requests)):
+                            max_output_tokens), ("max_queued_requests", max_queued_requests),
+                            ("kv_block_tokens", kv_block_tokens)):
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         reader = ftw_dir if isinstance(ftw_dir, FtwReader) else FtwReader(Path(ftw_dir))
@@ -73,18 +87,18 @@ class Engine:
         self.device = torch.device(device)
         self.eos_token_ids = frozenset(self.config.eos_token_ids) | frozenset(
             self.generation_config.get("eos_token_ids") or ())
-        self.kv = KvBudget(kv_reserve_tokens, self.config.max_position_embeddings)
+        self.kv = KvBudget(kv_reserve_tokens, self.config.max_position_embeddings, kv_block_tokens)
         self.max_prefill_length = max_prefill_length
         self.max_running_requests = max_running_requests
         self.max_output_tokens = max_output_tokens
         self.max_queued_requests = max_queued_requests
-        self._waiting: deque[Request] = deque()
+        self._waiting: deque[Request] = deque()  # preempted requests come back at the head
         self._running: list[Request] = []  # admission order
         self._aborted: list[Request] = []  # abort events still to emit
         self._ids: set[str] = set()  # waiting + running
         self._counters = dict(requests_total=0, requests_finished=0, requests_aborted=0,
                               prompt_tokens_total=0, output_tokens_total=0, decode_tokens=0,
-                              prefill_tokens=0, steps=0)
+                              prefill_tokens=0, steps=0, preemptions=0)
         self._decode_s = 0.0  # time of decode-only steps
         self._prefill_s = 0.0  # time of steps that ran a prefill chunk
         self._ttfts: deque[float] = deque(maxlen=1024)
@@ -113,9 +127,10 @@ class Engine:
         if len(self._waiting) >= self.max_queued_requests:
             raise QueueFullError(f"the request queue is full ({self.max_queued_requests} waiting)")
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
+        max_tokens = min(params.max_tokens, self.max_output_tokens)
         req = Request(
-            request_id=request_id, prompt_ids=prompt_ids, params=params,
-            max_tokens=min(params.max_tokens, self.max_output_tokens), stop_token_ids=stop_ids,
+            request_id=request_id, prompt_ids=prompt_ids, params=params, max_tokens=max_tokens,
+            max_length=self.kv.max_length(len(prompt_ids), max_tokens), stop_token_ids=stop_ids,
             sampler=RequestSampler(params, prompt_ids, self.config.vocab_size, self.device),
             decoder=self.tokenizer.incremental_decoder(), stop_filter=StopStringFilter(params.stop),
         )
@@ -125,7 +140,7 @@ class Engine:
         self._counters["prompt_tokens_total"] += len(prompt_ids)
 
     def abort(self, request_id: str) -> None:
-        """Drop a waiting or running request and free its KV now; its final event comes from the next step.
+        """Drop a waiting (maybe preempted) or running request, free its KV now; its final event comes next step.
         Unknown or already finished ids are ignored (the caller may race with completion)."""
         req = next((r for r in self._running if r.request_id == request_id), None)
         if req is not None:
@@ -137,6 +152,7 @@ class Engine:
             self._waiting.remove(req)
         req.finish_reason = "abort"
         self._release(req)
+        self._ids.discard(request_id)
         self._aborted.append(req)
         self._counters["requests_aborted"] += 1
 
@@ -146,12 +162,11 @@ class Engine:
     # ---- the step -------------------------------------------------------------------------------------------
 
     def step(self) -> list[TokenEvent]:
-        """One iteration: abort events, admission, then one forward of all decodes plus at most one prefill chunk."""
+        """One iteration: abort events, admission, KV growth (may preempt), one forward: decodes + a prefill chunk."""
         events = [r.abort_event() for r in self._aborted]
         self._aborted.clear()
         self._admit()
-        decodes = [r for r in self._running if not r.is_prefilling]
-        prefill = next((r for r in self._running if r.is_prefilling), None)
+        decodes, prefill = self._schedule(events)
         if not decodes and prefill is None:
             return events
 
@@ -177,13 +192,50 @@ class Engine:
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.max_running_requests:
             req = self._waiting[0]
-            reservation = self.kv.reservation_for(req.num_prompt_tokens, req.max_tokens)
-            if not self.kv.try_reserve(req.request_id, reservation):
+            size = self.kv.rounded(req.prefill_length + 1, req.max_length)  # prefill + the first decode
+            # A block of headroom for the running requests' growth: a request just preempted is not re-admitted (and
+            # recomputed) straight away.
+            if not self.kv.try_reserve(req.request_id, size, headroom=self.kv.block if self._running else 0):
                 return  # strict FIFO: later requests wait behind the head
             self._waiting.popleft()
-            req.reservation = reservation
-            req.state = self.model.new_state(reservation)
+            req.state = self.model.new_state(req.max_length, capacity=size)
             self._running.append(req)
+
+    def _schedule(self, events: list[TokenEvent]) -> tuple[list[Request], Request | None]:
+        """This step's work (every decode, one chunk of the oldest prefilling request), each with its KV grown to
+        cover it, oldest first; may preempt (module docstring) or end a request (its event goes to `events`)."""
+        prefill = next((r for r in self._running if r.is_prefilling), None)
+        for req in list(self._running):
+            if req.state is None:  # preempted by an older request's growth in this loop
+                continue
+            if req is prefill:
+                self._secure(req, min(self.max_prefill_length, req.prefill_length - req.num_prefilled), events)
+            elif not req.is_prefilling:
+                self._secure(req, 1, events)
+        decodes = [r for r in self._running if not r.is_prefilling]
+        return decodes, (prefill if prefill is not None and prefill.state is not None else None)
+
+    def _secure(self, req: Request, num_tokens: int, events: list[TokenEvent]) -> None:
+        """Make `req`'s reservation and KV buffers hold `num_tokens` more tokens, preempting the most recently
+        admitted running requests (`req` itself last) until they do."""
+        need = req.state.length + num_tokens
+        while not self.kv.try_grow(req.request_id, need, req.max_length):
+            victim = self._running[-1]
+            if victim is req and len(self._running) == 1:
+                events.append(req.finish_event("length"))  # alone and still too long: capped by the budget
+                self._finish(req)
+                return
+            self._preempt(victim)
+            if victim is req:
+                return
+        req.state.ensure_capacity(need, at_most=self.kv.reserved(req.request_id))
+
+    def _preempt(self, req: Request) -> None:
+        assert self._running[-1] is req
+        self._release(self._running.pop())
+        req.preempt()
+        self._waiting.appendleft(req)
+        self._counters["preemptions"] += 1
 
     def _prepare_inputs(self, decodes: list[Request], prefill: Request | None) -> tuple[list[int], list]:
         """Concatenated input ids and one Segment per request: decodes first, then the prefill chunk."""
@@ -201,14 +253,15 @@ class Engine:
     def _finish(self, req: Request) -> None:
         self._running.remove(req)
         self._release(req)
+        self._ids.discard(req.request_id)
         self._counters["requests_finished"] += 1
 
     def _release(self, req: Request) -> None:
+        """Free the state and the KV reservation (the request id stays in use)."""
         if req.state is not None:
             req.state.free()
             req.state = None
         self.kv.release(req.request_id)
-        self._ids.discard(req.request_id)
 
     def _account(self, seconds: float, sampled: list[Request], num_decodes: int, num_prefill: int) -> None:
         c = self._counters
@@ -229,7 +282,7 @@ class Engine:
     def stats(self) -> dict:
         """Counters since start. decode_tok_s covers decode-only steps; prefill_tok_s the steps with a prefill chunk
         (those may also carry decodes). TTFT is measured from add_request over the last 1024 requests. "moe" holds
-        the experts implementation's own counters when it has any."""
+        the experts implementation's own counters when it has any. `preemptions`: states dropped for KV (recompute)."""
         c = self._counters
         ttfts = sorted(self._ttfts)
         out = {
@@ -241,7 +294,7 @@ class Engine:
             "prefill_tok_s": c["prefill_tokens"] / self._prefill_s if self._prefill_s else 0.0,
             "ttft_mean_s": sum(ttfts) / len(ttfts) if ttfts else None,
             "ttft_p50_s": ttfts[len(ttfts) // 2] if ttfts else None,
-            "kv_tokens_used": self.kv.used, "kv_tokens_total": self.kv.total,
+            "kv_tokens_used": self.kv.used, "kv_tokens_total": self.kv.total, "preemptions": c["preemptions"],
         }
         if callable(getattr(self._experts, "stats", None)):  # e.g. the GPU expert cache's hit/miss counters
             out["moe"] = self._experts.stats()

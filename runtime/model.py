@@ -71,8 +71,9 @@ class CausalLM(Op):
     def device(self) -> torch.device:
         return self._device
 
-    def new_state(self, max_tokens: int) -> SequenceState:
-        return SequenceState(self._config, max_tokens, dtype=self._dtype, device=self._device)
+    def new_state(self, max_tokens: int, capacity: int | None = None) -> SequenceState:
+        """A state for up to `max_tokens` tokens; KV buffers start at `capacity` (default: all) and grow on demand."""
+        return SequenceState(self._config, max_tokens, dtype=self._dtype, device=self._device, capacity=capacity)
 
     def logits_head(self, h: torch.Tensor) -> torch.Tensor:
         h = self.norm(h)

@@ -67,14 +67,15 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     max_tokens: int  # params.max_tokens clamped by the engine's max_output_tokens
+    max_length: int  # longest sequence: min(prompt + max_tokens, the engine's max context)
     stop_token_ids: frozenset[int]
     sampler: RequestSampler
     decoder: Any  # the tokenizer's IncrementalDecoder
     stop_filter: StopStringFilter
     arrival_time: float = field(default_factory=time.perf_counter)
-    reservation: int = 0  # KV tokens held (0 while waiting)
-    state: Any = None  # the model's SequenceState while running
-    num_prefilled: int = 0
+    state: Any = None  # the model's SequenceState while running (None while waiting, also after a preemption)
+    num_prefilled: int = 0  # tokens of the prefill (prompt + recomputed output) already in the state
+    num_recompute: int = 0  # output tokens to prefill again after the last preemption (they are not re-emitted)
     output_ids: list[int] = field(default_factory=list)
     first_token_time: float | None = None
     finish_reason: str | None = None
@@ -88,16 +89,32 @@ class Request:
         return len(self.output_ids)
 
     @property
+    def prefill_length(self) -> int:
+        """Tokens to prefill: the prompt, plus the output generated before the last preemption (recompute)."""
+        return len(self.prompt_ids) + self.num_recompute
+
+    @property
     def is_prefilling(self) -> bool:
-        return self.num_prefilled < len(self.prompt_ids)
+        return self.num_prefilled < self.prefill_length
 
     @property
     def max_output_tokens(self) -> int:
-        """Output tokens this request may produce: max_tokens, capped by its KV reservation."""
-        return min(self.max_tokens, self.reservation - self.num_prompt_tokens)
+        """Output tokens this request may produce: max_tokens, capped by the context (`max_length`)."""
+        return self.max_length - self.num_prompt_tokens
 
     def next_prefill_chunk(self, max_len: int) -> list[int]:
-        return self.prompt_ids[self.num_prefilled: self.num_prefilled + max_len]
+        """The next at most `max_len` tokens of prompt + recomputed output that are not in the state yet."""
+        start, end = self.num_prefilled, min(self.num_prefilled + max_len, self.prefill_length)
+        n = len(self.prompt_ids)
+        return self.prompt_ids[start:min(end, n)] + self.output_ids[max(start - n, 0):max(end - n, 0)]
+
+    def preempt(self) -> None:
+        """The engine dropped this request's state: on re-admission it prefills prompt + output so far again, then
+        samples its next token. Sampler, decoder and stop filter are kept, so nothing already sent is re-emitted and
+        penalties and the seeded generator continue where they were."""
+        self.state = None
+        self.num_prefilled = 0
+        self.num_recompute = len(self.output_ids)
 
     def accept(self, token_id: int, logprob: float | None,
                top_logprobs: list[tuple[int, float]] | None) -> TokenEvent:
@@ -124,6 +141,13 @@ class Request:
         """At the end of the output: the decoder's held-back bytes and the stop filter's held-back text."""
         text, stopped = self.stop_filter.push(self.decoder.flush())
         return (text, True) if stopped else (text + self.stop_filter.flush(), False)
+
+    def finish_event(self, reason: str) -> TokenEvent:
+        """A final event without a token (the output ends for a reason other than a sampled token)."""
+        text, stopped = self._drain()
+        self.finish_reason = "stop" if stopped else reason
+        return TokenEvent(self.request_id, None, text, None, None, self.finish_reason, self.num_prompt_tokens,
+                          self.num_output_tokens)
 
     def abort_event(self) -> TokenEvent:
         return TokenEvent(self.request_id, None, "", None, None, "abort", self.num_prompt_tokens,

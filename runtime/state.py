@@ -1,10 +1,14 @@
 """Per-sequence state and the segments of a batched forward (re-exported by `ft.runtime.model`).
 
-A `SequenceState` owns, for one sequence, preallocated buffers for `max_tokens` tokens:
-* full-attention layer i: `kv[i] = (k, v)`, each `[max_tokens, nkv, hd]` in the compute dtype;
+A `SequenceState` holds, for one sequence of at most `max_tokens` tokens:
+* full-attention layer i: `kv[i] = (k, v)`, each `[capacity, nkv, hd]` in the compute dtype;
 * linear-attention layer i: `conv[i]` `[conv_dim, K-1]` (the last K-1 conv inputs, compute dtype) and
-  `recurrent[i]` `[Hv, dk, dv]` fp32 (the DeltaNet state).
-`length` is the number of tokens already consumed; `forward` appends after it and advances it.
+  `recurrent[i]` `[Hv, dk, dv]` fp32 (the DeltaNet state), fixed size.
+`length` is the number of tokens already consumed; `forward` appends after it and advances it, and the layers write
+KV rows `[length, length + n)` into the buffers as they are, so the buffers must already hold `length + n` rows.
+By default `capacity == max_tokens` (everything preallocated: `model.new_state`, VRAM sizing). The engine starts
+smaller and calls `ensure_capacity(length + n)` before each forward, so the memory held tracks the actual length.
+Invariant: `length <= capacity <= max_tokens`.
 """
 
 from __future__ import annotations
@@ -18,16 +22,21 @@ from ft.formats.config import ModelConfig
 
 
 class SequenceState:
-    def __init__(self, config: ModelConfig, max_tokens: int, *, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, config: ModelConfig, max_tokens: int, *, dtype: torch.dtype, device: torch.device,
+                 capacity: int | None = None) -> None:
         if max_tokens <= 0:
             raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+        capacity = max_tokens if capacity is None else capacity
+        if not 0 <= capacity <= max_tokens:
+            raise ValueError(f"capacity must be in [0, max_tokens={max_tokens}], got {capacity}")
         self.config = config
         self.max_tokens = max_tokens
         self.length = 0
+        self._capacity = capacity
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.conv: dict[int, torch.Tensor] = {}
         self.recurrent: dict[int, torch.Tensor] = {}
-        kv_shape = (max_tokens, config.num_kv_heads, config.head_dim)
+        kv_shape = (capacity, config.num_kv_heads, config.head_dim)
         conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim + \
             config.linear_num_value_heads * config.linear_value_head_dim
         rec_shape = (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
@@ -46,6 +55,32 @@ class SequenceState:
         return self._freed
 
     @property
+    def capacity(self) -> int:
+        """Tokens the full-attention KV buffers hold now."""
+        return self._capacity
+
+    def ensure_capacity(self, num_tokens: int, *, at_most: int | None = None) -> None:
+        """Make the KV buffers hold at least `num_tokens` rows: no-op if they do, else grow them to
+        min(max(num_tokens, 2 x capacity), max_tokens, at_most), copying the `length` filled rows (one layer at a
+        time, so the transient extra memory is one layer's old buffers)."""
+        if self._freed:
+            raise ValueError("the state was freed")
+        if num_tokens <= self._capacity:
+            return
+        limit = self.max_tokens if at_most is None else min(at_most, self.max_tokens)
+        if num_tokens > limit:
+            raise ValueError(f"{num_tokens} tokens exceed the state's limit {limit} (max_tokens {self.max_tokens})")
+        new = min(max(num_tokens, 2 * self._capacity), limit)
+        for i, pair in self.kv.items():
+            grown = []
+            for old in pair:
+                buf = old.new_empty((new, *old.shape[1:]))  # rows past `length` are never read
+                buf[: self.length] = old[: self.length]
+                grown.append(buf)
+            self.kv[i] = (grown[0], grown[1])
+        self._capacity = new
+
+    @property
     def nbytes(self) -> int:
         tensors = [t for pair in self.kv.values() for t in pair] + [*self.conv.values(), *self.recurrent.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -56,7 +91,7 @@ class SequenceState:
         self._freed = True
 
     def __repr__(self) -> str:
-        status = "freed" if self._freed else f"{self.length}/{self.max_tokens} tokens"
+        status = "freed" if self._freed else f"{self.length}/{self._capacity}/{self.max_tokens} tokens"
         return f"SequenceState({status})"
 
 

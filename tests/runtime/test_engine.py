@@ -61,13 +61,28 @@ def test_kv_budget_messages_reservations_and_release():
     small_ctx = KvBudget(8192, max_position_embeddings=100)
     with pytest.raises(ContextOverflowError, match="prompt is 100 tokens; the model's context is 100 tokens"):
         small_ctx.check_prompt(100)
-    assert kv.reservation_for(100, 50) == 150
-    assert kv.reservation_for(8000, 1000) == 8192  # capped: output ends early with "length"
-    assert small_ctx.reservation_for(90, 50) == 100
+    assert kv.max_length(100, 50) == 150
+    assert kv.max_length(8000, 1000) == 8192  # capped: output ends early with "length"
+    assert small_ctx.max_length(90, 50) == 100
+    assert kv.block == 256 and KvBudget(64, 100).block == 8 and KvBudget(4, 100).block == 1
+    assert kv.rounded(101, 10_000) == 256 and kv.rounded(256, 10_000) == 256 and kv.rounded(257, 300) == 300
     assert kv.try_reserve("a", 8000) and not kv.try_reserve("b", 200)
-    assert kv.used == 8000 and kv.free == 192
+    assert kv.used == 8000 and kv.free == 192 and kv.reserved("a") == 8000 and kv.reserved("b") == 0
     kv.release("a")
     assert kv.used == 0 and kv.try_reserve("b", 200)
+    assert not kv.try_reserve("c", 7900, headroom=100) and kv.try_reserve("c", 7900, headroom=92)
+
+
+def test_kv_budget_grows_in_blocks_then_takes_what_is_left():
+    kv = KvBudget(1024, max_position_embeddings=4096, block_tokens=100)
+    assert kv.try_reserve("a", 100) and kv.try_reserve("b", 850)
+    assert kv.try_grow("a", 100, 1000) and kv.reserved("a") == 100  # already covered: nothing changes
+    assert kv.try_grow("a", 101, 1000) and kv.reserved("a") == 174  # a whole block does not fit: what is free
+    assert not kv.try_grow("a", 175, 1000) and kv.reserved("a") == 174 and kv.used == 1024
+    kv.release("b")
+    assert kv.try_grow("a", 175, 250) and kv.reserved("a") == 200  # block boundary
+    assert kv.try_grow("a", 201, 250) and kv.reserved("a") == 250  # capped by the request's max length
+    assert kv.used == 250
 
 
 # ---- with a model ------------------------------------------------------------------------------------------------
@@ -162,15 +177,15 @@ def test_context_overflow_message_is_exact(ftw):
 
 
 def test_queue_full_and_fifo_waiting_for_kv(ftw):
-    eng = Engine(ftw, kv_reserve_tokens=64, max_queued_requests=2)
+    eng = Engine(ftw, kv_reserve_tokens=64, max_queued_requests=2)  # KV block: 8 tokens
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    eng.add_request("a", PROMPTS[2], params)  # reserves 31
-    eng.add_request("b", PROMPTS[0], params)  # needs 43: must wait for "a"
+    eng.add_request("a", [9] * 40, params)  # reserves 48 (40 + 1, rounded to a block)
+    eng.add_request("b", PROMPTS[0], params)  # needs 24 + 8 of headroom: must wait for "a"
     with pytest.raises(QueueFullError):
         eng.add_request("c", PROMPTS[1], params)
     eng.step()
     s = eng.stats()
-    assert (s["running"], s["waiting"], s["kv_tokens_used"], s["kv_tokens_total"]) == (1, 1, 31, 64)
+    assert (s["running"], s["waiting"], s["kv_tokens_used"], s["kv_tokens_total"]) == (1, 1, 48, 64)
     eng.add_request("c", PROMPTS[1], params)  # the queue has room again; c waits behind b (FIFO)
     events = _run_all(eng)
     assert [ev.finish_reason for ev in events["a"]][-1] == "length"
@@ -186,9 +201,9 @@ def test_abort_frees_kv_at_once_and_emits_final_event(engine):
     engine.step()
     engine.step()
     used = engine.stats()["kv_tokens_used"]
-    assert used == (len(PROMPTS[0]) + 50) + (len(PROMPTS[1]) + 50)
+    assert used == 32 + 32  # 23 + 1 and 5 + 1 tokens, each rounded to the 32-token block (not prompt + 50)
     engine.abort("x")
-    assert engine.stats()["kv_tokens_used"] == len(PROMPTS[1]) + 50  # before any further step
+    assert engine.stats()["kv_tokens_used"] == 32  # before any further step
     events = engine.step()
     ends = [ev for ev in events if ev.request_id == "x"]
     assert len(ends) == 1 and ends[0].finish_reason == "abort" and ends[0].token_id is None
