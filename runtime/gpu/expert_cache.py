@@ -10,6 +10,9 @@ the expected number of layer visits until its next use), estimated from compile-
 serving. With uniform routing every f is k/E and this is exactly LRU; with skewed routing hot experts survive a
 burst of cold ones. `policy="lru"` ignores frequencies.
 Slots handed out during the current call are protected from eviction (they are about to be read).
+
+`version` counts changes of `slot_of` (admit, evict); `device_table(device)` returns the device mirror of `slot_of`
+(`slot_table.DeviceSlotTable`), which re-uploads itself only when that count moved.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ class ExpertCache:
         self.last_use = np.zeros(num_slots, np.int64)
         self.protect_until = np.full(num_slots, -1, np.int64)
         self.clock = 0
+        self.version = 0  # bumped on every change of slot_of (the device mirror re-uploads when it moved)
+        self._device_tables: dict = {}  # torch.device -> DeviceSlotTable, made on first request
         # routing counts per (layer, expert) and tokens seen per layer; priors count as `prior_tokens` tokens
         self.counts = np.zeros((num_layers, num_experts), np.float64)
         self.tokens = np.zeros(num_layers, np.float64)
@@ -58,6 +63,17 @@ class ExpertCache:
     def lookup(self, layer: int, experts: np.ndarray) -> np.ndarray:
         """Slots of `experts` at `layer` (-1 for misses)."""
         return self.slot_of[layer, np.asarray(experts, np.int64)]
+
+    def device_table(self, device):
+        """The `DeviceSlotTable` mirroring `slot_of` on `device` (one per device, created on first use)."""
+        import torch
+
+        from .slot_table import DeviceSlotTable
+
+        dev = torch.device(device)
+        if dev not in self._device_tables:
+            self._device_tables[dev] = DeviceSlotTable(self, dev)
+        return self._device_tables[dev]
 
     @property
     def num_resident(self) -> int:
@@ -120,6 +136,7 @@ class ExpertCache:
         self.slot_of[layer, expert] = s
         self.last_use[s] = self.clock
         self.protect_until[s] = self.clock
+        self.version += 1
         return s, old
 
     def evict(self, slot: int) -> None:
@@ -128,6 +145,8 @@ class ExpertCache:
             self.slot_of[old // self.E, old % self.E] = -1
         self.owner[slot] = -1
         self.protect_until[slot] = -1
+        if old >= 0:
+            self.version += 1
 
     def resident_ids(self) -> np.ndarray:
         return self.owner[self.owner >= 0]

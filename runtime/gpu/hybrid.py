@@ -12,9 +12,19 @@ Per MoE layer call (decode: few tokens):
 Prefill calls (many tokens) compute hits from the cache and stream each miss once through two prefill buffers
 (double-buffered: group g+1 uploads while group g computes), never admitting them, so decode-hot slots survive.
 
-`device="cpu"` runs the same scheduler on a CPU "pool" with the PyTorch reference as the GPU side (tests, emulation).
-No CUDA graphs: each call brings the routing (and the next layer's prediction) to the host, one sync per MoE layer.
+`device="cpu"` runs the same scheduler on a CPU "pool" with the PyTorch reference as the GPU side (tests, emulation;
+`interpret=True` runs the Triton kernels under Triton's interpreter instead).
 Uploads run on the uploader's staging thread; page-locked banks (`pin_host_bytes`) skip the staging copy.
+
+Host syncs. Decode calls of fully resident layers (mode "resident", the GPU layers of mode "static", T * k <= 64)
+take the device-planned path (`device_path.py`): routing, the expert -> slot lookup (`slot_table.py`) and the kernel
+grid stay on the device, so the call issues no host sync and no data-dependent host work; `is_sync_free` says when
+(the contract for capturing decode in a CUDA graph). Everything else still brings the routing to the host, one sync
+per MoE layer call: modes hybrid / offload / cpu (cache lookup, split, LRU bookkeeping, the next layer's prediction,
+which rides along with the same copy), `cpu_layers` of mode static (CPU kernel), calls with T * k > 64 (prefill
+planning, `plan_blocks`), and `device_plan=False` (the default on device "cpu"). The first call allocates the pool
+(uploads, fence) if `allocate` was not called. Device-planned calls count calls / tokens / pairs only (no hits,
+misses, per-layer counts or trace: those need the routing on the host).
 """
 
 from __future__ import annotations
@@ -28,12 +38,14 @@ import torch
 from ft.formats import FtwReader
 
 from .cpu_nvfp4 import CpuMoe
+from .device_path import device_call, uses_device_plan
 from .expert_cache import ExpertCache, plan_num_slots
 from .hybrid_stats import experts_stats, reset_experts_stats
 from .moe_reference import moe_ref
 from .offload_config import OffloadConfig
 from .pinning import pin_banks
 from .prefetch import NextLayerPredictor
+from .prefill_stream import prefill_call
 from .record_layout import RecordLayout
 from .split import SplitEstimator, split_from_profile
 from .transfer import CudaUploader, HostUploader
@@ -44,9 +56,14 @@ DEFAULT_B_CPU = 25e9
 
 class GpuExperts:
     def __init__(self, reader: FtwReader, opts: OffloadConfig, *, device: str = "cuda",
-                 profile: dict | None = None):
+                 profile: dict | None = None, device_plan: bool | None = None, interpret: bool = False):
+        """device_plan: allow the sync-free device-planned path (see the module docstring); None = on CUDA only, so
+        the CPU emulation keeps its host-planned path and per-expert counters unless asked. interpret: on device
+        "cpu", run the Triton kernels (TRITON_INTERPRET=1 must be set before triton is imported)."""
         cfg = reader.config
         self.opts, self.device = opts, torch.device(device)
+        self.device_plan = self.device.type == "cuda" if device_plan is None else device_plan
+        self.interpret = interpret and self.device.type != "cuda"
         self.moe_layers = [i for i, t in enumerate(cfg.mlp_types) if t == "moe"]
         self.banks = {i: reader.bank(f"layers.{i}.mlp.experts") for i in self.moe_layers}
         self.layout = RecordLayout.from_bank(self.banks[self.moe_layers[0]], cfg.hidden_size, cfg.moe_intermediate_size)
@@ -115,6 +132,7 @@ class GpuExperts:
                     self.uploader.upload(s, self.banks[layer].record(e))
                 self.cache.tick()
             self._wait(self.uploader.fence())
+            self.cache.device_table(self.device).sync()  # the device-planned path's table, uploaded once
 
     def _wait(self, event) -> None:
         if event is not None:
@@ -127,6 +145,8 @@ class GpuExperts:
         T, k = topk_ids.shape
         if T == 0:
             return torch.zeros_like(x)
+        if uses_device_plan(self, layer, T):  # no host sync: routing stays on the device
+            return device_call(self, layer, x, topk_ids, topk_weights).to(x.dtype)
         o = self.opts
         pred = None  # next layer's predicted experts ride along with this layer's routing: one host sync
         if self.predictor is not None and self.num_slots and T < o.prefill_tokens and o.mode in ("hybrid", "offload"):
@@ -147,7 +167,7 @@ class GpuExperts:
         if self.predictor is not None:
             self.predictor.check(layer, uniq)
         if T >= self.opts.prefill_tokens and layer not in self.opts.cpu_layers:
-            return self._prefill(layer, x, ids, uniq, topk_weights).to(x.dtype)
+            return prefill_call(self, layer, x, ids, uniq, topk_weights).to(x.dtype)
         if len(self.trace) < self.opts.trace_limit:
             self.trace.append((layer, uniq))
         slots = self.cache.lookup(layer, uniq)
@@ -175,6 +195,19 @@ class GpuExperts:
             self.split.observe_cpu(len(on_cpu), seconds)
             y = y + y_cpu.to(self.device, non_blocking=True)
         return y.to(x.dtype)
+
+    def uses_device_plan(self, layer: int, num_tokens: int) -> bool:
+        """Whether a call of `num_tokens` tokens at `layer` keeps its routing on the device (any device)."""
+        return uses_device_plan(self, layer, num_tokens)
+
+    def is_sync_free(self, layer: int, num_tokens: int) -> bool:
+        """True when a call of `num_tokens` tokens at `layer` on the CUDA device issues no host sync and no host ->
+        device copy: the pool is allocated and the call takes the device-planned path with a clean slot table. Such
+        a call may be captured in a CUDA graph (after one warm-up call has compiled the kernels); the pool and table
+        keep their addresses, and the table stays clean: resident / static layers never admit or evict after
+        `allocate`."""
+        return (self.device.type == "cuda" and self.cache is not None and uses_device_plan(self, layer, num_tokens)
+                and not self.cache.device_table(self.device).dirty)
 
     # ---- pieces ------------------------------------------------------------------------------------------
     def _split(self, layer: int, misses: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -212,7 +245,7 @@ class GpuExperts:
             n = len(slot_of)
             lut[np.fromiter(slot_of.keys(), np.int64, n)] = np.fromiter(slot_of.values(), np.int64, n)
         pair_slots = lut[ids]
-        if self.device.type != "cuda":
+        if self.device.type != "cuda" and not self.interpret:
             T, k = topk_weights.shape
             return moe_ref(self.pool, self.layout, x, torch.from_numpy(pair_slots).view(T, k), topk_weights)
         from .nvfp4_triton import moe_nvfp4
@@ -236,44 +269,6 @@ class GpuExperts:
             issued.append(e)
         self.predictor.issued_for(nxt, issued)
         self.counters["bytes_h2d"] += len(issued) * self.layout.stride
-
-    def _prefill(self, layer, x, ids, uniq, topk_weights) -> torch.Tensor:
-        slots = self.cache.lookup(layer, uniq)
-        hit = slots >= 0
-        self.cache.touch(slots[hit])
-        self.counters["prefill_calls"] += 1
-        misses = uniq[~hit].tolist()
-        P = self.opts.prefill_slots
-        groups = [misses[i:i + P] for i in range(0, len(misses), P)]
-
-        def upload(g: int) -> None:
-            if self._prefill_done[g % 2] is not None:  # a kernel may still read this buffer
-                self.uploader.after_compute(self._prefill_done[g % 2])
-            base = self.num_slots + (g % 2) * P
-            for j, e in enumerate(groups[g]):
-                self.uploader.upload(base + j, self.banks[layer].record(int(e)))
-
-        earlier = self.uploader.fence()  # uploads issued before this call (e.g. prefetches into hit slots)
-        if groups:
-            upload(0)
-        self._wait(earlier)
-        slot_of = dict(zip(uniq[hit].tolist(), slots[hit].tolist()))
-        y = self._gpu_moe(x, ids, slot_of, topk_weights, fence=False) if slot_of else torch.zeros(
-            x.shape[0], x.shape[1], dtype=torch.float32, device=self.device)
-        for g, group in enumerate(groups):
-            ready = self.uploader.fence()
-            if g + 1 < len(groups):
-                upload(g + 1)  # overlaps with group g's kernel
-            self._wait(ready)
-            base = self.num_slots + (g % 2) * P
-            y = y + self._gpu_moe(x, ids, {e: base + j for j, e in enumerate(group)}, topk_weights, fence=False)
-            self._prefill_done[g % 2] = self._record_compute()
-        last = self._record_compute()
-        if last is not None:  # slots read here may be evicted by later decode uploads
-            self.uploader.after_compute(last)
-        self.counters["prefill_streamed"] += len(misses)
-        self.counters["bytes_h2d"] += len(misses) * self.layout.stride
-        return y
 
     def _record_compute(self):
         if self.device.type != "cuda":

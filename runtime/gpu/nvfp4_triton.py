@@ -15,6 +15,9 @@ So the kernel differs from the exact reference only by fp32 summation order.
 Codes pack element 2j in the low nibble, so the K loop splits x into even and odd columns and runs two dots of K/2
 instead of interleaving nibbles.
 
+`plan_blocks` runs on the host, so a call needs the routing there (one sync); decode calls whose experts are all
+resident use the device-planned variant in `nvfp4_decode.py` instead, which reuses this file's dequantization.
+
 The kernels are JIT-compiled by Triton at first use (one compile per tile configuration, about a second each); they
 are not yet compiled ahead into the FTW `kernels/` slot.
 """

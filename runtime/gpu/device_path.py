@@ -1,0 +1,82 @@
+"""Sync-free MoE calls of `GpuExperts`: the routing stays on the device when every routed expert is resident.
+
+A call takes this path (`uses_device_plan`) when
+  * `GpuExperts.device_plan` is on (default on CUDA; the CPU emulation opts in),
+  * the layer is an MoE layer whose experts are all preloaded and never evicted: mode "resident", or mode "static"
+    and the layer is not one of `cpu_layers`,
+  * T * k <= MAX_DEVICE_PAIRS (decode; larger calls keep the host-planned tile kernel, whose dots use tensor cores).
+Such a call counts calls / tokens / pairs only: hits, misses, per-layer counts and the routing trace need the routing
+on the host, so they stay untouched (in these modes every expert is a hit anyway). It advances the cache clock (a
+host integer), takes the layer's row of the device slot table (uploaded only when the host table changed; never after
+`allocate` in these modes) and runs the device-planned kernels of `nvfp4_decode.py`. No host sync, no `.cpu()`.
+
+On device "cpu" (emulation) the same path runs the PyTorch reference on slots gathered from the device table, or the
+Triton kernels under the interpreter when `GpuExperts.interpret` is set.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .moe_reference import moe_ref
+
+log = logging.getLogger("ft.gpu")
+
+SELF_CHECK_TOL = 1e-2  # both kernels dequantize bit-identically; they differ by fp32 summation order only
+MAX_DEVICE_PAIRS = 64  # T * k bound of the device-planned path (grid (pairs, N tiles), one pair per program)
+
+
+def uses_device_plan(ex, layer: int, num_tokens: int) -> bool:
+    """Whether `ex(layer, x [num_tokens, H], ...)` takes the device-planned path (see the module docstring)."""
+    o = ex.opts
+    return (ex.device_plan and layer in ex.banks and layer not in o.cpu_layers
+            and o.mode in ("resident", "static") and 0 < num_tokens * ex.k <= MAX_DEVICE_PAIRS)
+
+
+def device_call(ex, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """The device-planned call -> fp32 [T, H]. The caller checked `uses_device_plan`."""
+    T, k = topk_ids.shape
+    c = ex.counters
+    c["calls"] += 1
+    c["tokens"] += T
+    c["pairs"] += T * k
+    ex.cache.tick()
+    row = ex.cache.device_table(ex.device).row(layer)
+    if ex.device.type == "cuda" or ex.interpret:
+        from .nvfp4_decode import moe_nvfp4_device
+
+        if getattr(ex, "_device_plan_checked", False):
+            return moe_nvfp4_device(ex.pool, ex.layout, x, topk_ids, row, topk_weights)
+        return _first_call(ex, x, topk_ids, row, topk_weights, moe_nvfp4_device)
+    return moe_device_ref(ex.pool, ex.layout, x, topk_ids, row, topk_weights)
+
+
+def _first_call(ex, x, topk_ids, row, topk_weights, kernel) -> torch.Tensor:
+    """First device-planned call of a process: compile, then compare once with the host-planned kernel (this call
+    syncs). A kernel that fails to build or disagrees turns the path off for this `GpuExperts` (logged): a correct
+    slower decode beats a wrong fast one on a GPU/Triton combination the tests have not seen."""
+    ids = topk_ids.reshape(-1).to("cpu").numpy()
+    slots = row.to("cpu")
+    want = ex._gpu_moe(x, ids, {int(e): int(slots[int(e)]) for e in set(ids.tolist())}, topk_weights)
+    try:
+        got = kernel(ex.pool, ex.layout, x, topk_ids, row, topk_weights)
+        err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+    except Exception as e:  # noqa: BLE001 - any build/launch failure falls back to the host-planned path
+        got, err, why = None, float("inf"), f"{type(e).__name__}: {e}"
+    else:
+        why = f"relative error {err:.2e} against the host-planned kernel"
+    if got is None or not err <= SELF_CHECK_TOL:
+        log.warning("device-planned MoE decode disabled (%s); routing goes through the host", why)
+        ex.device_plan = False
+        return want
+    ex._device_plan_checked = True
+    return got
+
+
+def moe_device_ref(pool: torch.Tensor, layout, x: torch.Tensor, topk_ids: torch.Tensor, slot_row: torch.Tensor,
+                   weights: torch.Tensor) -> torch.Tensor:
+    """Reference of the device-planned kernel: slots = slot_row[topk_ids] gathered on the device, then `moe_ref`
+    (pairs with slot -1 contribute nothing). `moe_ref` itself reads slots on the host: emulation and tests only."""
+    return moe_ref(pool, layout, x, slot_row.long()[topk_ids.long()], weights)

@@ -1,0 +1,50 @@
+"""Device mirror of the expert cache's slot table, so kernels can map (layer, expert) -> slot without the host.
+
+`DeviceSlotTable.tensor` is int32 [num_layers, num_experts] on the device, -1 = not resident; row `layer` is what the
+device-planned kernel (`nvfp4_decode.py`) reads. The host table `ExpertCache.slot_of` stays the source of truth;
+`ExpertCache.version` counts its changes and `sync()` re-uploads the whole table when the count moved since the last
+upload (a few KiB to a few hundred KiB: 4 * L * E bytes), else does nothing. So:
+
+* no admit/evict since the last sync -> `sync()` is a host-side integer compare, no device work at all;
+* after changes -> one H2D copy on the current stream, issued asynchronously from pageable memory (CUDA stages the
+  bytes before the call returns, so the temporary may die; no device sync). Kernels queued later on the same stream
+  see the new table; kernels queued earlier see the old one, which is what they were planned for.
+
+The tensor keeps its address for its whole life (uploads copy into it), so a captured CUDA graph that reads it stays
+valid; a sync must not happen during capture (`dirty` says whether one is due).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class DeviceSlotTable:
+    def __init__(self, cache, device: torch.device | str):
+        self.cache = cache  # an ExpertCache: slot_of int64 [L, E] and version
+        self.device = torch.device(device)
+        self.tensor = torch.full(tuple(cache.slot_of.shape), -1, dtype=torch.int32, device=self.device)
+        self.version = -1  # cache version uploaded last; -1 = never
+        self.uploads = 0
+
+    @property
+    def dirty(self) -> bool:
+        """True when the host table changed since the last upload (the next `sync()` copies)."""
+        return self.version != self.cache.version
+
+    def sync(self) -> torch.Tensor:
+        """Upload the host table if it changed; returns the int32 [L, E] device tensor (always the same one)."""
+        if self.dirty:
+            host = self.cache.slot_of
+            if host.size and (host.max() >= 2**31):
+                raise ValueError(f"slot {int(host.max())} does not fit the int32 device table")
+            src = torch.from_numpy(np.ascontiguousarray(host, dtype=np.int32))
+            self.tensor.copy_(src, non_blocking=self.device.type == "cuda")
+            self.version = self.cache.version
+            self.uploads += 1
+        return self.tensor
+
+    def row(self, layer: int) -> torch.Tensor:
+        """int32 [E] view of one layer's expert -> slot map (synced first)."""
+        return self.sync()[layer]
