@@ -22,8 +22,15 @@ def checkpoint(
                                                           "releases)."),
     force: bool = typer.Option(False, "--force", help="Replace --out if it exists."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar on stderr."),
+    verify: str = typer.Option("sample", "--verify", help="Final check before the output is moved into place. "
+                                                          "sample: every structural rule of `ft verify`, and the "
+                                                          "checksums and padding of a 256 MiB sample re-read from "
+                                                          "disk (the writer computed every checksum from the bytes "
+                                                          "it wrote). full: re-read and check every byte, like "
+                                                          "`ft verify` (adds a read of the whole output)."),
 ) -> None:
-    """Compile MoE safetensors (BF16/FP16/FP32 or ModelOpt NVFP4/FP8) into FTW, then verify the result."""
+    """Compile MoE safetensors (BF16/FP16/FP32 or ModelOpt NVFP4/FP8) into FTW, check the result (--verify), then
+    move it into place. `ft verify OUT` re-reads every byte at any later time."""
     from rich.console import Console
     from rich.markup import escape
 
@@ -32,7 +39,7 @@ def checkpoint(
     console = Console(stderr=True, soft_wrap=True)
     try:
         path = compile_checkpoint(model, out, revision=revision, dtype=dtype, dequant=dequant, force=force,
-                                  progress=progress)
+                                  progress=progress, verify=verify)
     except CheckpointError as e:
         console.print(f"[red]error[/red] {escape(str(e))}")
         raise typer.Exit(1)

@@ -1,5 +1,5 @@
-"""Run the FtwWriter on one background thread so that reading and transforming the next tensor overlaps the write
-of the previous one (writes block whenever the kernel's dirty-page limit is reached, i.e. at disk speed).
+"""Run the FtwWriter on one background thread so that reading and transforming the next tensor overlaps hashing and
+writing the previous one (the writer's O_DIRECT writes block at disk speed).
 
 Calls are applied strictly in submission order by a single worker, so the file layout and every byte written are
 exactly those of calling the writer directly (compiles stay deterministic). Memory: at most `max_pending` bytes of
@@ -9,10 +9,8 @@ worker is re-raised on the next call and by `drain`.
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -21,13 +19,8 @@ from ft.formats import FtwWriter
 
 
 class AsyncWriter:
-    def __init__(self, w: FtwWriter, max_pending: int = 256 << 20, drop_every: int = 1 << 30,
-                 keep_cached: int = 0) -> None:
-        self.w, self.max_pending, self.drop_every = w, max_pending, drop_every
-        # newest output bytes left in the page cache (for the final verify). Measured on a 24 GB machine with a 21 GB
-        # output: keeping 6 GB cost more write CPU (44.8 s compile) than the verify saved; keeping none: 29.5 s.
-        self.keep_cached = keep_cached
-        self._since_drop = 0
+    def __init__(self, w: FtwWriter, max_pending: int = 256 << 20) -> None:
+        self.w, self.max_pending = w, max_pending
         self._q: queue.Queue = queue.Queue()
         self._pending = 0
         self._cv = threading.Condition()
@@ -49,13 +42,6 @@ class AsyncWriter:
             with self._cv:
                 self._pending -= nbytes
                 self._cv.notify_all()
-            self._since_drop += nbytes
-            if self._since_drop >= self.drop_every and self._error is None:
-                self._since_drop = 0
-                try:
-                    _drop_written(Path(self.w.tmp_dir), self.keep_cached)
-                except OSError:  # only a cache hint: the write itself is unaffected
-                    pass
 
     def _submit(self, fn: Callable[[], Any], nbytes: int) -> None:
         with self._cv:
@@ -93,30 +79,6 @@ class AsyncWriter:
             self._error = RuntimeError("cancelled")
         self._q.put(None)
         self._thread.join()
-
-
-def _drop_written(tmp_dir: Path, keep: int) -> None:
-    """Drop from the page cache the output pages older than the newest `keep` bytes (those already on disk; dirty
-    ones are scheduled for writeback by the same call and go next time).
-
-    Written pages are not read again until the final verify, which gets the newest `keep` bytes from the cache; the
-    rest would fill memory, and once it is full every page of every write goes through reclaim (measured: ~3 s of
-    kernel CPU per GB written with a full cache against ~0.5 s with free memory)."""
-    files = sorted((p.stat().st_mtime_ns, p) for p in tmp_dir.iterdir() if p.is_file())
-    for _, p in reversed(files):
-        size = p.stat().st_size
-        if keep >= size:
-            keep -= size
-            continue
-        try:
-            fd = os.open(p, os.O_RDONLY)
-        except OSError:
-            continue
-        try:
-            os.posix_fadvise(fd, 0, size - max(keep, 0), os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-        keep = 0
 
 
 class _AsyncBank:

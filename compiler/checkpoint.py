@@ -1,14 +1,19 @@
 """`ft checkpoint`: compile a Hugging Face MoE checkpoint (local dir or hub repo id) into an FTW directory.
 
 Pipeline: locate → index headers → family config → quant declaration → plan → check the whole plan against the
-headers (nothing is written before this passes) → stream tensors into the FtwWriter (temp dir, renamed on finish) →
-verify what was written with the same checks as `ft verify`.
+headers (nothing is written before this passes) → stream tensors into the FtwWriter (temp dir) → check what was
+written, then rename the temp dir into place (a failed check leaves nothing at the output path).
+
+The final check (`verify`): "sample" (default) opens the result with every structural rule of `ft verify` (V1-V19)
+and re-reads from disk the first and last region of each data file, the first and last record of each expert bank
+and random others up to 256 MiB, plus every side file (V20, V21 there); "full" re-reads every byte, like `ft
+verify`. Every digest was computed by the writer from the bytes it wrote, so the full re-read only guards against
+the disk; on a 21 GB output it would add ~50% to the compile's I/O (benchmarks/compile.md). Run `ft verify` for it.
 """
 
 from __future__ import annotations
 
 import errno
-import shutil
 from pathlib import Path
 
 import torch
@@ -26,9 +31,11 @@ from ft.compiler.quant.modelopt import parse_quant
 from ft.compiler.safetensors_io import TensorReader
 from ft.compiler.source import Checkpoint, locate, read_json_if_exists
 from ft.compiler.source_stream import SourceStream
-from ft.formats import FtwReader, FtwWriter
+from ft.formats import FtwError, FtwReader, FtwWriter
+from ft.formats.verify import check, full_plan, plan_bytes, sample_plan
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+VERIFY_MODES = ("sample", "full")
 _CONFIG_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -59,21 +66,25 @@ def _check_out(out_dir: Path, root: Path, force: bool) -> None:
 
 
 def compile_checkpoint(model: str | Path, out_dir: str | Path, *, revision: str | None = None, dtype: str = "auto",
-                       dequant: bool = False, force: bool = False, progress: bool = True) -> Path:
+                       dequant: bool = False, force: bool = False, progress: bool = True,
+                       verify: str = "sample") -> Path:
     """Compile `model` (a directory or a hub repo id) into the FTW directory `out_dir`; returns `out_dir`.
-    Raises CheckpointError with a one-line reason for any bad or unsupported input."""
+    `verify`: the final check, "sample" or "full" (module doc). Raises CheckpointError with a one-line reason for
+    any bad or unsupported input, and for a failed final check (then nothing is left at `out_dir`)."""
+    if verify not in VERIFY_MODES:
+        raise CheckpointError(f"--verify {verify!r} is not supported; supported: {', '.join(VERIFY_MODES)}")
     # The work is streaming copies of at most a few MB per op: torch's intra-op thread pool only adds barrier
     # latency (tens of ms per op on a busy machine), so run single-threaded and restore the caller's setting.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _compile(model, Path(out_dir), revision, dtype, dequant, force, progress)
+        return _compile(model, Path(out_dir), revision, dtype, dequant, force, progress, verify)
     finally:
         torch.set_num_threads(threads)
 
 
 def _compile(model: str | Path, out_dir: Path, revision: str | None, dtype: str, dequant: bool, force: bool,
-             progress: bool) -> Path:
+             progress: bool, verify: str) -> Path:
     loc = locate(str(model), revision)
     _check_out(out_dir, loc.root, force)
     ck = Checkpoint.open(loc.root)
@@ -83,14 +94,14 @@ def _compile(model: str | Path, out_dir: Path, revision: str | None, dtype: str,
     hasher.start()
     stream = SourceStream(loc.root, ck.weight_files)
     try:
-        return _emit(loc, ck, out_dir, hasher, stream, dtype, dequant, force, progress)
+        return _emit(loc, ck, out_dir, hasher, stream, dtype, dequant, force, progress, verify)
     finally:
         stream.stop()
         hasher.stop()
 
 
 def _emit(loc, ck: Checkpoint, out_dir: Path, hasher: Hasher, stream: SourceStream, dtype: str, dequant: bool,
-          force: bool, progress: bool) -> Path:
+          force: bool, progress: bool, verify: str) -> Path:
     family = family_for(ck.config)
     gen = read_json_if_exists(loc.root, "generation_config.json")
     cfg = family.normalize(ck.config, gen)
@@ -126,14 +137,14 @@ def _emit(loc, ck: Checkpoint, out_dir: Path, hasher: Hasher, stream: SourceStre
                     "skipped": prep.skipped, "ignored": prep.ignored,
                     "options": {"dtype": dtype, "dequant": dequant}}
         w.finish(config=cfg, quant=quant, tokenizer=tok_meta, generation=generation_defaults(gen, cfg),
-                 provenance=provenance(loc.source, loc.revision, _digests(hasher, stream)), metadata=metadata)
+                 provenance=provenance(loc.source, loc.revision, _digests(hasher, stream)), metadata=metadata,
+                 check=lambda tmp: _verify(tmp, out_dir, verify, progress))
     except BaseException as e:
         aw.cancel()
         w.abort()
         if isinstance(e, OSError) and e.errno == errno.ENOSPC:
             raise CheckpointError(f"no space left on device while writing {out_dir}; nothing was kept") from None
         raise
-    _verify(out_dir, progress)
     return out_dir
 
 
@@ -141,13 +152,17 @@ def _digests(hasher: Hasher, stream: SourceStream) -> dict[str, str]:
     return dict(sorted({**hasher.result(), **stream.digests()}.items()))
 
 
-def _verify(out_dir: Path, progress: bool) -> None:
-    """The checks of `ft verify` on what was just written; a failure removes the output (it must not be used)."""
-    r = FtwReader(out_dir)
-    total = sum(f.nbytes for f in r.records.files) + sum(a.nbytes for a in r.records.assets.values())
+def _verify(tmp: Path, out_dir: Path, mode: str, progress: bool) -> None:
+    """The final check on the finished temp dir `tmp` (before it is renamed to `out_dir`): structure on open, then
+    the sampled or full content pass; raising makes the writer remove `tmp`."""
+    try:
+        r = FtwReader(tmp)
+    except FtwError as e:
+        raise CheckpointError(f"{out_dir}: the written index does not validate ({e}); nothing was kept") from None
+    plan = full_plan(r.records) if mode == "full" else sample_plan(r.records)
+    total = plan_bytes(plan) + sum(a.nbytes for a in r.records.assets.values())
     with byte_progress(progress, "verify ", total) as advance:
-        failures = r.verify(advance)
+        failures = check(r, plan, advance)
     if failures:
-        shutil.rmtree(out_dir, ignore_errors=True)
         raise CheckpointError(f"{out_dir}: verification failed after writing ({len(failures)} problems; first: "
-                              f"{failures[0]}); the output was removed")
+                              f"{failures[0]}); nothing was kept")

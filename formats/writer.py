@@ -1,12 +1,14 @@
 """Streaming FTW writer (specs/ftw.md).
 
 Invariants:
-* Memory is bounded by the largest single tensor (or one expert record) handed in: bytes go
-  straight to the data file.
+* Memory is bounded by the largest single tensor (or one expert record's components) handed in plus
+  the data file's staging buffers: bytes go straight to the data file (O_DIRECT, `datafile.py`).
 * Everything is written into a hidden sibling directory `.NAME.tmp-PID`; `finish()` writes the
   index last, fsyncs every file and the directory, then renames. An interrupted write therefore
   never leaves a directory at `out_dir`, and a half-written temp dir has no valid index.
 * Output is a pure function of the inputs (no timestamps, no absolute paths): byte-identical reruns.
+* Every digest is computed from the very bytes handed to the data file; `finish(check=...)` runs a
+  content check on the complete temp dir before the rename (the compiler's sampled or full verify).
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, Callable
 
 import torch
+import xxhash
 
 from .config import ModelConfig
+from .datafile import DataFile
 from .dtypes import SCHEMES, dtype_name
 from .layout import (ALIGN, CHECKSUM, COMPONENT_ALIGN, INDEX_NAME, MAX_MANIFEST_BYTES, VERSION_MAJOR, VERSION_MINOR,
                      Header, align_up, data_file_name, is_reserved_name, is_safe_name, xxh3_hex)
@@ -73,18 +77,27 @@ class BankWriter:
             raise ValueError(f"bank {self._rec['name']}: expected expert {self._next}, got {e}")
         if set(parts) != set(self._comps):
             raise ValueError(f"bank {self._rec['name']}: components {sorted(parts)} != {sorted(self._comps)}")
-        record = bytearray(self._rec["stride"])
-        for c in self._rec["components"]:
+        for c in self._rec["components"]:  # refuse before writing a byte of the record
             t = parts[c["name"]]
             dtype, shape = self._comps[c["name"]]
             if t.dtype != dtype or tuple(t.shape) != tuple(shape):
                 raise ValueError(f"bank {self._rec['name']} expert {e} {c['name']}: got {t.dtype} {list(t.shape)}, "
                                  f"declared {dtype} {list(shape)}")
-            record[c["offset"]:c["offset"] + c["nbytes"]] = tensor_bytes(t)
-        used = max(c["offset"] + c["nbytes"] for c in self._rec["components"])
-        self._rec["xxh3"].append(xxh3_hex(memoryview(record)[:used]))
-        self._w._fh.write(record)
-        self._w._pos += len(record)
+        # components in offset order straight to the file, zero gaps between them; the digest covers
+        # [0, used_bytes) (components and gaps), the zero tail up to `stride` is not hashed (V21)
+        fh, h, pos = self._w._fh, xxhash.xxh3_64(), 0
+        for c in self._rec["components"]:
+            if c["offset"] > pos:
+                gap = _ZEROS[:c["offset"] - pos]  # < COMPONENT_ALIGN bytes
+                h.update(gap)
+                fh.write(gap)
+            data = tensor_bytes(parts[c["name"]])
+            h.update(data)
+            fh.write(data)
+            pos = c["offset"] + c["nbytes"]
+        fh.zeros(self._rec["stride"] - pos)
+        self._rec["xxh3"].append(h.hexdigest())
+        self._w._pos += self._rec["stride"]
         self._next += 1
         if self._next == self._rec["num_experts"]:
             self._w._open_bank = None
@@ -113,7 +126,7 @@ class FtwWriter:
         self._banks: list[dict[str, Any]] = []
         self._assets: dict[str, list[dict[str, Any]]] = {"assets": [], "plans": [], "kernels": []}
         self._names: set[str] = set()
-        self._fh: BinaryIO | None = None
+        self._fh: DataFile | None = None
         self._pos = 0
         self._open_bank: BankWriter | None = None
 
@@ -130,14 +143,14 @@ class FtwWriter:
         if self._fh is None or (self._pos > 0 and self._pos + nbytes > self.shard_bytes):
             self._new_file()
         pad = align_up(self._pos) - self._pos
-        self._fh.write(_ZEROS[:pad])
+        self._fh.zeros(pad)
         self._pos += pad
         return self._pos
 
     def _new_file(self) -> None:
         self._close_file()
         name = data_file_name(len(self._files))
-        self._fh = open(self.tmp_dir / name, "wb")
+        self._fh = DataFile(self.tmp_dir / name)
         self._files.append({"name": name, "nbytes": 0})
         self._pos = 0
 
@@ -145,13 +158,13 @@ class FtwWriter:
         if self._fh is None:
             return
         pad = align_up(self._pos) - self._pos
-        self._fh.write(_ZEROS[:pad])
+        self._fh.zeros(pad)
         self._pos += pad
-        self._fh.flush()
-        os.fsync(self._fh.fileno())
-        self._fh.close()
+        fh, self._fh = self._fh, None
+        fh.close()  # flushes, fsyncs; a write error surfaces here at the latest
+        if fh.pos != self._pos:  # the writer's cursor (all offsets in the manifest) must be the file's size
+            raise RuntimeError(f"{fh.path.name}: wrote {fh.pos} bytes, cursor at {self._pos}")
         self._files[-1]["nbytes"] = self._pos
-        self._fh = None
 
     def add_tensor(self, name: str, t: torch.Tensor) -> None:
         dtype = dtype_name(t.dtype)  # refuse before any byte is written
@@ -203,7 +216,10 @@ class FtwWriter:
 
     # -- finish -------------------------------------------------------------------------------
     def finish(self, *, config: ModelConfig, quant: dict, tokenizer: dict, generation: dict,
-               provenance: dict, metadata: dict | None = None) -> Path:
+               provenance: dict, metadata: dict | None = None,
+               check: Callable[[Path], None] | None = None) -> Path:
+        """Write the index and install the directory. `check(tmp_dir)`, if given, runs on the complete, fsynced
+        temp dir before the rename; if it raises, the temp dir is removed and nothing appears at `out_dir`."""
         if self._open_bank is not None:
             raise RuntimeError(f"bank {self._open_bank._rec['name']} is incomplete")
         if self._fh is None and not self._files:
@@ -228,6 +244,12 @@ class FtwWriter:
         for slot in ("plans", "kernels"):
             if (self.tmp_dir / slot).is_dir():
                 _fsync_dir(self.tmp_dir / slot)
+        if check is not None:
+            try:
+                check(self.tmp_dir)
+            except BaseException:
+                self.abort()
+                raise
         self._install()
         return self.out_dir
 
@@ -243,7 +265,7 @@ class FtwWriter:
 
     def abort(self) -> None:
         if self._fh is not None:
-            self._fh.close()
+            self._fh.abort()
             self._fh = None
         shutil.rmtree(self.tmp_dir, ignore_errors=True)
 

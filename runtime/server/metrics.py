@@ -121,7 +121,8 @@ class ServerMetrics:
         used, total = engine_stats.get("kv_tokens_used"), engine_stats.get("kv_tokens_total")
         out["kv"] = {"used_tokens": used, "total_tokens": total,
                      "utilization": round(used / total, 4) if used is not None and total else None}
-        out["scheduler"] = {"running": engine_stats.get("running"), "waiting": engine_stats.get("waiting")}
+        out["scheduler"] = {"running": engine_stats.get("running"), "waiting": engine_stats.get("waiting"),
+                            "preemptions": engine_stats.get("preemptions")}
         out["engine"] = {k: v for k, v in engine_stats.items() if k != "moe"}
         out["moe"] = engine_stats.get("moe")  # None: this engine has no expert cache (CPU experts)
         return out
@@ -166,6 +167,8 @@ def prometheus_text(stats: dict[str, Any]) -> str:
     metric("kv_total_tokens", "gauge", "KV token budget", kv["total_tokens"])
     metric("running_requests", "gauge", "Requests in the running batch", stats["scheduler"]["running"])
     metric("waiting_requests", "gauge", "Requests waiting for admission", stats["scheduler"]["waiting"])
+    metric("preemptions_total", "counter", "Running requests preempted for KV (recomputed later)",
+           stats["scheduler"].get("preemptions"))
     for key, value in sorted(_flatten(stats.get("moe") or {}).items()):
         metric(f"moe_{key}", "gauge", f"Expert cache figure {key}", value)
     return "\n".join(lines) + "\n"

@@ -57,6 +57,7 @@ def test_prometheus_metrics(server):
     assert "# TYPE ft_requests_completed_total counter" in text
     assert re.search(r'^ft_up\{model="tiny-qwen3"\} 1$', text, re.M)
     assert re.search(r"^ft_kv_total_tokens 8192$", text, re.M)
+    assert re.search(r"^ft_preemptions_total 0$", text, re.M)
     for line in text.splitlines():  # every sample line: name{labels} value
         assert line.startswith("#") or re.fullmatch(r"ft_[a-z0-9_]+(\{[^}]*\})? -?[0-9.e+-]+", line), line
 
