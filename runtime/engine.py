@@ -172,7 +172,8 @@ class Engine:
 
         t0 = time.perf_counter()
         input_ids, segments = self._prepare_inputs(decodes, prefill)
-        logits = self.model.forward(torch.tensor(input_ids, dtype=torch.long, device=self.device), segments)
+        # host ids: the forward validates them on the host and copies them without waiting for the GPU
+        logits = self.model.forward(torch.tensor(input_ids, dtype=torch.long), segments)
         # Requests that sample this step: every decode, and the prefill request once its prompt is done.
         sampling = [(r, lg) for r, lg in zip(decodes, logits)]
         if prefill is not None:

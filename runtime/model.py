@@ -86,7 +86,7 @@ class CausalLM(Op):
         """input_ids [N] (all segments' tokens concatenated in order) -> per segment logits (see `Segment`).
         Each segment continues its state at `state.length`; the states advance by `num_tokens` on success."""
         batch = self._plan(input_ids, segments)
-        h = self.embed_tokens(input_ids.to(self._device))
+        h = self.embed_tokens(_to_device(input_ids, self._device))
         if self._rotary is not None:
             batch.rope["cos"], batch.rope["sin"] = self._rotary.cos_sin(batch.positions, self._dtype)
         for layer in self.layers:
@@ -95,7 +95,7 @@ class CausalLM(Op):
         for seg, sr in zip(segments, batch.segments):
             rows.append(torch.arange(sr.start, sr.start + sr.num_tokens) if seg.logits == "all"
                         else torch.tensor([sr.start + sr.num_tokens - 1]))
-        picked = torch.cat(rows).to(self._device)
+        picked = _to_device(torch.cat(rows), self._device)
         logits = self.logits_head(h[picked]).split([len(r) for r in rows])
         for seg in segments:
             seg.state.length += seg.num_tokens
@@ -119,6 +119,9 @@ class CausalLM(Op):
             if st.length + seg.num_tokens > st.max_tokens:
                 raise ValueError(f"segment {i}: {st.length} + {seg.num_tokens} tokens exceed the state's "
                                  f"max_tokens {st.max_tokens}")
+            if st.length + seg.num_tokens > st.capacity:
+                raise ValueError(f"segment {i}: {st.length} + {seg.num_tokens} tokens exceed the state's KV "
+                                 f"capacity {st.capacity}; call state.ensure_capacity first")
             rows.append(SegmentRows(start, seg.num_tokens, st.length, st))
             positions.append(torch.arange(st.length, st.length + seg.num_tokens))
             start += seg.num_tokens
@@ -126,7 +129,7 @@ class CausalLM(Op):
             raise ValueError(f"segments cover {start} tokens but input_ids has {input_ids.shape[0]}")
         if int(input_ids.min()) < 0 or int(input_ids.max()) >= self._config.vocab_size:
             raise ValueError(f"token ids must be in [0, {self._config.vocab_size})")
-        return ForwardBatch(rows, torch.cat(positions).to(self._device))
+        return ForwardBatch(rows, _to_device(torch.cat(positions), self._device))
 
     # -- loading ----------------------------------------------------------------------------------------------
     def bind(self, reader: FtwReader, experts: ExpertsFn) -> None:
@@ -192,3 +195,11 @@ def load_model(ftw: Path | str | FtwReader, *, device: str = "cpu", experts: Exp
     model.bind(reader, experts)
     model.prepare(dict(reader.quant.get("linears") or {}), torch.device(device), dtype)
     return model
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host index tensor on `device`: through pinned memory and non-blocking on CUDA, so the copy does not
+    wait for the work already queued (a plain pageable copy would block the host until the GPU catches up)."""
+    if device.type != "cuda" or t.device.type == "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)

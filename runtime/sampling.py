@@ -101,9 +101,10 @@ class RequestSampler:
         self.seen: torch.Tensor | None = None  # [V] bool: token occurs in prompt + output (repetition penalty)
         self.counts: torch.Tensor | None = None  # [V] float32: occurrences in the output (presence/frequency)
         if params.has_penalties:
+            device = torch.device(device)
             self.seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
             if prompt_ids:
-                self.seen[torch.tensor(prompt_ids, dtype=torch.long, device=device)] = True
+                self.seen[_to_device(prompt_ids, torch.long, device)] = True
             self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
 
     def observe(self, token_id: int) -> None:
@@ -132,84 +133,140 @@ class SampleOutput(NamedTuple):
     top_logprobs: list[list[tuple[int, float]] | None]  # top-k (token id, raw logprob), best first
 
 
-def mask_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                min_p: torch.Tensor) -> torch.Tensor:
-    """Apply top-k, top-p and min-p (in that order) to temperature-scaled logits [B, V] -> masked copy.
+# top-p looks for its cut among this many largest logits first, then the next size, then sorts the whole row (see
+# `top_p_drop`). Only on the CPU, where a full sort of a 248k vocabulary costs ~30 ms and topk ~2 ms; on a GPU the
+# sort is cheap and the exactness check would cost a device sync, so the full sort runs directly.
+TOP_P_CANDIDATES = (1024, 32768)
 
-    top_k: [B] int64 (0 = off); top_p: [B] float (1 = off); min_p: [B] float (0 = off). Masked entries are -inf.
-    Ties at the top-k threshold are kept (HF semantics). top-p keeps the smallest prefix of the sorted
-    distribution whose mass reaches top_p (a token stays if the mass strictly above it is < top_p).
-    min-p keeps tokens with prob >= min_p * max prob of the distribution left after top-k/top-p.
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on `device` without a stream sync (`torch.tensor(..., device="cuda")` copies from pageable
+    memory and then waits for the stream; a pinned source copied non_blocking does not)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t if device.type == "cpu" else t.pin_memory().to(device, non_blocking=True)
+
+
+def top_p_drop(logits: torch.Tensor, top_p: list[float], candidates: tuple[int, ...] = ()) -> torch.Tensor:
+    """[B, V] bool, True where top-p drops a token of `logits` [B, V] (already scaled and masked; -inf = masked).
+
+    top_p: B host floats. Order: descending logits; prob = exp(logit - logsumexp(row)); a token is dropped when the
+    mass strictly before it in that order is >= top_p. Rows with top_p >= 1 drop nothing. Ties: the order among equal
+    logits is the sort's (or topk's), so at an exact tie on the cut either of them may be the one kept.
+
+    `candidates`: sizes n tried in turn before the full sort: the same computation over the n largest logits (topk).
+    It is exact when the last candidate of every active row is dropped (the mass before any later token is at least
+    as large); the sorted values, probabilities and running sums of the candidates are those of the full sort's
+    first n entries, so the fast path's mask equals the full sort's bit for bit (CPU cumsum runs in order).
+    The check is a host read, so on a GPU pass no candidates (see TOP_P_CANDIDATES).
     """
-    logits = logits.clone()
-    neg_inf = torch.tensor(float("-inf"), device=logits.device)
-    if bool((top_k > 0).any()):
-        k_max = int(top_k.max())
-        k_max = min(k_max, logits.shape[-1])
+    B, V = logits.shape
+    dev = logits.device
+    p = _to_device(top_p, torch.float32, dev).unsqueeze(-1)  # [B, 1]
+    active = _to_device([q < 1 for q in top_p], torch.bool, dev).unsqueeze(-1)  # [B, 1]
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+    for n in (*[c for c in candidates if c < V], V):
+        vals, order = torch.topk(logits, n, dim=-1) if n < V else torch.sort(logits, dim=-1, descending=True)
+        probs = torch.exp(vals - lse)
+        drop_sorted = (torch.cumsum(probs, dim=-1) - probs >= p) & active
+        if n == V or bool((drop_sorted[:, -1:] | ~active).all()):
+            break
+    # Active rows drop everything outside the candidates; the scatter writes each candidate's own decision.
+    return active.expand(B, V).clone().scatter_(-1, order, drop_sorted)
+
+
+def _host_list(values) -> list:
+    return list(values) if isinstance(values, (list, tuple)) else torch.as_tensor(values).tolist()
+
+
+def mask_logits(logits: torch.Tensor, top_k, top_p, min_p) -> torch.Tensor:
+    """Apply top-k, top-p and min-p (in that order) to temperature-scaled logits [B, V] -> masked tensor (a new
+    tensor when any mask applies; the input is never modified).
+
+    top_k: B ints (0 = off); top_p: B floats (1 = off); min_p: B floats (0 = off); lists or host tensors. Which masks
+    run is decided on the host, so nothing here waits for the device (on the CPU see TOP_P_CANDIDATES).
+    Masked entries are -inf. Ties at the top-k threshold are kept (HF semantics). top-p keeps the smallest prefix of
+    the sorted distribution whose mass reaches top_p (a token stays if the mass strictly above it is < top_p;
+    `top_p_drop`). min-p keeps tokens with prob >= min_p * max prob of the distribution left after top-k/top-p.
+    """
+    top_k, top_p, min_p = _host_list(top_k), _host_list(top_p), _host_list(min_p)
+    dev, V = logits.device, logits.shape[-1]
+    neg_inf = float("-inf")
+    if any(k > 0 for k in top_k):
+        k_max = min(max(top_k), V)
         top_vals = torch.topk(logits, k_max, dim=-1).values  # [B, k_max], descending
-        idx = (top_k.clamp(min=1, max=k_max) - 1).unsqueeze(-1)  # [B, 1]
+        idx = _to_device([min(max(k, 1), k_max) - 1 for k in top_k], torch.long, dev).unsqueeze(-1)  # [B, 1]
         threshold = top_vals.gather(-1, idx)  # [B, 1]
-        threshold = torch.where((top_k > 0).unsqueeze(-1), threshold, neg_inf)
+        threshold = threshold.masked_fill(_to_device([k <= 0 for k in top_k], torch.bool, dev).unsqueeze(-1), neg_inf)
         logits = torch.where(logits < threshold, neg_inf, logits)
-    if bool((top_p < 1).any()):
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        sorted_probs = torch.softmax(sorted_logits, dim=-1)
-        mass_above = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # exclusive prefix mass [B, V]
-        drop_sorted = mass_above >= top_p.unsqueeze(-1)
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    if bool((min_p > 0).any()):
+    if any(p < 1 for p in top_p):
+        candidates = TOP_P_CANDIDATES if dev.type == "cpu" else ()
+        logits = logits.masked_fill(top_p_drop(logits, top_p, candidates), neg_inf)
+    if any(m > 0 for m in min_p):
         probs = torch.softmax(logits, dim=-1)
-        floor = min_p.unsqueeze(-1) * probs.max(dim=-1, keepdim=True).values
-        logits = logits.masked_fill(probs < floor, float("-inf"))
+        floor = _to_device(min_p, torch.float32, dev).unsqueeze(-1) * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < floor, neg_inf)
     return logits
 
 
+def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token from probs [V] (0-dim int64 tensor, on probs' device): torch.multinomial(probs, 1)'s own method
+    (argmax of probs / Exp(1) noise, the exponential race) without its input checks, which read the device (a sync
+    per call on CUDA). Same generator draws, so the same token as torch.multinomial for the same generator state."""
+    return (probs / torch.empty_like(probs).exponential_(1, generator=generator)).argmax(-1)
+
+
 def sample(logits: torch.Tensor, samplers: list[RequestSampler]) -> SampleOutput:
-    """logits: [B, V] float32 raw model logits, one row per request (in `samplers` order) -> one token per row."""
+    """logits: [B, V] float32 raw model logits, one row per request (in `samplers` order) -> one token per row.
+
+    Device work is queued without a sync; the results (tokens, and logprobs when any row asks) come to the host in ONE
+    transfer at the end. Vocab-sized work per step: greedy rows an argmax; penalties, sampling masks and logprobs
+    only for the rows (and settings) that use them.
+    """
     assert logits.dim() == 2 and logits.shape[0] == len(samplers), (logits.shape, len(samplers))
     logits = logits.float()
     params = [s.params for s in samplers]
-    device = logits.device
-
-    raw_logprobs = None
-    if any(p.logprobs is not None for p in params):
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
+    B, dev = len(params), logits.device
 
     if any(p.has_penalties for p in params):
         processed = torch.stack([s.apply_penalties(logits[i]) for i, s in enumerate(samplers)])
     else:
         processed = logits
-    token_ids = processed.argmax(dim=-1)  # greedy rows keep this
-
     random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+    if len(random_rows) < B:
+        token_ids = processed.argmax(dim=-1)  # greedy rows keep this
+    else:
+        token_ids = torch.zeros(B, dtype=torch.long, device=dev)
     if random_rows:
-        rows = torch.tensor(random_rows, device=device)
         sub = [params[i] for i in random_rows]
-        temps = torch.tensor([p.temperature for p in sub], dtype=torch.float32, device=device)
-        scaled = processed.index_select(0, rows) / temps.unsqueeze(-1)
-        masked = mask_logits(
-            scaled,
-            torch.tensor([p.top_k for p in sub], dtype=torch.long, device=device),
-            torch.tensor([p.top_p for p in sub], dtype=torch.float32, device=device),
-            torch.tensor([p.min_p for p in sub], dtype=torch.float32, device=device),
-        )
+        rows = processed if len(random_rows) == B else processed.index_select(
+            0, _to_device(random_rows, torch.long, dev))
+        scaled = rows / _to_device([p.temperature for p in sub], torch.float32, dev).unsqueeze(-1)
+        masked = mask_logits(scaled, [p.top_k for p in sub], [p.top_p for p in sub], [p.min_p for p in sub])
         probs = torch.softmax(masked, dim=-1)
         for j, i in enumerate(random_rows):
-            token_ids[i] = torch.multinomial(probs[j], 1, generator=samplers[i].generator)[0]
+            token_ids[i] = draw(probs[j], samplers[i].generator)
 
-    ids = token_ids.tolist()
-    out_lp: list[float | None] = [None] * len(ids)
-    out_top: list[list[tuple[int, float]] | None] = [None] * len(ids)
-    for i, p in enumerate(params):
-        if p.logprobs is None:
-            continue
-        out_lp[i] = float(raw_logprobs[i, ids[i]])
-        if p.logprobs > 0:
-            vals, idx = torch.topk(raw_logprobs[i], p.logprobs)
-            out_top[i] = list(zip(idx.tolist(), vals.tolist()))
-        else:
-            out_top[i] = []
+    out_lp: list[float | None] = [None] * B
+    out_top: list[list[tuple[int, float]] | None] = [None] * B
+    lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    if not lp_rows:
+        ids = token_ids.tolist()
+    else:
+        # Raw logprobs (module docstring). One float64 row per request: [token, its logprob, top-k ids, top-k
+        # logprobs]; ids < 2**53 and float32 values are exact in float64.
+        raw = torch.log_softmax(logits, dim=-1)
+        chosen = token_ids.unsqueeze(-1)
+        k = max(params[i].logprobs for i in lp_rows)
+        cols = [chosen, raw.gather(-1, chosen)]
+        if k:
+            vals, idx = torch.topk(raw, k, dim=-1)
+            cols += [idx, vals]
+        packed = torch.cat([c.double() for c in cols], dim=-1).tolist()
+        ids = [int(r[0]) for r in packed]
+        for i in lp_rows:
+            r, n = packed[i], params[i].logprobs
+            out_lp[i] = r[1]
+            out_top[i] = [(int(t), v) for t, v in zip(r[2:2 + n], r[2 + k:2 + k + n])]
     for s, t in zip(samplers, ids):
         s.observe(t)
     return SampleOutput(ids, out_lp, out_top)

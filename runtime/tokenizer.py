@@ -175,10 +175,17 @@ class IncrementalDecoder:
         self._read = 0
 
     def push(self, token_id: int) -> str:
+        """Text that `token_id` completes ("" while a character is incomplete). An id the tokenizer does not know
+        (a padding row of the embedding past the tokenizer: Qwen3.5/3.6 have 248,320 rows for 248,077 tokens, and
+        sampling can pick one) adds no text, as in `Tokenizer.decode`."""
         if self._byte_level:
             if self._skip and token_id in self._tok.special_token_ids:
                 return ""
-            return self._utf8.decode(self._tok.token_bytes(token_id))
+            try:
+                data = self._tok.token_bytes(token_id)
+            except ValueError:  # unknown id
+                return ""
+            return self._utf8.decode(data)
         self._ids.append(token_id)
         done = self._tok.decode(self._ids[self._prefix:self._read], self._skip)
         text = self._tok.decode(self._ids[self._prefix:], self._skip)

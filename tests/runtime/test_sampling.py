@@ -8,8 +8,11 @@ import re
 import pytest
 import torch
 
-from ft.runtime.sampling import (RequestSampler, SamplingParams, mask_logits, params_from_generation_config,
-                                 sample)
+from torch.overrides import TorchFunctionMode
+
+import ft.runtime.sampling as sampling
+from ft.runtime.sampling import (RequestSampler, SamplingParams, draw, mask_logits, params_from_generation_config,
+                                 sample, top_p_drop)
 
 INF = float("inf")
 
@@ -149,6 +152,106 @@ def test_logprobs_are_raw_model_logprobs():
     assert zero.top_logprobs == [[]] and zero.logprobs[0] == pytest.approx(float(raw[2]))
     none = sample(logits, [RequestSampler(SamplingParams(temperature=0), [], 4)])
     assert none.logprobs == [None] and none.top_logprobs == [None]
+
+
+# ---- fast paths equal the general path --------------------------------------------------------------------------
+
+def _rows(vocab: int = 5000) -> torch.Tensor:
+    """Peaked rows (cut within 8 candidates), medium (within 256), flat (needs the full sort), one with -inf."""
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(6, vocab, generator=g) * torch.tensor([[12.0], [8.0], [4.0], [2.0], [0.5], [6.0]])
+    rows[5, ::3] = -INF  # masked by an earlier top-k
+    return rows
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.95, 0.999])
+def test_top_p_candidates_equal_full_sort(top_p):
+    rows = _rows()
+    tp = [top_p] * 6
+    full = top_p_drop(rows, tp)
+    for candidates in ((8,), (8, 256), (256, 4096), (64, 100_000)):
+        assert torch.equal(top_p_drop(rows, tp, candidates), full), candidates
+    # The peaked row's cut lies inside the first 8 candidates: the fast path really decides there.
+    assert (~full[0]).sum() <= 8 and (~full[4]).sum() > 256  # and the flat row needs the full sort
+
+
+def test_top_p_one_drops_nothing_even_next_to_an_active_row():
+    rows = _rows()[:2]
+    drop = top_p_drop(rows, [1.0, 0.9], (8, 256))
+    assert not drop[0].any() and torch.equal(drop[1], top_p_drop(rows[1:], [0.9])[0])
+
+
+def test_sample_top_p_fast_path_draws_the_same_tokens(monkeypatch):
+    rows = _rows(20_000)
+
+    def draw():
+        params = [SamplingParams(temperature=t, top_p=p, seed=s) for t, p, s in
+                  ((1.0, 0.9, 1), (0.7, 0.95, 2), (1.3, 0.8, 3), (1.0, 0.5, 4), (0.9, 0.99, 5), (1.0, 0.9, 6))]
+        samplers = [RequestSampler(p, [], rows.shape[1]) for p in params]
+        return [sample(rows, samplers).token_ids for _ in range(5)]
+
+    fast = draw()
+    monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", ())
+    assert draw() == fast
+
+
+def test_draw_is_torch_multinomial_for_the_same_generator():
+    probs = torch.softmax(_rows(), dim=-1)
+    probs[:, ::5] = 0  # masked tokens
+    for seed in range(3):
+        g1, g2 = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        for row in probs:
+            for _ in range(3):
+                assert int(draw(row, g1)) == int(torch.multinomial(row, 1, generator=g2)[0])
+
+
+def test_top_k_one_through_the_sampling_path_is_the_greedy_argmax():
+    rows = _rows()
+    masked = mask_logits(rows / 0.7, [1] * 6, [1.0] * 6, [0.0] * 6)
+    probs = torch.softmax(masked, dim=-1)
+    g = torch.Generator().manual_seed(0)
+    drawn = [int(torch.multinomial(probs[i], 1, generator=g)) for i in range(6)]
+    greedy = sample(rows, [RequestSampler(SamplingParams(temperature=0), [], rows.shape[1]) for _ in range(6)])
+    assert drawn == greedy.token_ids == rows.argmax(-1).tolist()
+
+
+def test_batched_logprobs_equal_each_row_alone():
+    rows = _rows(3000)
+    params = [SamplingParams(temperature=0, logprobs=5), SamplingParams(temperature=0.8, seed=1),
+              SamplingParams(temperature=0.8, top_p=0.9, logprobs=0, seed=2), SamplingParams(temperature=0, logprobs=2),
+              SamplingParams(temperature=1.0, top_k=20, logprobs=20, seed=3, repetition_penalty=1.2),
+              SamplingParams(temperature=0)]
+    batch = sample(rows, [RequestSampler(p, [7, 9], rows.shape[1]) for p in params])
+    for i, p in enumerate(params):
+        alone = sample(rows[i:i + 1], [RequestSampler(p, [7, 9], rows.shape[1])])
+        assert (batch.token_ids[i], batch.logprobs[i], batch.top_logprobs[i]) == \
+            (alone.token_ids[0], alone.logprobs[0], alone.top_logprobs[0]), p
+    assert [len(t) if t is not None else None for t in batch.top_logprobs] == [5, None, 0, 2, 20, None]
+
+
+class _HostReads(TorchFunctionMode):
+    """Counts tensor reads to the host: on a GPU each one waits for the device."""
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.n += getattr(func, "__name__", "") in ("tolist", "item", "__int__", "__bool__", "__float__", "numpy")
+        return func(*args, **(kwargs or {}))
+
+
+def test_one_host_read_per_sample_call(monkeypatch):
+    monkeypatch.setattr(sampling, "TOP_P_CANDIDATES", ())  # what a GPU runs (the CPU fast path checks on the host)
+    rows = _rows(3000)
+    params = [SamplingParams(temperature=0), SamplingParams(top_p=0.9, seed=1), SamplingParams(top_k=5, seed=2),
+              SamplingParams(min_p=0.1, seed=3), SamplingParams(logprobs=3, top_p=0.5, seed=4),
+              SamplingParams(temperature=0, presence_penalty=0.5, logprobs=0)]
+    samplers = [RequestSampler(p, [1, 2], rows.shape[1]) for p in params]
+    for batch in (samplers, samplers[:1], samplers[1:2]):
+        with _HostReads() as reads:
+            sample(rows[:len(batch)], batch)
+        assert reads.n == 1
 
 
 @pytest.mark.parametrize("kw, msg", [
