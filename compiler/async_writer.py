@@ -89,5 +89,6 @@ class _AsyncBank:
     def bind(self, bank) -> None:
         self._bank = bank
 
-    def write_expert(self, e: int, parts: dict[str, torch.Tensor]) -> None:
-        self._aw._submit(lambda: self._bank.write_expert(e, parts), sum(t.nbytes for t in parts.values()))
+    def write_expert(self, e: int, parts: dict[str, torch.Tensor | tuple[torch.Tensor, ...]]) -> None:
+        nbytes = sum(t.nbytes for v in parts.values() for t in (v if isinstance(v, tuple) else (v,)))
+        self._aw._submit(lambda: self._bank.write_expert(e, parts), nbytes)

@@ -87,16 +87,26 @@ def _compile(model: str | Path, out_dir: Path, revision: str | None, dtype: str,
              progress: bool, verify: str) -> Path:
     loc = locate(str(model), revision)
     _check_out(out_dir, loc.root, force)
-    ck = Checkpoint.open(loc.root)
     # sha256 of every source file: the small metadata files on a background thread, the weight files by the
-    # stream that also serves the compile's tensor reads (each weight byte is read from disk once)
+    # stream that also serves the compile's tensor reads (each weight byte is read from disk once). The stream
+    # starts as soon as the weight files are known, on the embedding's file (every plan starts with the
+    # embedding), so that the disk works while headers are parsed and the plan is built.
     hasher = Hasher(loc.root, source_files(loc.root, []))
+    streams: list[SourceStream] = []
+
+    def start(config: dict, files: list[str], wmap: dict | None) -> None:
+        streams.append(SourceStream(loc.root, files))
+        # a guess before the family binds its prefix (a wrong one costs speed only, see SourceStream)
+        embed = sorted(n for n in wmap or {} if n.startswith("model.") and n.endswith("embed_tokens.weight"))
+        streams[0].prefetch(wmap[embed[0]] if embed else files[0])
+
     hasher.start()
-    stream = SourceStream(loc.root, ck.weight_files)
     try:
-        return _emit(loc, ck, out_dir, hasher, stream, dtype, dequant, force, progress, verify)
+        ck = Checkpoint.open(loc.root, on_files=start)
+        return _emit(loc, ck, out_dir, hasher, streams[0], dtype, dequant, force, progress, verify)
     finally:
-        stream.stop()
+        for s in streams:
+            s.stop()
         hasher.stop()
 
 

@@ -35,10 +35,22 @@ class Emitter:
         self.ck, self.w, self.pol, self.on_read = ck, w, pol, on_read
         self.reader = reader if reader is not None else TensorReader()
         self.linears: dict[str, str] = {}  # FTW module -> quantized scheme (manifest.quant.linears)
+        self._pre: dict[str, torch.Tensor] = {}  # tensors read ahead by `prefetch`, taken by `read`
 
     # -- reading --------------------------------------------------------------------------------
+    def prefetch(self, names: list[str]) -> None:
+        """Read these tensors (about to be `read` whole, in their own dtype) in one go where the reader can."""
+        many = getattr(self.reader, "read_many", None)
+        got = many([(n, self.ck.info(n)) for n in names]) if many is not None else None
+        if got is not None:
+            self.on_read(sum(t.nbytes for t in got))
+            self._pre = dict(zip(names, got))
+
     def read(self, name: str, dtype: torch.dtype | None = None, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """Tensor `name` (rows [r0, r1) of dim 0 if given), converted to `dtype` chunk by chunk if it differs."""
+        pre = self._pre.pop(name, None)
+        if pre is not None and rows is None:
+            return pre if dtype is None else to_dtype(pre, dtype, name)
         info = self.ck.info(name)
         if dtype is None or info.torch_dtype == dtype or not info.shape:
             t = self.reader.read(name, info, rows)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ft.compiler.errors import CheckpointError
-from ft.compiler.linear import PLAIN_SCHEME, DtypePolicy, Rows, Sniffed, cat, sniff, to_dtype
+from ft.compiler.linear import PLAIN_SCHEME, DtypePolicy, Rows, Sniffed, sniff, to_dtype
 from ft.compiler.quant.modelopt import QuantDecl
 from ft.compiler.source import Checkpoint
 
@@ -43,8 +43,8 @@ class Bank(ABC):
         return {"gate_up": (dt, (2 * I, H)), "down": (dt, (H, I))}
 
     @abstractmethod
-    def expert(self, em: Emitter, e: int) -> dict[str, torch.Tensor]:
-        """Expert e's components (shapes and dtypes of `components()`)."""
+    def expert(self, em: Emitter, e: int) -> dict[str, torch.Tensor | tuple[torch.Tensor, ...]]:
+        """Expert e's components (shapes and dtypes of `components()`); a tuple is a component's dim-0 pieces."""
 
 
 class ExpertSource(ABC):
@@ -123,11 +123,14 @@ class _PerExpertBank(Bank):
         self.trios = trios
 
     def expert(self, em: Emitter, e: int) -> dict[str, torch.Tensor]:
+        em.prefetch([n for sn in self.trios[e] for n in sn.names])  # ~9 small tensors side by side in the file
         gate, up, down = (em.rows(sn, None) for sn in self.trios[e])
         if self.scheme == "nvfp4":
-            gu = cat([gate, up])  # per-row scale_2: gate rows carry gate_proj's global, up rows up_proj's
-            return {"gate_up": gu.t["weight"], "gate_up_scale": gu.t["weight_scale"],
-                    "gate_up_scale_2": gu.t["weight_scale_2"], "down": down.t["weight"],
+            # gate_up = gate rows then up rows, handed to the writer as (gate, up) pieces (no concatenated copy);
+            # per-row scale_2: gate rows carry gate_proj's global, up rows up_proj's
+            g, u = gate.t, up.t
+            return {"gate_up": (g["weight"], u["weight"]), "gate_up_scale": (g["weight_scale"], u["weight_scale"]),
+                    "gate_up_scale_2": (g["weight_scale_2"], u["weight_scale_2"]), "down": down.t["weight"],
                     "down_scale": down.t["weight_scale"], "down_scale_2": down.t["weight_scale_2"]}
         dt, what = _DTYPE_OF[self.scheme], f"{self.item.name} expert {e}"
 

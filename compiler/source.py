@@ -12,6 +12,7 @@ import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -91,7 +92,9 @@ class Checkpoint:
     tensors: dict[str, TensorInfo] = field(repr=False)
 
     @classmethod
-    def open(cls, root: Path) -> Checkpoint:
+    def open(cls, root: Path, on_files: Callable[[dict, list[str], dict | None], None] | None = None) -> Checkpoint:
+        """Index the checkpoint; `on_files(config, weight files, weight_map or None)` is called once the weight files
+        are known, before their headers are read (the compiler starts reading the weights then)."""
         config = _read_json(root / "config.json")
         if (root / INDEX).is_file():
             index = _read_json(root / INDEX)
@@ -108,6 +111,8 @@ class Checkpoint:
             found = sorted(p.name for p in root.glob("*.safetensors"))
             hint = f" (found {', '.join(found[:3])} without {INDEX})" if found else ""
             raise CheckpointError(f"{root.name}: no {SINGLE} and no {INDEX}{hint}")
+        if on_files is not None:
+            on_files(config, files, wmap)
         tensors: dict[str, TensorInfo] = {}
         for f in files:
             for name, info in read_header(root / f).items():

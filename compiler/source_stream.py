@@ -14,6 +14,11 @@ A request the window cannot serve (a tensor larger than `big`, a read outside th
 or cannot reach because the window is full of pinned chunks) is read directly (aligned O_DIRECT pread): correct
 in every order, slower only for those bytes. Served bytes are copied out of the window, so a tensor never pins
 a chunk. Memory: `window` bytes of reusable buffers plus the tensor being read.
+
+Early start (`prefetch`): so that the disk works while the compile parses headers and plans (seconds), the pass
+may start on the file the plan will start with (the caller's guess) into a larger window (`early` bytes). At
+`expect` early chunks keep the plan's last uses, and a big tensor held whole (the embedding) stays pinned until
+served instead of being read twice. A wrong guess only costs speed: that file is hashed, its tensors read directly.
 """
 
 from __future__ import annotations
@@ -29,33 +34,8 @@ import numpy as np
 import torch
 
 from ft.compiler.errors import CheckpointError
-from ft.compiler.safetensors_io import TensorInfo, byte_range
-
-ALIGN = 4096
-
-
-def open_direct(path: Path) -> int:
-    """An O_DIRECT descriptor where the filesystem allows it, else a buffered one (same reads work on both)."""
-    try:
-        return os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-    except OSError:
-        return os.open(path, os.O_RDONLY)
-
-
-def pread_full(fd: int, buf, offset: int, want: int, path: Path) -> int:
-    """Read into `buf` from `offset` until `want` bytes arrived (or end of file); returns the count. Every read
-    starts at an aligned file offset and buffer offset (O_DIRECT), since short reads only happen at EOF."""
-    view, done = memoryview(buf), 0
-    while done < want:
-        try:
-            n = os.preadv(fd, [view[done:]], offset + done)
-        except OSError as e:
-            raise CheckpointError(f"{path.name}: cannot read at offset {offset + done}: {e.strerror or e}") from e
-        if n <= 0:
-            break
-        done += n
-    return done
-
+from ft.compiler.byte_io import open_direct, plan_reads, pread_full, read_direct, span_views
+from ft.compiler.safetensors_io import ST_DTYPES, TensorInfo, byte_range
 
 class _Chunk:
     __slots__ = ("buf", "n", "hashed")
@@ -91,29 +71,59 @@ class SourceStream:
         self._cancel = False
         self._fds: dict[int, int] = {}
         self._threads: list[threading.Thread] = []
+        self._order: list[int] | None = None  # files in reading order (set by expect); None: the early file only
+        self._early = 0  # the file `prefetch` starts with
+        self._pinned: dict[int, int] = {}  # request -> window bytes its early chunks add until it is served
+        self._normal_window = window
 
     # -- plan and threads ---------------------------------------------------------------------------
+    def prefetch(self, first: str, early: int = 1536 << 20) -> None:
+        """Start the pass now, before the plan is known: weight file `first`, into a window of `early` bytes."""
+        if not self._threads and first in self.names:
+            self._early = self.names.index(first)
+            self.window = max(self.window, early)
+            self._start()
+
     def expect(self, infos: list[TensorInfo]) -> None:
-        """The compile's reads, in order; starts the pass (files in order of first use, then the rest)."""
-        order: list[int] = []
-        for i, info in enumerate(infos):
-            fi = self._fidx.get(info.path)
-            if fi is None:
-                continue
-            self._index[(info.path, info.begin, info.end)] = i
-            if fi not in order:
-                order.append(fi)
-            if 0 < info.nbytes <= self.big:
-                for k in range(info.begin // self.chunk, (info.end - 1) // self.chunk + 1):
-                    self._last_use[(fi, k)] = i
-        order += [fi for fi in range(len(self.paths)) if fi not in order]
+        """The compile's reads, in order; starts the pass (files in order of first use, then the rest) unless
+        `prefetch` did."""
+        index, last_use, order = plan_reads(infos, self._fidx, self.chunk, self.big)
+        with self._cv:
+            extra, fe = 0, self._early
+            if self._threads and order[0] == fe:  # the early file leads the plan: keep its whole big tensors
+                for (path, b, e), i in index.items():
+                    ks = range(b // self.chunk, (e - 1) // self.chunk + 1)
+                    if e - b > self.big and path == self.paths[fe] and all((fe, k) in self._chunks for k in ks):
+                        extra += len(ks) * self.chunk
+                        self._pinned[i] = len(ks) * self.chunk
+                        last_use.update({(fe, k): max(i, last_use.get((fe, k), -1)) for k in ks})
+            elif self._threads:  # wrong guess: the early file is hashed only (its tensors are read directly)
+                last_use = {k: v for k, v in last_use.items() if k[0] != fe}
+            self._index, self._last_use, self._order = index, last_use, order
+            self.window = self._normal_window + extra
+            self._cv.notify_all()
+        if not self._threads:
+            self._start()
+
+    def _start(self) -> None:
         hq: queue.Queue = queue.Queue()
-        self._threads = [threading.Thread(target=self._guard, args=(self._read_all, order, hq), daemon=True,
+        self._threads = [threading.Thread(target=self._guard, args=(self._read_all, hq), daemon=True,
                                           name="ft-source-read"),
                          threading.Thread(target=self._guard, args=(self._hash_all, hq), daemon=True,
                                           name="ft-sha256")]
         for t in self._threads:
             t.start()
+
+    def _next_file(self, done: list[int]) -> int | None:
+        """The next file to read: before `expect`, the first file only (then wait for the plan)."""
+        with self._cv:
+            while self._order is None and done and not self._cancel and self._error is None:
+                self._cv.wait()
+            if self._cancel or self._error is not None:
+                return None
+            if self._order is None:
+                return self._early
+            return next((fi for fi in self._order if fi not in done), None)
 
     def _guard(self, fn, *args) -> None:
         try:
@@ -123,9 +133,11 @@ class SourceStream:
                 self._error = self._error or e
                 self._cv.notify_all()
 
-    def _read_all(self, order: list[int], hq: queue.Queue) -> None:
+    def _read_all(self, hq: queue.Queue) -> None:
+        done: list[int] = []
         try:
-            for fi in order:
+            while (fi := self._next_file(done)) is not None:
+                done.append(fi)
                 path, size = self.paths[fi], self.sizes[fi]
                 fd = open_direct(path)
                 try:
@@ -195,11 +207,39 @@ class SourceStream:
                     self._cv.notify_all()
                 wait = idx is not None and idx == self._cur and info.nbytes <= self.big
                 out = self._from_window(fi, begin, nbytes, wait)
+                if idx in self._pinned:  # an early-pinned big tensor, served: the window shrinks back
+                    self.window -= self._pinned.pop(idx)
         if out is None:
             out = self._direct(info.path, begin, nbytes)
             self.direct_bytes += nbytes
         self.bytes_read += nbytes
         return out.view(info.torch_dtype).reshape(shape)
+
+    def read_many(self, items: list[tuple[str, TensorInfo]]) -> list[torch.Tensor] | None:
+        """Planned tensors lying close together in one file (one expert's weights and scales) with one copy out of
+        the window: per-read overhead, not bytes, dominates small tensors. None when they are not in the plan, not
+        in one file, spread out (the span over 1.25x their bytes) or larger than `big`; then read them one by one."""
+        infos = [i for _, i in items]
+        fi = self._fidx.get(infos[0].path) if infos else None
+        idxs = [self._index.get((i.path, i.begin, i.end)) for i in infos]
+        if fi is None or None in idxs or any(i.path != infos[0].path or i.dtype not in ST_DTYPES for i in infos):
+            return None
+        b0, b1 = min(i.begin for i in infos), max(i.end for i in infos)
+        if b1 - b0 > self.big or 4 * (b1 - b0) > 5 * sum(i.nbytes for i in infos) or b1 == b0:
+            return None
+        first = min(idxs)
+        with self._cv:  # as read(): the group's first request is current while waiting (its chunks stay pinned)
+            if first > self._cur:
+                self._cur = first
+                self._evict()
+                self._cv.notify_all()
+            span = self._from_window(fi, b0, b1 - b0, first == self._cur)
+            self._cur = max(self._cur, max(idxs))  # all served: the next read may evict their chunks
+        if span is None:
+            span = self._direct(infos[0].path, b0, b1 - b0)
+            self.direct_bytes += b1 - b0
+        self.bytes_read += sum(i.nbytes for i in infos)
+        return span_views(span, b0, infos)
 
     def _from_window(self, fi: int, begin: int, nbytes: int, wait: bool) -> torch.Tensor | None:
         """Copy [begin, begin + nbytes) out of the window (lock held); None where it is not (and will not be) there."""
@@ -232,12 +272,7 @@ class SourceStream:
         fd = self._fds.get(path)
         if fd is None:
             fd = self._fds[path] = open_direct(path)
-        a0 = begin - begin % ALIGN
-        a1 = -(-(begin + nbytes) // ALIGN) * ALIGN
-        buf = mmap.mmap(-1, a1 - a0)
-        if pread_full(fd, buf, a0, begin + nbytes - a0, path) < begin + nbytes - a0:
-            raise CheckpointError(f"{path.name}: truncated: expected {nbytes} bytes at offset {begin}")
-        return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=begin - a0)
+        return read_direct(fd, path, begin, nbytes)
 
     def close(self) -> None:
         """Close the direct-read descriptors (the pass itself goes on until digests() or stop())."""

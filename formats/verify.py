@@ -2,9 +2,9 @@
 
 Two plans, one scanner (specs/ftw.md §10):
 * full (`verify_all`: `ft verify`, `ft checkpoint --verify full`): every byte of every data file;
-* sample (`verify_sample`: the default final check of `ft checkpoint`): of each data file its first and last
-  region, of each expert bank its first and last record, plus other regions drawn at random until a byte budget is
-  spent; each sampled region is read with the padding that follows it. The writer computed every digest from the
+* sample (`verify_sample`: the default final check of `ft checkpoint`): within a byte budget, the last and first
+  region of each data file, the last and first record of each expert bank, then other regions drawn at random;
+  each sampled region is read with the padding that follows it. The writer computed every digest from the
   bytes it wrote, so the sample is there to catch misplaced bytes (a wrong offset shifts everything after it, the
   last region of each file included) and a disk that did not keep what it acknowledged.
 Side files (assets, plans, kernels) are always hashed whole: they are small.
@@ -68,26 +68,37 @@ def full_plan(m: "Manifest") -> Plan:
 
 
 def sample_plan(m: "Manifest", budget: int = SAMPLE_BYTES, rng: random.Random | None = None) -> Plan:
-    """Units of `full_plan` always checked (see the module doc), then random others while the total stays within
-    `budget` bytes (a budget >= the data size gives the full plan)."""
+    """Units of `full_plan` totalling at most `budget` bytes: first, in this order, the last and then the first
+    region of each data file (the last and first of at most `budget // 16` bytes: an embedding can be larger than the
+    whole budget) and the last and first record of each expert bank; then random others while they fit. A budget
+    >= the data size gives the full plan."""
     rng = rng or random.Random()
-    must = {f"bank {b.name} expert {e}" for b in m.banks.values() for e in {0, b.num_experts - 1}}
     full = full_plan(m)
-    keep: dict[int, set[int]] = {}
-    rest: list[tuple[int, int]] = []
-    used = 0
-    for idx, units in full.items():
-        first = next((i for i, u in enumerate(units) if u[3]), 0)
-        keep[idx] = {i for i, u in enumerate(units) if i in (0, first, len(units) - 1) or u[3] in must}
-        used += sum(units[i][2] - units[i][0] for i in keep[idx])
-        rest += [(idx, i) for i in range(len(units)) if i not in keep[idx]]
+    cap = max(ALIGN, budget // 16)
+
+    def size(key: tuple[int, int]) -> int:
+        u = full[key[0]][key[1]]
+        return u[2] - u[0]
+
+    def end_regions(reverse: bool) -> list[tuple[int, int]]:
+        picks = []
+        for idx, units in full.items():
+            order = range(len(units) - 1, -1, -1) if reverse else range(len(units))
+            picks += [(idx, i) for i in order if units[i][3] and size((idx, i)) <= cap][:1]
+        return picks
+
+    where = {u[3]: (idx, i) for idx, units in full.items() for i, u in enumerate(units) if u[3]}
+    bank_last = [where[f"bank {b.name} expert {b.num_experts - 1}"] for b in m.banks.values()]
+    bank_first = [where[f"bank {b.name} expert 0"] for b in m.banks.values()]
+    rest = [(idx, i) for idx, units in full.items() for i in range(len(units))]
     rng.shuffle(rest)
-    for idx, i in rest:
-        size = full[idx][i][2] - full[idx][i][0]
-        if used + size <= budget:
-            keep[idx].add(i)
-            used += size
-    return {idx: [full[idx][i] for i in sorted(keep[idx])] for idx in full}
+    keep: set[tuple[int, int]] = set()
+    used = 0
+    for key in [*end_regions(True), *bank_last, *end_regions(False), *bank_first, *rest]:
+        if key not in keep and used + size(key) <= budget:
+            keep.add(key)
+            used += size(key)
+    return {idx: [units[i] for i in range(len(units)) if (idx, i) in keep] for idx, units in full.items()}
 
 
 def plan_bytes(plan: Plan) -> int:

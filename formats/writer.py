@@ -72,16 +72,26 @@ class BankWriter:
     def __init__(self, w: "FtwWriter", rec: dict[str, Any], comps: dict[str, tuple[torch.dtype, tuple[int, ...]]]):
         self._w, self._rec, self._comps, self._next = w, rec, comps, 0
 
-    def write_expert(self, e: int, parts: dict[str, torch.Tensor]) -> None:
+    def write_expert(self, e: int, parts: dict[str, torch.Tensor | tuple[torch.Tensor, ...]]) -> None:
+        """Expert e's components; a component may come as a tuple of tensors that are its rows in order (dim-0
+        pieces, e.g. gate and up of gate_up), written one after the other without concatenating them first."""
         if e != self._next:
             raise ValueError(f"bank {self._rec['name']}: expected expert {self._next}, got {e}")
         if set(parts) != set(self._comps):
             raise ValueError(f"bank {self._rec['name']}: components {sorted(parts)} != {sorted(self._comps)}")
         for c in self._rec["components"]:  # refuse before writing a byte of the record
-            t = parts[c["name"]]
+            ts = parts[c["name"]]
+            ts = ts if isinstance(ts, tuple) else (ts,)
             dtype, shape = self._comps[c["name"]]
-            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
-                raise ValueError(f"bank {self._rec['name']} expert {e} {c['name']}: got {t.dtype} {list(t.shape)}, "
+            if len(ts) == 1:
+                got = tuple(ts[0].shape)
+            elif ts and all(t.dim() and t.shape[1:] == ts[0].shape[1:] for t in ts):
+                got = (sum(t.shape[0] for t in ts), *ts[0].shape[1:])
+            else:
+                got = None  # nothing, or pieces that do not stack on dim 0
+            if got != tuple(shape) or any(t.dtype != dtype for t in ts):
+                desc = ", ".join(f"{t.dtype} {list(t.shape)}" for t in ts) or "nothing"
+                raise ValueError(f"bank {self._rec['name']} expert {e} {c['name']}: got {desc}, "
                                  f"declared {dtype} {list(shape)}")
         # components in offset order straight to the file, zero gaps between them; the digest covers
         # [0, used_bytes) (components and gaps), the zero tail up to `stride` is not hashed (V21)
@@ -91,9 +101,11 @@ class BankWriter:
                 gap = _ZEROS[:c["offset"] - pos]  # < COMPONENT_ALIGN bytes
                 h.update(gap)
                 fh.write(gap)
-            data = tensor_bytes(parts[c["name"]])
-            h.update(data)
-            fh.write(data)
+            ts = parts[c["name"]]
+            for t in ts if isinstance(ts, tuple) else (ts,):
+                data = tensor_bytes(t)
+                h.update(data)
+                fh.write(data)
             pos = c["offset"] + c["nbytes"]
         fh.zeros(self._rec["stride"] - pos)
         self._rec["xxh3"].append(h.hexdigest())

@@ -1,19 +1,21 @@
 """Compile benchmark: synthesize the Qwen3.6-35B-A3B NVFP4 checkpoint (all 40 layers, or cut to fewer), measure the
 disk, compile it to FTW, and compare the wall time with the I/O bound.
 
-    python tools/bench_compile.py [--layers 6] [--no-twin] [--work DIR] [--keep]
+    python tools/bench_compile.py [--layers 6] [--no-twin] [--work DIR] [--keep] [--verify full] [--note TEXT]
     python tools/bench_compile.py --layers 40 --no-twin     # the full model: 23 GB in, 21 GB out, no 72 GB twin
 
 The compile reads every input byte once (sha256 for provenance, tensors for the output) and writes every output
-byte once, so its floor is `input bytes / disk read speed + output bytes / disk write speed`. Write speed: 64 MiB
-blocks of random data with fsync. Read speed: a sequential read of cold data, probed before and after the compile
-(page cache dropped system-wide with /proc/sys/vm/drop_caches when running as root, else the files' pages evicted
-with posix_fadvise). The cold data is the BF16 twin when it exists (same disk and age as the input, never read by the
-compile), else 2 regions of the input shards themselves, read just as the compile will read them (caches dropped
-again right before the compile). Target: wall within 1.3x of the floor, peak RSS under 4 GB. Peak memory of the
-compile child: ru_maxrss (the kernel's high-water mark of resident pages, file pages included) and the peak of
-RssAnon sampled from /proc every 20 ms. Fewer than 40 layers are extrapolated from the bytes per layer. Writes
+byte once, so its floor is `input bytes / disk read speed + output bytes / disk write speed`. Each speed is the
+faster of a buffered and an O_DIRECT probe (bench_compile_lib.py), each probed before and after the compile. Write:
+64 MiB blocks of random data with fsync. Read: a sequential read of cold data (page cache dropped system-wide with
+/proc/sys/vm/drop_caches when running as root, else the files' pages evicted with posix_fadvise). The cold data
+is the BF16 twin when it exists (same disk and age as the input, never read by the compile), else 2 regions of the
+input shards themselves, read just as the compile will read them (caches dropped again right before the compile).
+Target: wall within 1.3x of the floor, peak RSS under 4 GB. Peak memory of the compile child: ru_maxrss (the
+kernel's high-water mark of resident pages, file pages included) and the peak of RssAnon sampled from /proc every
+20 ms. Fewer than 40 layers are extrapolated from the bytes per layer. Writes
 benchmarks/compile.md and benchmarks/compile.json; the previous result is kept there as an older row.
+`--verify full` measures the compile with its final full re-read (`ft checkpoint --verify full`).
 """
 
 from __future__ import annotations
@@ -32,74 +34,22 @@ import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_compile_lib import G, drop_cache, probe, render  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 FULL_LAYERS = 40
 PRESET = "qwen3.6-35b-a3b"
-G = 1e9
-
-
-def drop_cache(paths: list[Path]) -> str:
-    """Empty the page cache so reads hit the disk: system-wide as root, else the given files' clean pages."""
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return "drop_caches"
-    except OSError:
-        for p in paths:
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-        return "fadvise"
-
-
-def write_speed(work: Path, nbytes: int) -> float:
-    """Bytes/s written to the work directory's disk: 64 MiB blocks of random data, fsync before the clock stops."""
-    path = work / "disk-speed.bin"
-    block = os.urandom(64 << 20)
-    try:
-        t0 = time.perf_counter()
-        with open(path, "wb", buffering=0) as f:
-            for _ in range(nbytes // len(block)):
-                f.write(block)
-            os.fsync(f.fileno())
-        return nbytes / (time.perf_counter() - t0)
-    finally:
-        path.unlink(missing_ok=True)
-
-
-def read_speed(files: list[Path], skip: int, nbytes: int) -> tuple[float, str]:
-    """(bytes/s, cache method) of a cold sequential read of `nbytes` of `files` (concatenated), `skip` bytes in."""
-    method = drop_cache(files)
-    buf = bytearray(64 << 20)
-    done, seen = 0, 0
-    t0 = time.perf_counter()
-    for p in files:
-        size = p.stat().st_size
-        if seen + size <= skip:
-            seen += size
-            continue
-        with open(p, "rb", buffering=0) as f:
-            f.seek(max(0, skip - seen))
-            seen += size
-            while done < nbytes and (n := f.readinto(buf)):
-                done += n
-        if done >= nbytes:
-            break
-    if done < nbytes:
-        raise SystemExit(f"read probe wanted {nbytes} bytes from {skip} on, the files hold only {done}")
-    return done / (time.perf_counter() - t0), method
 
 
 def files_under(d: Path) -> list[Path]:
     return sorted(p for p in d.rglob("*") if p.is_file())
 
 
-def run_compile(src: Path, out: Path) -> dict:
+def run_compile(src: Path, out: Path, verify: str) -> dict:
     """Compile in a child process: wall time, its rusage, and /proc peaks sampled every 20 ms (plus load average)."""
     code = ("import sys; from ft.compiler import compile_checkpoint; "
-            "compile_checkpoint(sys.argv[1], sys.argv[2], force=True, progress=False)")
+            f"compile_checkpoint(sys.argv[1], sys.argv[2], force=True, progress=False, verify={verify!r})")
     cmd = [sys.executable, "-c", code, str(src), str(out)]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd)
@@ -192,29 +142,31 @@ def measure(args, src: Path, out: Path) -> dict:
     cold = twin or sorted(src.glob("*.safetensors"))
     n = args.disk_bytes
     print("disk probes (before)", file=sys.stderr)
-    (r1, method), w1 = read_speed(cold, 0, n), write_speed(args.work, n)
+    before, method = probe(cold, 0, args.work, n)
     drop_cache(in_files)
     load_before = os.getloadavg()
     print(f"compiling {in_bytes / G:.1f} GB", file=sys.stderr)
-    run = run_compile(src, out)
+    run = run_compile(src, out, args.verify)
     load_after = os.getloadavg()
     print(f"compiled in {run['wall_s']:.0f} s; disk probes (after)", file=sys.stderr)
     # the disk is shared and noisy: probe before and after (the second read on another cold region)
-    (r2, _), w2 = read_speed(cold, n if twin else max(n, sum(p.stat().st_size for p in cold) - n), n), \
-        write_speed(args.work, n)
-    read_bps, write_bps = (r1 + r2) / 2, (w1 + w2) / 2
+    after, _ = probe(cold, n if twin else max(n, sum(p.stat().st_size for p in cold) - n), args.work, n)
+    mean = {k: (before[k] + after[k]) / 2 for k in before}
+    read_bps = max(mean["read_buffered"], mean["read_direct"])
+    write_bps = max(mean["write_buffered"], mean["write_direct"])
     out_bytes = sum(p.stat().st_size for p in files_under(out))
     floor = in_bytes / read_bps + out_bytes / write_bps
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine(),
         "command": shlex.join(["python", "tools/bench_compile.py", *sys.argv[1:]]),
+        "verify": args.verify, "note": args.note,
         "compile_command": run["command"],
         "checkpoint": {"preset": PRESET, "quant": "nvfp4", "layers": args.layers, "input_bytes": in_bytes,
                        "output_bytes": out_bytes},
         "disk": {"read_bytes_per_s": read_bps, "write_bytes_per_s": write_bps, "probe_bytes": n,
                  "read_probe": f"{'BF16 twin' if twin else 'input shards (first and last region)'}, cold by {method}",
-                 "probes": {"before": [r1, w1], "after": [r2, w2]}},
+                 "probes": {"before": before, "after": after}},
         "compile": {"wall_s": run["wall_s"], "cpu_s": run["cpu_s"], "io_floor_s": floor,
                     "ratio": run["wall_s"] / floor, "ru_maxrss_bytes": run["ru_maxrss"],
                     "peak_anon_rss_bytes": run["peak"]["RssAnon"], "peak_file_rss_bytes": run["peak"]["RssFile"],
@@ -241,6 +193,8 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=REPO / ".cache" / "bench_compile")
     ap.add_argument("--disk-bytes", type=int, default=2 << 30, help="bytes written / read by each disk-speed probe")
     ap.add_argument("--keep", action="store_true", help="keep the synthetic checkpoint and the FTW output")
+    ap.add_argument("--verify", choices=("sample", "full"), default="sample", help="the compile's final check")
+    ap.add_argument("--note", default="", help="a note for this run's row in the history table")
     args = ap.parse_args()
 
     args.work.mkdir(parents=True, exist_ok=True)
@@ -263,54 +217,6 @@ def main() -> None:
     old.write_text(json.dumps(result, indent=2) + "\n")
     (bench / "compile.md").write_text(render(result))
     print(render(result))
-
-
-def _row(r: dict, note: str) -> str:
-    c, d, ck = r["compile"], r["disk"], r["checkpoint"]
-    load = r.get("load_average", {}).get("max_1min_during")
-    return (f"| {r['date']} | {ck['layers']} | {ck['input_bytes'] / G:.2f} / {ck['output_bytes'] / G:.2f} | "
-            f"{d['read_bytes_per_s'] / G:.2f} / {d['write_bytes_per_s'] / G:.2f} | {c['io_floor_s']:.1f} | "
-            f"{c['wall_s']:.1f} | {c['ratio']:.2f} | {c['ru_maxrss_bytes'] / 2**30:.2f} | "
-            f"{c['peak_anon_rss_bytes'] / 2**30:.2f} | {'-' if load is None else f'{load:.1f}'} | {note} |")
-
-
-def render(r: dict) -> str:
-    c, d, m, ck, la = r["compile"], r["disk"], r["machine"], r["checkpoint"], r["load_average"]
-    x = r.get("extrapolated_40_layers")
-    extra = "" if x is None else f"""
-Extrapolated to the full 40 layers ({x['input_bytes_per_layer'] / 2**20:.0f} MiB in, {x['output_bytes_per_layer'] / 2**20:.0f} MiB out
-per layer): input {x['input_bytes'] / G:.1f} GB, output {x['output_bytes'] / G:.1f} GB, I/O floor {x['io_floor_s']:.0f} s,
-expected wall {x['wall_s_at_measured_ratio']:.0f} s at the measured ratio.
-"""
-    older = "".join(_row(o, "older" + (f": {o['note']}" if o.get("note") else "")) + "\n" for o in r.get("older", []))
-    return f"""# `ft checkpoint` compile benchmark
-
-- date: {r['date']}
-- machine: {m['cpu']}, {m['cores']} cores, {m['ram_bytes'] / 2**30:.0f} GiB RAM; {m['platform']}
-- load average (1/5/15 min) before {'/'.join(f'{v:.2f}' for v in la['before'])}, after {'/'.join(f'{v:.2f}' for v in la['after'])}, highest 1-min during the compile {la['max_1min_during']:.2f} (the machine is shared)
-- command: `{r['command']}`
-- compile: `{r['compile_command']}` (fresh process, input evicted from the page cache first)
-- read probe: {d['read_probe']}
-
-Input: synthetic {ck['preset']} NVFP4 (ModelOpt MIXED_PRECISION layout: NVFP4 experts/shared experts/lm_head, FP8
-attention and GDN projections, BF16 rest){'' if ck['layers'] == 40 else f' cut to {ck["layers"]} of 40 layers'}.
-
-| quantity | value |
-|---|---|
-| input / output | {ck['input_bytes'] / G:.2f} GB / {ck['output_bytes'] / G:.2f} GB |
-| disk read (cold) / write (fsync); mean of probes before and after | {d['read_bytes_per_s'] / G:.2f} GB/s / {d['write_bytes_per_s'] / G:.2f} GB/s |
-| I/O floor (read input + write output) | {c['io_floor_s']:.1f} s |
-| compile wall time (incl. final verify) / CPU time | {c['wall_s']:.1f} s / {c['cpu_s']:.1f} s |
-| wall / floor (target <= 1.3) | **{c['ratio']:.2f}** |
-| peak RSS, ru_maxrss (target < 4 GB) | {c['ru_maxrss_bytes'] / G:.2f} GB ({c['ru_maxrss_bytes'] / 2**30:.2f} GiB) |
-| peak anonymous / file-backed RSS (sampled) | {c['peak_anon_rss_bytes'] / 2**30:.2f} GiB / {c['peak_file_rss_bytes'] / 2**30:.2f} GiB |
-{extra}
-## All results (newest first)
-
-| date | layers | in / out GB | read / write GB/s | floor s | wall s | ratio | ru_maxrss GiB | anon RSS GiB | load | note |
-|---|---|---|---|---|---|---|---|---|---|---|
-{_row(r, "this run")}
-{older}"""
 
 
 if __name__ == "__main__":

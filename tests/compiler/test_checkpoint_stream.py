@@ -113,35 +113,6 @@ def _drop_cache(path: Path) -> None:
         os.close(fd)
 
 
-def _cached(path: Path) -> bool:
-    """Whether the first page is in the page cache (an RWF_NOWAIT read does not block on the disk)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return os.preadv(fd, [bytearray(4096)], 0, os.RWF_NOWAIT) > 0
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)
-
-
-def test_written_output_pages_dropped_oldest_first(tmp_path: Path) -> None:
-    from ft.compiler.async_writer import _drop_written
-
-    old, new = tmp_path / "a.bin", tmp_path / "b.bin"
-    for i, p in enumerate((old, new)):
-        p.write_bytes(os.urandom(1 << 20))
-        os.utime(p, ns=(10**18 + i, 10**18 + i))
-        fd = os.open(p, os.O_RDONLY)
-        os.fsync(fd)
-        os.close(fd)
-    if not (_cached(old) and _cached(new)):
-        pytest.skip("this filesystem does not keep written pages in the page cache")
-    _drop_written(tmp_path, keep=1 << 20)
-    if _cached(old):
-        pytest.skip("this filesystem ignores POSIX_FADV_DONTNEED")
-    assert _cached(new)  # the newest `keep` bytes stay for the final verify
-
-
 def test_verify_reads_uncached_output_from_disk(tmp_path: Path) -> None:
     """The final verify's O_DIRECT path (pages not cached) reads the same bytes, and finds a flipped byte."""
     from ftw_testlib import small_ftw
@@ -160,3 +131,63 @@ def test_verify_reads_uncached_output_from_disk(tmp_path: Path) -> None:
     _drop_cache(data)
     failures = FtwReader(out).verify()
     assert len(failures) == 1 and "t.bf16" in str(failures[0])
+
+
+def test_read_many_equals_single_reads(tmp_path: Path) -> None:
+    """Groups of neighbouring planned tensors come out of one window copy, exactly; groups that cannot (spread out,
+    across files, outside the plan) are declined and read one by one."""
+    names, tensors = _files(tmp_path)
+    infos = {n: i for f in names for n, i in read_header(tmp_path / f).items()}
+    order = sorted(infos, key=lambda n: (names.index(infos[n].path.name), infos[n].begin))
+    want = {n: t for f in names for n, t in tensors[f].items()}
+    s = SourceStream(tmp_path, names, window=64 * 8192, chunk=8192, big=32 * 8192)
+    s.expect([infos[n] for n in order])
+    a = [n for n in order if infos[n].path.name == "a.safetensors"]
+    assert s.read_many([(n, infos[n]) for n in (a[0], a[5])]) is None  # spread out: declined
+    assert s.read_many([(n, infos[n]) for n in (a[-1], order[len(a)])]) is None  # two files: declined
+    grouped = 0
+    for k in range(0, len(order), 3):
+        group = [n for n in order[k:k + 3] if infos[n].path == infos[order[k]].path]
+        got = s.read_many([(n, infos[n]) for n in group])
+        grouped += got is not None
+        if got is None:
+            got = [s.read(n, infos[n]) for n in group]
+        for n, t in zip(group, got):
+            assert t.dtype == want[n].dtype and torch.equal(t, want[n]), n
+    s.digests()
+    assert grouped >= len(order) // 3 - 1 and s.direct_bytes == 0  # (the group that straddles the files reads singly)
+    s.stop()
+
+
+def _wait_read(s: SourceStream, fi: int, chunks: int) -> None:
+    import time
+
+    deadline = time.monotonic() + 30
+    while s._read_upto[fi] < chunks and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert s._read_upto[fi] == chunks
+
+
+@pytest.mark.parametrize("first", ["a.safetensors", "b.safetensors"])
+def test_prefetch_before_the_plan(tmp_path: Path, first: str) -> None:
+    """Started early on the plan's first file, big tensors the early window holds are served from it (not read
+    twice); started on another file (a wrong guess), every tensor and digest is still exact."""
+    names, tensors = _files(tmp_path)
+    infos = {n: i for f in names for n, i in read_header(tmp_path / f).items()}
+    order = sorted(infos, key=lambda n: (names.index(infos[n].path.name), infos[n].begin))  # a first
+    want = {n: t for f in names for n, t in tensors[f].items()}
+    big = 16 << 10
+    s = SourceStream(tmp_path, names, window=8 * 4096, chunk=4096, big=big)
+    s.prefetch(first, early=4 << 20)  # the whole early file fits
+    fi = names.index(first)
+    _wait_read(s, fi, -(-(tmp_path / first).stat().st_size // 4096))
+    s.expect([infos[n] for n in order])
+    for n in order:
+        got = s.read(n, infos[n])
+        assert got.dtype == want[n].dtype and torch.equal(got, want[n]), n
+    assert s.digests() == {f: hashlib.sha256((tmp_path / f).read_bytes()).hexdigest() for f in names}
+    if first == "a.safetensors":  # a's big tensors came from the early window; b's big ones are direct reads
+        assert s.direct_bytes == sum(infos[n].nbytes for n in order if infos[n].nbytes > big
+                                     and infos[n].path.name == "b.safetensors")
+        assert s.window == 8 * 4096  # back to its size once the pinned tensors were served
+    s.stop()
