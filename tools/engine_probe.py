@@ -37,12 +37,19 @@ class Probe:
         self.reads = self.big_ops = self.tokens = 0  # tokens: in this step's forward
 
 
-@contextlib.contextmanager
-def instrument(engine, probe: Probe):
-    """Wrap the engine's pieces (module/class/instance attributes, restored on exit) to time them into `probe`."""
+def engine_pieces(engine) -> list[tuple[object, str, str]]:
+    """(owner, attribute, phase) of each piece of `Engine.step` worth timing; owners are the model, the engine
+    module (its `sample`), the Request class and the engine instance."""
     import ft.runtime.engine as engine_mod
     from ft.runtime.request import Request
 
+    return [(engine.model, "forward", "forward"), (engine_mod, "sample", "sample"), (Request, "accept", "accept"),
+            (engine, "_prepare_inputs", "prepare"), (engine, "_schedule", "schedule"), (engine, "_admit", "schedule")]
+
+
+@contextlib.contextmanager
+def instrument(engine, probe: Probe):
+    """Wrap the engine's pieces (module/class/instance attributes, restored on exit) to time them into `probe`."""
     patches = []
 
     def wrap(owner, name: str, phase: str):
@@ -64,12 +71,8 @@ def instrument(engine, probe: Probe):
         patches.append((owner, name, name in vars(owner), vars(owner).get(name)))
         setattr(owner, name, timed)
 
-    wrap(engine.model, "forward", "forward")
-    wrap(engine_mod, "sample", "sample")
-    wrap(Request, "accept", "accept")
-    wrap(engine, "_prepare_inputs", "prepare")
-    wrap(engine, "_schedule", "schedule")
-    wrap(engine, "_admit", "schedule")
+    for owner, name, phase in engine_pieces(engine):
+        wrap(owner, name, phase)
     try:
         yield probe
     finally:

@@ -75,15 +75,10 @@ def tagged(model, engine=None):
                 undo.append(lambda layer=layer, attr=attr, op=op: setattr(layer, attr, op))
     wrap(model, "logits_head", "lm_head")
     if engine is not None:
-        import ft.runtime.engine as engine_mod
-        from ft.runtime.request import Request
+        from engine_probe import engine_pieces
 
-        wrap(engine.model, "forward", "forward")
-        wrap(engine_mod, "sample", "sample")
-        wrap(Request, "accept", "accept")
-        wrap(engine, "_schedule", "schedule")
-        wrap(engine, "_admit", "schedule")
-        wrap(engine, "_prepare_inputs", "prepare")
+        for owner, name, tag in engine_pieces(engine):
+            wrap(owner, name, tag)
     try:
         yield
     finally:
