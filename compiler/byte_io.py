@@ -39,7 +39,6 @@ def pread_full(fd: int, buf, offset: int, want: int, path: Path) -> int:
     return done
 
 
-
 def read_direct(fd: int, path: Path, begin: int, nbytes: int) -> torch.Tensor:
     """Aligned positioned read of [begin, begin + nbytes) into a fresh page-aligned buffer (a uint8 tensor)."""
     a0 = begin - begin % ALIGN
