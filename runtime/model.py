@@ -2,8 +2,9 @@
 
 Loading walks the FTW: every tensor name is an attribute path of the module tree (no rename table), the tensor is
 bound as a zero-copy view of the mmap, and each MoE layer's `mlp.experts` is bound to the experts interface (CPU from
-the bank by default). On a device other than the CPU the dense weights are copied there once; expert banks stay where
-the experts implementation wants them. The computation dtype is the weights' dtype (that of `embed_tokens.weight`);
+the bank by default). On a device other than the CPU the dense weights are copied there once, except an untied
+embedding table, which stays in host memory (only N rows of it are needed per step); expert banks stay where the
+experts implementation wants them. The computation dtype is the weights' dtype (that of `embed_tokens.weight`);
 logits come back in fp32.
 
     model = load_model(ftw_dir)
@@ -33,12 +34,41 @@ __all__ = ["CausalLM", "Segment", "SequenceState", "load_model"]
 
 
 class Embedding(Op):
+    """ids [N] -> rows [N, H] of `weight` [V, H].
+
+    Host-resident table (`keep_on_host`, for a model on a GPU whose LM head is a separate tensor): the table stays
+    the zero-copy mmap view and costs no VRAM (V x H bf16 is 0.95 GiB for a 248k vocab: a sixth of an 8 GiB card's
+    budget for experts), while a step needs only N rows of it. The rows are gathered on the host into a pinned buffer
+    and copied without blocking; an event guards the buffer until its copy is done (ids come from the host anyway).
+    """
+
     def __init__(self) -> None:
         super().__init__()
         self.weight: torch.Tensor = REQUIRED    # [V, H]
+        self._target: torch.device | None = None  # set: weight stays on the host, outputs go to this device
+        self._pinned: torch.Tensor | None = None  # [capacity, H] staging rows (CUDA targets)
+        self._copied: torch.cuda.Event | None = None
+
+    def keep_on_host(self, target: torch.device) -> None:
+        self._target = target
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        if self._target is None:
+            return F.embedding(_to_device(ids, self.weight.device), self.weight)
+        ids = ids.cpu()
+        if self._target.type != "cuda":
+            return F.embedding(ids, self.weight).to(self._target)
+        n = ids.numel()
+        if self._pinned is None or self._pinned.shape[0] < n:
+            self._pinned = torch.empty(max(n, 64), self.weight.shape[1], dtype=self.weight.dtype, pin_memory=True)
+        elif self._copied is not None:
+            self._copied.synchronize()  # the previous step's rows have left the buffer
+        rows = self._pinned[:n]
+        torch.index_select(self.weight, 0, ids, out=rows)
+        out = rows.to(self._target, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        return out
 
 
 class CausalLM(Op):
@@ -86,7 +116,7 @@ class CausalLM(Op):
         """input_ids [N] (all segments' tokens concatenated in order) -> per segment logits (see `Segment`).
         Each segment continues its state at `state.length`; the states advance by `num_tokens` on success."""
         batch = self._plan(input_ids, segments)
-        h = self.embed_tokens(_to_device(input_ids, self._device))
+        h = self.embed_tokens(input_ids)
         if self._rotary is not None:
             batch.rope["cos"], batch.rope["sin"] = self._rotary.cos_sin(batch.positions, self._dtype)
         for layer in self.layers:
@@ -161,7 +191,12 @@ class CausalLM(Op):
         for name, op in linears.items():
             op.prepare(name, quant_linears.get(name), dtype, device)
         keep_fp32 = ("norm.weight", ".dt_bias", ".A_log")    # every RMSNorm weight ends in "norm.weight"
-        self.map_weights(lambda n, t: t.to(device, torch.float32 if n.endswith(keep_fp32) else dtype))
+        # an untied embedding table is only gathered from: off the CPU it stays in host memory (see Embedding)
+        host = ("embed_tokens.weight",) if device.type != "cpu" and not self._config.tie_word_embeddings else ()
+        self.map_weights(lambda n, t: t.to("cpu" if n in host else device,
+                                           torch.float32 if n.endswith(keep_fp32) else dtype))
+        if host:
+            self.embed_tokens.keep_on_host(device)
         self._dtype, self._device = dtype, device
         self._check_shapes()
 

@@ -1,7 +1,8 @@
 """Pieces of tools/gpu_bench.py: checkpoint, budget scaling, the bench's own decode/prefill loops, checks, probes.
 
-Budget scaling (a checkpoint with fewer layers than the real model): the full model's dense weights (embeddings,
-lm_head, attention / DeltaNet, shared experts, routers; as the runtime holds them on the GPU, dequantized to bf16),
+Budget scaling (a checkpoint with fewer layers than the real model): the full model's dense weights (lm_head,
+attention / DeltaNet, shared experts, routers, and the embedding table only where it is tied to the LM head; as the
+runtime holds them on the GPU, dequantized to bf16),
 its KV reserve, the activation reserve and the two prefill buffers come off the budget first; what is left is
 divided evenly over the full model's MoE layers, and the benchmark model gets that share for each of its layers.
 """
@@ -54,13 +55,16 @@ def build_checkpoint(work: Path, layers: int, routing: str, log, preset: str = "
 
 
 def dense_gpu_bytes(reader: FtwReader) -> tuple[int, dict[int, int]]:
-    """(bytes outside layers, bytes per layer) of the dense weights as the runtime holds them (bf16, fp32 norms)."""
+    """(bytes outside layers, bytes per layer) of the dense weights as the runtime holds them on the GPU (bf16, fp32
+    norms; an untied embedding table stays in host memory)."""
     quant = reader.quant.get("linears") or {}
     nonlayer, per_layer = 0, {}
     for name in reader.tensor_names():
         base = name.rsplit(".", 1)[0]
         if base in quant and not name.endswith(".weight"):
             continue  # scales fold into the dequantized weight
+        if name == "embed_tokens.weight" and not reader.config.tie_word_embeddings:
+            continue
         t = reader.tensor(name)
         numel = t.numel() * (2 if base in quant and quant[base] == "nvfp4" else 1)
         size = 4 if name.endswith(("norm.weight", ".dt_bias", ".A_log")) else 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ft.formats import FtwReader
@@ -33,3 +34,15 @@ def test_load_model_with_scheduler_matches_cpu_experts(ftw_for):
     s = ex.stats()
     assert s["prefill_calls"] > 0 and s["calls"] > s["prefill_calls"]  # prompt streamed, next token decoded
     ex.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_model_gathers_embedding_rows_from_the_host(ftw_for):
+    reader = FtwReader(ftw_for("qwen3_5_moe", "nvfp4"))
+    model = load_model(reader, device="cuda")
+    table = reader.tensor("embed_tokens.weight")
+    assert model.embed_tokens.weight.device.type == "cpu"
+    batches = [torch.tensor(ids) for ids in ([3, 1, 3], list(range(200)), [7, 7], [9] * 150)]
+    outs = [model.embed_tokens(ids) for ids in batches]  # no sync between calls: the buffer grows, then is reused
+    for ids, out in zip(batches, outs):
+        assert out.device.type == "cuda" and torch.equal(out.cpu(), table[ids])
