@@ -32,6 +32,8 @@ from ft.runtime.state import Segment, SequenceState
 
 __all__ = ["CausalLM", "Segment", "SequenceState", "load_model"]
 
+FP32_WEIGHTS = ("norm.weight", ".dt_bias", ".A_log")  # name suffixes kept in fp32 (every RMSNorm weight: norm.weight)
+
 
 class Embedding(Op):
     """ids [N] -> rows [N, H] of `weight` [V, H].
@@ -181,20 +183,21 @@ class CausalLM(Op):
         if missing:
             raise ValueError(f"{reader.path}: missing tensors for {self._config.family}: {', '.join(missing)}")
 
-    def prepare(self, quant_linears: dict[str, str], device: torch.device, dtype: torch.dtype) -> None:
-        """Dequantize/move linears, move the other weights (norms and DeltaNet decay params stay fp32), check
-        every shape against the config."""
+    def prepare(self, quant_linears: dict[str, str], device: torch.device, dtype: torch.dtype, *,
+                keep_quantized: bool = False) -> None:
+        """Dequantize/move linears (quantized ones stay quantized with `keep_quantized`, see layers/linear.py), move
+        the other weights (norms and DeltaNet decay params stay fp32), check every shape against the config."""
         linears = {name: op for name, op in self.named_ops() if isinstance(op, Linear)}
         unknown = sorted(set(quant_linears) - set(linears))
         if unknown:
             raise ValueError(f"manifest.quant.linears names modules this model does not have: {unknown}")
         for name, op in linears.items():
-            op.prepare(name, quant_linears.get(name), dtype, device)
-        keep_fp32 = ("norm.weight", ".dt_bias", ".A_log")    # every RMSNorm weight ends in "norm.weight"
+            op.prepare(name, quant_linears.get(name), dtype, device, keep_quantized=keep_quantized)
+        kept = tuple(f"{name}." for name, op in linears.items() if op.stays_quantized)  # placed as stored
         # an untied embedding table is only gathered from: off the CPU it stays in host memory (see Embedding)
         host = ("embed_tokens.weight",) if device.type != "cpu" and not self._config.tie_word_embeddings else ()
-        self.map_weights(lambda n, t: t.to("cpu" if n in host else device,
-                                           torch.float32 if n.endswith(keep_fp32) else dtype))
+        self.map_weights(lambda n, t: t if n.startswith(kept) else t.to(
+            "cpu" if n in host else device, torch.float32 if n.endswith(FP32_WEIGHTS) else dtype))
         if host:
             self.embed_tokens.keep_on_host(device)
         self._dtype, self._device = dtype, device
@@ -209,13 +212,15 @@ class CausalLM(Op):
             want |= {f"layers.{i}.{k}": v for k, v in expected_shapes(cfg, i).items()}
         for name, shape in want.items():
             op, attr = resolve_slot(self, name)
-            got = tuple(getattr(op, attr).shape)
+            got = op.weight_shape if isinstance(op, Linear) and attr == "weight" else tuple(getattr(op, attr).shape)
             if got != shape:
                 raise ValueError(f"tensor {name} has shape {got}, the config implies {shape}")
 
 
-def load_model(ftw: Path | str | FtwReader, *, device: str = "cpu", experts: ExpertsFn | None = None) -> CausalLM:
-    """Build the family's model from an FTW (see the module docstring). `experts=None` -> `CpuExperts`."""
+def load_model(ftw: Path | str | FtwReader, *, device: str = "cpu", experts: ExpertsFn | None = None,
+               keep_quantized: bool = False) -> CausalLM:
+    """Build the family's model from an FTW (see the module docstring). `experts=None` -> `CpuExperts`;
+    `keep_quantized`: quantized dense linears stay quantized on the device (less memory, a dequantization per call)."""
     from ft.runtime.experts import CpuExperts
     from ft.runtime.models import model_class
 
@@ -228,7 +233,7 @@ def load_model(ftw: Path | str | FtwReader, *, device: str = "cpu", experts: Exp
     if experts is None:
         experts = CpuExperts(reader, config, dtype=dtype)
     model.bind(reader, experts)
-    model.prepare(dict(reader.quant.get("linears") or {}), torch.device(device), dtype)
+    model.prepare(dict(reader.quant.get("linears") or {}), torch.device(device), dtype, keep_quantized=keep_quantized)
     return model
 
 

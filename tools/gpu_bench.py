@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--bw-seconds", type=float, default=2.0)
     ap.add_argument("--profile-tokens", type=int, default=16)
     ap.add_argument("--profile-trace", action="store_true", help="also write gzipped Chrome traces (2 files)")
+    ap.add_argument("--dense", choices=("dequantized", "quantized"), default="dequantized",
+                    help="quantized dense linears on the GPU dequantized to bf16 (the engine's default) or as stored "
+                         "(OffloadConfig(dense='quantized')); one model serves every placement of the direct runs")
     ap.add_argument("--no-prefetch", action="store_true")
     ap.add_argument("--no-pin", action="store_true", help="never page-lock expert banks (staged fetches only)")
     ap.add_argument("--no-logits", action="store_true", help="skip the GPU-vs-CPU logits check")

@@ -71,7 +71,7 @@ def prefill_runs(model, reader, args, *, prof: dict, h2d_link: float, deadline: 
     placements = [("resident", OffloadConfig(mode="resident", prefetch=False))]
     for gib in args.prefill_budgets:
         sc = scaled_slots(int(gib * GIB), reader, full_layers=40, kv_tokens=args.kv_tokens, reserve=GIB // 2,
-                          prefill_slots=args.prefill_slots)
+                          prefill_slots=args.prefill_slots, keep_quantized=args.dense == "quantized")
         placements.append((f"stream@{gib:g}GiB", OffloadConfig(mode="offload", num_slots=sc["num_slots"],
                                                                prefill_slots=args.prefill_slots, prefetch=False)))
     for name, opts in placements:
@@ -164,8 +164,9 @@ def stage_e2e(args, prof: dict, out: dict, flush, plan, log=print) -> dict:
         reader = FtwReader(ftw)
         cfg = reader.config
         E, moe_layers = cfg.num_experts, sum(t == "moe" for t in cfg.mlp_types)
-        model = load_model(reader, device=args.device, experts=lambda *a: None)
-        r: dict = {"ftw": ftw.name,
+        model = load_model(reader, device=args.device, experts=lambda *a: None,
+                           keep_quantized=args.dense == "quantized")
+        r: dict = {"ftw": ftw.name, "dense": args.dense,
                    "dense_allocated_gib": torch.cuda.memory_allocated() / GIB if args.device == "cuda" else None}
         out["routings"][routing] = r
         g = torch.Generator().manual_seed(1)
@@ -204,7 +205,7 @@ def stage_e2e(args, prof: dict, out: dict, flush, plan, log=print) -> dict:
         flush()
         for gib in args.budgets:
             sc = scaled_slots(int(gib * GIB), reader, full_layers=40, kv_tokens=args.kv_tokens, reserve=GIB // 2,
-                              prefill_slots=args.prefill_slots)
+                              prefill_slots=args.prefill_slots, keep_quantized=args.dense == "quantized")
             per_run = 3 + (args.warmup + args.tokens) / 40  # seconds at ~40 tok/s (H200, 4 layers, 8 GiB)
             for mode in args.modes.split(","):
                 key = f"{mode}@{gib:g}GiB"

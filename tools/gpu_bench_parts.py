@@ -2,7 +2,7 @@
 
 Budget scaling (a checkpoint with fewer layers than the real model): the full model's dense weights (lm_head,
 attention / DeltaNet, shared experts, routers, and the embedding table only where it is tied to the LM head; as the
-runtime holds them on the GPU, dequantized to bf16),
+runtime holds them on the GPU: `--dense quantized` as stored, `dequantized` in bf16; `sizing.dense_weight_bytes`),
 its KV reserve, the activation reserve and the two prefill buffers come off the budget first; what is left is
 divided evenly over the full model's MoE layers, and the benchmark model gets that share for each of its layers.
 """
@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ft.formats import FtwReader
+from ft.runtime.gpu.sizing import dense_weight_bytes
 from ft.runtime.layers.moe import BoundExperts
 from ft.runtime.model import Segment, load_model
 
@@ -54,33 +55,11 @@ def build_checkpoint(work: Path, layers: int, routing: str, log, preset: str = "
     return ftw
 
 
-def dense_gpu_bytes(reader: FtwReader) -> tuple[int, dict[int, int]]:
-    """(bytes outside layers, bytes per layer) of the dense weights as the runtime holds them on the GPU (bf16, fp32
-    norms; an untied embedding table stays in host memory)."""
-    quant = reader.quant.get("linears") or {}
-    nonlayer, per_layer = 0, {}
-    for name in reader.tensor_names():
-        base = name.rsplit(".", 1)[0]
-        if base in quant and not name.endswith(".weight"):
-            continue  # scales fold into the dequantized weight
-        if name == "embed_tokens.weight" and not reader.config.tie_word_embeddings:
-            continue
-        t = reader.tensor(name)
-        numel = t.numel() * (2 if base in quant and quant[base] == "nvfp4" else 1)
-        size = 4 if name.endswith(("norm.weight", ".dt_bias", ".A_log")) else 2
-        if name.startswith("layers."):
-            i = int(name.split(".")[1])
-            per_layer[i] = per_layer.get(i, 0) + numel * size
-        else:
-            nonlayer += numel * size
-    return nonlayer, per_layer
-
-
 def scaled_slots(budget: int, reader: FtwReader, *, full_layers: int, kv_tokens: int, reserve: int,
-                 prefill_slots: int) -> dict:
+                 prefill_slots: int, keep_quantized: bool) -> dict:
     cfg = reader.config
     stride = reader.bank(f"layers.{[i for i, t in enumerate(cfg.mlp_types) if t == 'moe'][0]}.mlp.experts").stride
-    nonlayer, per_layer = dense_gpu_bytes(reader)
+    nonlayer, per_layer = dense_weight_bytes(reader, keep_quantized=keep_quantized)
     dense_full = nonlayer + sum(per_layer.values()) / len(per_layer) * full_layers
     full_attn_share = sum(t == "full_attention" for t in cfg.layer_types) / cfg.num_layers
     kv_full = kv_tokens * 2 * cfg.num_kv_heads * cfg.head_dim * 2 * full_attn_share * full_layers
@@ -94,12 +73,12 @@ def scaled_slots(budget: int, reader: FtwReader, *, full_layers: int, kv_tokens:
 
 
 def engine_budget(reader: FtwReader, budget_gib: float, *, kv_tokens: int = 8192) -> tuple[int, dict]:
-    """(bytes, scaled slots) for Engine(vram_budget=...): the measured dense weights + KV + buffers + reserve + the
-    expert share that `budget_gib` gives the full 40-layer model (so the engine holds the same fraction of experts
-    as the scaled direct runs)."""
+    """(bytes, scaled slots) for Engine(vram_budget=...): the dense weights + KV + buffers + reserve + the expert
+    share that `budget_gib` gives the full 40-layer model (so the engine holds the same fraction of experts as the
+    scaled direct runs). Dense weights count dequantized, as the engine (`ft serve`) places them by default."""
     sc = scaled_slots(int(budget_gib * GIB), reader, full_layers=40, kv_tokens=kv_tokens, reserve=GIB // 2,
-                      prefill_slots=32)
-    nonlayer, per_layer = dense_gpu_bytes(reader)
+                      prefill_slots=32, keep_quantized=False)
+    nonlayer, per_layer = dense_weight_bytes(reader, keep_quantized=False)
     stride = reader.bank(f"layers.{reader.config.mlp_types.index('moe')}.mlp.experts").stride
     kv = kv_tokens * 2 * reader.config.num_kv_heads * reader.config.head_dim * 2 * 2  # generous: states are small
     budget = nonlayer + sum(per_layer.values()) + kv + GIB // 2 + 64 * stride + sc["num_slots"] * stride + (64 << 20)
@@ -168,6 +147,7 @@ def check_logits(ftw: Path, gpu_model, prompt: list[int]) -> dict:
 _PIN_PROBE = """
 import json, sys, time, torch
 from ft.formats import FtwReader
+from ft.runtime.gpu.sizing import dense_weight_bytes
 from ft.runtime.gpu.pinning import bank_range
 from ft.runtime.gpu.transfer import CudaUploader
 r = FtwReader(sys.argv[1]); cfg = r.config

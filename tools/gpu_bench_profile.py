@@ -225,7 +225,7 @@ def stage_profile(args, bw_profile: dict, out: Path, res: dict, plan, log=print)
     prompt = torch.randint(0, cfg.vocab_size, (args.prompt,), generator=torch.Generator().manual_seed(1)).tolist()
     n, gib = args.profile_tokens, args.budgets[0]
     sc = e2e.scaled_slots(int(gib * e2e.GIB), reader, full_layers=40, kv_tokens=args.kv_tokens, reserve=e2e.GIB // 2,
-                          prefill_slots=args.prefill_slots)
+                          prefill_slots=args.prefill_slots, keep_quantized=args.dense == "quantized")
     res.update(routing=routing, budget_gib=gib, scaled_slots=sc["num_slots"], prompt=len(prompt))
     per_path = 4 + 3 * n / 40 + len(prompt) / 6000  # seconds: setup, warm + unprofiled + profiled tokens, prefill
     texts = []
@@ -242,7 +242,7 @@ def stage_profile(args, bw_profile: dict, out: Path, res: dict, plan, log=print)
 
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])):
         torch.ones(1, device=args.device).add_(1)  # the profiler's one-time start-up (CUPTI), outside the paths
-    model = load_model(reader, device=args.device, experts=lambda *a: None)
+    model = load_model(reader, device=args.device, experts=lambda *a: None, keep_quantized=args.dense == "quantized")
     for name, opts in (("resident_direct", OffloadConfig(mode="resident", prefill_slots=args.prefill_slots)),
                        (f"hybrid{gib:g}_direct", OffloadConfig(mode="hybrid", num_slots=sc["num_slots"],
                                                                prefill_slots=args.prefill_slots))):

@@ -3,8 +3,8 @@
     model, experts = load_offloaded(reader, device="cuda", vram_budget=None, memory_ratio=0.9, offload=None,
                                     kv_reserve_tokens=8192, max_running_requests=4)
 
-Order: resolve the budget (free VRAM before anything is loaded), load the dense weights onto the device, measure
-what they took, then give the expert slots what the KV reserve, prefill buffers and activation reserve leave. When
+Order: resolve the budget (free VRAM before anything is loaded), load the dense weights onto the device (quantized
+linears dequantized, or as stored with `OffloadConfig(dense="quantized")`), measure what they took, then give the expert slots what the KV reserve, prefill buffers and activation reserve leave. When
 every expert fits, the scheduler runs fully resident. `device="cpu"` with an explicit `offload` runs the same
 scheduler on the CPU emulation path (the "VRAM" is then host memory; used by tests).
 """
@@ -63,7 +63,8 @@ def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, m
         opts = dataclasses.replace(opts, vram_budget=budget)
     before = torch.cuda.memory_allocated(dev) if cuda else 0  # routers (prefetch) count as dense weights too
     experts = GpuExperts(reader, opts, device=str(dev), profile=load_profile(dev.index or 0) if cuda else None)
-    model = load_model(reader, device=str(dev), experts=experts)
+    keep = opts.dense == "quantized"
+    model = load_model(reader, device=str(dev), experts=experts, keep_quantized=keep)
     dense = torch.cuda.memory_allocated(dev) - before if cuda else _weight_bytes(model)
     per_token, per_seq = state_bytes(model.config, model.dtype)
     kv = kv_reserve_tokens * per_token + max_running_requests * per_seq
@@ -71,7 +72,7 @@ def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, m
     plan = None
     if budget is not None:
         plan = plan_vram(budget, dense=dense, kv=kv, stride=experts.layout.stride, prefill_slots=opts.prefill_slots,
-                         reserve=opts.reserve_bytes, max_slots=max_slots)
+                         reserve=opts.reserve_bytes, max_slots=max_slots, dense_quantized=keep)
     num_slots = opts.num_slots if opts.num_slots is not None else (plan.num_slots if plan else None)
     if opts.mode in ("resident", "static"):
         need = max_slots - len(opts.cpu_layers) * experts.E
@@ -84,8 +85,9 @@ def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, m
     experts.vram_plan = plan
     if plan is not None:
         gib = 1 << 30
-        log.info("VRAM budget %.2f GiB: dense %.2f, KV %.2f, prefill buffers %.2f, reserve %.2f, expert slots "
-                 "%d of %d (%.0f %%, %.2f GiB), mode %s", budget / gib, dense / gib, kv / gib,
+        log.info("VRAM budget %.2f GiB: dense %.2f (%s), KV %.2f, prefill buffers %.2f, reserve %.2f, expert slots "
+                 "%d of %d (%.0f %%, %.2f GiB), mode %s", budget / gib, dense / gib,
+                 "quantized" if keep else "dequantized", kv / gib,
                  plan.prefill_buffers / gib, plan.reserve / gib, plan.num_slots, max_slots,
                  100 * plan.cached_fraction, plan.slot_bytes / gib, experts.opts.mode)
     return model, experts

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 MODES = ("hybrid", "offload", "cpu", "static", "resident")
+DENSE = ("dequantized", "quantized")
 GIB = 1 << 30
 
 
@@ -20,6 +21,9 @@ class OffloadConfig:
     vram_budget: bytes the whole engine may use on the GPU (dense weights, KV, slots, prefill buffers, reserve);
       slots get what is left when the first MoE call arrives (or what the engine's VRAM plan gives them). With
       neither a budget nor num_slots, allocating the pool fails (modes resident and static need neither).
+    dense: how quantized dense linears (NVFP4 / FP8 in ModelOpt checkpoints) sit on the GPU: dequantized to the
+      compute dtype at load (default), or quantized as stored and dequantized chunk by chunk per call (2-4x less VRAM
+      for them, which goes to the expert cache, for one extra pass over those weights per call; same results).
     """
 
     mode: str = "hybrid"
@@ -41,10 +45,13 @@ class OffloadConfig:
     cpu_fixed_s: float | None = None  # fixed seconds per CPU call for the initial split; None = profile / default
     adapt: bool = True  # refine the split from measured step times
     trace_limit: int = 200_000  # routing steps kept for Belady comparisons
+    dense: str = "dequantized"
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"unknown offload mode {self.mode!r}; supported: {', '.join(MODES)}")
+        if self.dense not in DENSE:
+            raise ValueError(f"unknown dense placement {self.dense!r}; supported: {', '.join(DENSE)}")
         if self.mode == "static" and not self.cpu_layers:
             raise ValueError("static mode needs cpu_layers (the MoE layers whose experts stay on the CPU)")
         if self.pin_host_bytes is not None and self.pin_host_bytes < 0:

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ft.formats import ModelConfig
+from ft.formats import FtwReader, ModelConfig
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
@@ -62,6 +62,7 @@ class VramPlan:
     num_slots: int
     slot_bytes: int
     max_slots: int
+    dense_quantized: bool = False  # quantized dense linears kept as stored (OffloadConfig.dense)
 
     @property
     def cached_fraction(self) -> float:
@@ -72,7 +73,7 @@ class VramPlan:
 
 
 def plan_vram(budget: int, *, dense: int, kv: int, stride: int, prefill_slots: int, reserve: int,
-              max_slots: int) -> VramPlan:
+              max_slots: int, dense_quantized: bool = False) -> VramPlan:
     """Slots that fit after the fixed parts; refuses a budget that cannot even hold the fixed parts."""
     prefill = 2 * prefill_slots * stride
     free = budget - dense - kv - prefill - reserve
@@ -82,7 +83,7 @@ def plan_vram(budget: int, *, dense: int, kv: int, stride: int, prefill_slots: i
             f"{fmt_bytes(dense)} + KV {fmt_bytes(kv)} + prefill buffers {fmt_bytes(prefill)} + reserve "
             f"{fmt_bytes(reserve)}; raise --vram-budget / --memory-ratio or lower --kv-reserve-tokens")
     n = int(min(max_slots, free // stride))
-    return VramPlan(budget, dense, kv, prefill, reserve, n, n * stride, max_slots)
+    return VramPlan(budget, dense, kv, prefill, reserve, n, n * stride, max_slots, dense_quantized)
 
 
 def resolve_budget(device: torch.device, vram_budget: int | None, memory_ratio: float) -> int:
@@ -97,3 +98,33 @@ def resolve_budget(device: torch.device, vram_budget: int | None, memory_ratio: 
         raise ValueError("without a CUDA device the VRAM budget must be given explicitly (vram_budget)")
     free, _ = torch.cuda.mem_get_info(device)
     return int(free * memory_ratio)
+
+
+def dense_weight_bytes(reader: FtwReader, *, keep_quantized: bool) -> tuple[int, dict[int, int]]:
+    """(bytes outside the layers, bytes per layer index) that the dense weights take on a GPU, as `CausalLM.prepare`
+    places them: the compute dtype (that of embed_tokens), fp32 for norms and DeltaNet decay parameters; quantized
+    linears dequantized, or as stored with `keep_quantized`; an untied embedding table stays on the host. Computed
+    from the FTW's tensor records (for choices made before loading, and for benchmarks that scale a model)."""
+    from ft.runtime.model import FP32_WEIGHTS
+
+    quant = reader.quant.get("linears") or {}
+    elem = reader.tensor("embed_tokens.weight").element_size()
+    nonlayer, per_layer = 0, {}
+    for name in reader.tensor_names():
+        base, leaf = name.rsplit(".", 1)
+        t = reader.tensor(name)
+        if name == "embed_tokens.weight" and not reader.config.tie_word_embeddings:
+            size = 0
+        elif base in quant and leaf != "bias":
+            if keep_quantized:
+                size = t.nbytes
+            else:  # scales fold into the dequantized weight; an NVFP4 byte holds two weights
+                size = t.numel() * (2 if quant[base] == "nvfp4" else 1) * elem if leaf == "weight" else 0
+        else:
+            size = t.numel() * (4 if name.endswith(FP32_WEIGHTS) else elem)
+        if name.startswith("layers."):
+            i = int(name.split(".")[1])
+            per_layer[i] = per_layer.get(i, 0) + size
+        else:
+            nonlayer += size
+    return nonlayer, per_layer

@@ -3,8 +3,11 @@
 `y = x @ W.T (+ bias)` with `W [out, in]`. Quantized schemes (specs/families.md, "Quantized linears"):
 * `nvfp4`: `weight` u8 [out, in/2], `weight_scale` f8_e4m3 [out, in/16], `weight_scale_2` f32 [out];
 * `fp8_row`: `weight` f8_e4m3 [out, in], `weight_scale` f32 [out].
-Dense quantized linears are dequantized once, at `prepare`, into the compute dtype (exact up to that dtype's
-rounding); only expert banks must stay quantized in memory, and those never pass through this class.
+By default a quantized linear is dequantized once, at `prepare`, into the compute dtype (exact up to that dtype's
+rounding). With `keep_quantized` (opt-in on the GPU, `OffloadConfig(dense="quantized")`: the weights take 2-4x less
+room, which goes to the expert cache) the stored bytes move to the device as they are, and each call dequantizes
+`CHUNK_BYTES` of weight rows at a time into the same compute-dtype values and multiplies by them: the same results
+as the dequantized linear, for a transient of one chunk and one extra pass over the weight per call.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from ft.runtime.layers.base import REQUIRED, Op
 
 PLAIN_SCHEMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 QUANT_SCHEMES = ("nvfp4", "fp8_row")
+CHUNK_BYTES = 64 << 20  # fp32 dequantization transient per chunk of rows (keep_quantized)
 
 
 class Linear(Op):
@@ -25,9 +29,13 @@ class Linear(Op):
     def __init__(self) -> None:
         super().__init__()
         self.weight: torch.Tensor = REQUIRED
+        self._scheme: str | None = None  # set when the weight stays quantized (keep_quantized)
+        self._dtype = torch.float32
 
-    def prepare(self, name: str, scheme: str | None, dtype: torch.dtype, device: torch.device) -> None:
-        """Check the bound tensors against `scheme` (None = plain) and put the weight on `device` in `dtype`.
+    def prepare(self, name: str, scheme: str | None, dtype: torch.dtype, device: torch.device, *,
+                keep_quantized: bool = False) -> None:
+        """Check the bound tensors against `scheme` (None = plain) and put the weight on `device` in `dtype`, or,
+        with `keep_quantized` and a quantized scheme, the stored tensors as they are (see the module docstring).
 
         Plain weights keep their storage when dtype and device already match (CPU: the zero-copy mmap view)."""
         siblings = {"weight_scale": self.weight_scale, "weight_scale_2": self.weight_scale_2}
@@ -37,37 +45,67 @@ class Linear(Op):
                 raise ValueError(f"{name}: has {extra} but manifest.quant.linears lists no quantized scheme for it")
             if not self.weight.is_floating_point():
                 raise ValueError(f"{name}.weight is {self.weight.dtype} but the linear is not quantized")
-            weight = self.weight
         elif scheme == "nvfp4":
-            weight = self._dequant_nvfp4(name)
+            if self.weight_scale is None or self.weight_scale_2 is None:
+                raise ValueError(f"{name}: nvfp4 needs weight, weight_scale and weight_scale_2")
+            nvfp4.check_shapes(self.weight, self.weight_scale, self.weight_scale_2)
         elif scheme == "fp8_row":
-            weight = self._dequant_fp8_row(name)
+            if self.weight_scale is None or self.weight_scale_2 is not None:
+                raise ValueError(f"{name}: fp8_row needs exactly weight and weight_scale")
+            if self.weight_scale.shape != (self.weight.shape[0],):
+                raise ValueError(f"{name}: fp8_row wants weight_scale [out] = ({self.weight.shape[0]},), "
+                                 f"got {tuple(self.weight_scale.shape)}")
         else:
             raise ValueError(f"{name}: unsupported linear scheme {scheme!r}; supported: "
                              f"{sorted(PLAIN_SCHEMES) + list(QUANT_SCHEMES)}")
-        self.weight = weight.to(device=device, dtype=dtype)
-        self.weight_scale = self.weight_scale_2 = None
+        self._dtype = dtype
+        if scheme in QUANT_SCHEMES and keep_quantized:
+            self._scheme = scheme
+            self.weight, self.weight_scale = self.weight.to(device), self.weight_scale.to(device)
+            if self.weight_scale_2 is not None:
+                self.weight_scale_2 = self.weight_scale_2.to(device)
+        else:
+            self.weight = self._dequant(0, self.weight.shape[0], scheme).to(device=device, dtype=dtype)
+            self.weight_scale = self.weight_scale_2 = None
         if self.bias is not None:
             if self.bias.shape != (self.weight.shape[0],):
                 raise ValueError(f"{name}.bias has shape {tuple(self.bias.shape)}, expected ({self.weight.shape[0]},)")
             self.bias = self.bias.to(device=device, dtype=dtype)
 
-    def _dequant_nvfp4(self, name: str) -> torch.Tensor:
-        if self.weight_scale is None or self.weight_scale_2 is None:
-            raise ValueError(f"{name}: nvfp4 needs weight, weight_scale and weight_scale_2")
-        return nvfp4.dequantize(self.weight, self.weight_scale, self.weight_scale_2)
+    def _dequant(self, r0: int, r1: int, scheme: str | None) -> torch.Tensor:
+        """Weight rows [r0, r1): float32 for the quantized schemes (exact), the stored tensor otherwise."""
+        w = self.weight[r0:r1]
+        if scheme == "nvfp4":
+            s2 = self.weight_scale_2
+            return nvfp4.dequantize(w, self.weight_scale[r0:r1], s2 if s2.numel() == 1 else s2[r0:r1])
+        if scheme == "fp8_row":
+            return fp8.dequantize(w, self.weight_scale[r0:r1])
+        return w
 
-    def _dequant_fp8_row(self, name: str) -> torch.Tensor:
-        if self.weight_scale is None or self.weight_scale_2 is not None:
-            raise ValueError(f"{name}: fp8_row needs exactly weight and weight_scale")
-        if self.weight_scale.shape != (self.weight.shape[0],):
-            raise ValueError(f"{name}: fp8_row wants weight_scale [out] = ({self.weight.shape[0]},), "
-                             f"got {tuple(self.weight_scale.shape)}")
-        return fp8.dequantize(self.weight, self.weight_scale)
+    @property
+    def stays_quantized(self) -> bool:
+        return self._scheme is not None
 
     @property
     def out_features(self) -> int:
         return self.weight.shape[0]
 
+    @property
+    def weight_shape(self) -> tuple[int, int]:
+        """(out, in) of the weight the layer applies, whether it is stored dequantized or not."""
+        out, k = self.weight.shape
+        return out, k * 2 if self._scheme == "nvfp4" else k
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self._scheme is None:
+            return F.linear(x, self.weight, self.bias)
+        out, k = self.weight_shape
+        rows = max(1, CHUNK_BYTES // (4 * k))
+        if rows >= out:
+            return F.linear(x, self._dequant(0, out, self._scheme).to(self._dtype), self.bias)
+        y = x.new_empty(*x.shape[:-1], out)
+        for r0 in range(0, out, rows):
+            r1 = min(out, r0 + rows)
+            bias = None if self.bias is None else self.bias[r0:r1]
+            y[..., r0:r1] = F.linear(x, self._dequant(r0, r1, self._scheme).to(self._dtype), bias)
+        return y

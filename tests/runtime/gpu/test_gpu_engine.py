@@ -11,7 +11,8 @@ from ft.formats import FtwReader
 from ft.runtime.engine import Engine, SamplingParams, generate
 from ft.runtime.gpu.engine_setup import _weight_bytes
 from ft.runtime.gpu.offload_config import OffloadConfig
-from ft.runtime.gpu.sizing import parse_bytes, plan_vram, state_bytes
+from ft.runtime.gpu.sizing import dense_weight_bytes, parse_bytes, plan_vram, state_bytes
+from ft.runtime.model import load_model
 from ft.runtime.state import SequenceState
 
 GIB = 1 << 30
@@ -127,6 +128,7 @@ def test_cuda_engine_resident_and_hybrid(ftw_for):
     got = generate(eng, prompt, params)
     assert got.token_ids[0] == exp.token_ids[0] and eng.stats()["moe"]["misses"] == 0
     eng.close()
+    assert not plan.dense_quantized
     budget = plan.dense + plan.kv + plan.prefill_buffers + plan.reserve + 5 * ex.layout.stride + 4096
     eng = Engine(ftw, vram_budget=budget, **kw)
     ex2 = eng._experts  # allocator rounding moves the measured dense bytes a little between loads
@@ -136,3 +138,42 @@ def test_cuda_engine_resident_and_hybrid(ftw_for):
     assert got.token_ids[0] == exp.token_ids[0] and moe["misses"] > 0
     assert moe["fetched"] + moe["cpu_experts"] == moe["misses"] and moe["uploads"] >= moe["fetched"]
     eng.close()
+    eng = Engine(ftw, vram_budget=budget, offload=OffloadConfig(dense="quantized"), **kw)
+    ex3 = eng._experts  # the bytes the dense weights no longer take go to the cache
+    assert ex3.vram_plan.dense_quantized and ex3.vram_plan.dense < plan.dense and ex3.num_slots > ex2.num_slots
+    assert generate(eng, prompt, params).token_ids[0] == exp.token_ids[0]
+    eng.close()
+
+
+def test_dense_weight_bytes_match_what_prepare_puts_on_the_device(ftw_for):
+    reader = FtwReader(ftw_for("qwen3_5_moe", "nvfp4"))
+    sizes = {}
+    for keep in (False, True):
+        model = load_model(reader, device="meta", keep_quantized=keep)  # meta stands in for the GPU
+        on_device = [0]
+        model.map_weights(lambda n, t: on_device.__setitem__(0, on_device[0] + t.nbytes * (t.device.type == "meta"))
+                          or t)
+        nonlayer, per_layer = dense_weight_bytes(reader, keep_quantized=keep)
+        assert set(per_layer) == set(range(reader.config.num_layers))
+        assert nonlayer + sum(per_layer.values()) == on_device[0]
+        sizes[keep] = on_device[0]
+    assert sizes[True] < sizes[False]
+
+
+def test_dense_placement_is_checked():
+    assert OffloadConfig().dense == "dequantized"
+    with pytest.raises(ValueError, match="unknown dense placement 'fp4'"):
+        OffloadConfig(dense="fp4")
+
+
+def test_engine_with_quantized_dense_weights_decodes_the_same_tokens(ftw_for):
+    ftw = ftw_for("qwen3_5_moe", "nvfp4")
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompt = [5, 17, 3, 99, 42, 7, 11, 2, 9, 4]
+    runs = {}
+    for dense in ("dequantized", "quantized"):
+        eng = _engine(ftw, vram_budget=64 * GIB, offload=OffloadConfig(mode="resident", prefetch=False, dense=dense))
+        runs[dense] = (generate(eng, prompt, params).token_ids, eng._experts.vram_plan)
+        eng.close()
+    (want, plain), (got, kept) = runs["dequantized"], runs["quantized"]
+    assert got == want and kept.dense_quantized and not plain.dense_quantized and kept.dense < plain.dense
