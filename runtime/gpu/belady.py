@@ -95,8 +95,7 @@ def replay(trace: Trace, num_layers: int, num_experts: int, num_slots: int, *, p
         misses += int((slots < 0).sum())
         cache.touch(slots)
         if admit_all:
-            for x in e[slots < 0]:
-                cache.admit(layer, int(x))
+            cache.admit_many(layer, e[slots < 0])
     return {"accesses": hits + misses, "hits": hits, "misses": misses}
 
 

@@ -101,43 +101,67 @@ class ExpertCache:
         self.protect_until[s] = self.clock
 
     def _scores(self) -> np.ndarray:
-        # larger = evict first; empty slots first of all
-        score = -self.last_use.astype(np.float64)
+        # larger = evict first; empty slots first of all. Computed over all S slots without boolean gathers (the
+        # empty ones are overwritten): this runs once per layer call with misses, over thousands of slots.
         live = self.owner >= 0
         if self.policy == "lru-freq":
-            ids = self.owner[live]
-            lay, exp = ids // self.E, ids % self.E
-            f = self.counts[lay, exp] / np.maximum(self.tokens[lay], 1.0)
+            ids = np.where(live, self.owner, 0)
+            f = self.counts.ravel()[ids] / np.maximum(self.tokens[ids // self.E], 1.0)
             gap = self.num_moe_layers / np.maximum(f, 1e-6)  # layer visits until its next expected use
-            score[live] = gap - self.last_use[live]  # age + expected gap: LRU when all gaps are equal
+            score = gap - self.last_use  # age + expected gap: LRU when all gaps are equal
+        else:
+            score = -self.last_use.astype(np.float64)
         score[~live] = np.inf
         score[self.protect_until >= self.clock] = -np.inf
         return score
 
-    def victim(self) -> int:
-        """Slot to (re)use next, or -1 when every slot is protected."""
-        if self.S == 0:
-            return -1
-        score = self._scores()
-        s = int(np.argmax(score))
-        return -1 if score[s] == -np.inf else s
+    def victims(self, n: int) -> np.ndarray:
+        """The next `n` slots to (re)use, best first; fewer when the rest are protected. Admitting only protects the
+        slot it takes, leaving every other score as it was, so these are the slots n successive admits would take:
+        the scores are computed once per call instead of once per admitted expert (O(S) numpy work each)."""
+        if self.S == 0 or n <= 0:
+            return np.empty(0, np.int64)
+        free = np.flatnonzero(self.owner < 0)  # empty slots score +inf (never protected): they go first, in order
+        if len(free) >= n:
+            return free[:n]
+        neg = -self._scores()  # smaller = evict first
+        if n == 1:
+            order = np.array([np.argmin(neg)])
+        else:  # the n best in O(S); among equal scores the lowest slot first, as successive argmins would pick
+            n = min(n, self.S)
+            kth = np.partition(neg, n - 1)[n - 1]
+            better = np.flatnonzero(neg < kth)
+            order = np.concatenate([better, np.flatnonzero(neg == kth)[: n - len(better)]])
+            order = order[np.lexsort((order, neg[order]))]
+        return order[neg[order] < np.inf]
+
+    def admit_many(self, layer: int, experts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Give each of `experts` (distinct, none resident) at `layer` a slot, in order. Returns (slots, evicted flat
+        ids), both as long as `experts`: slot -1 where nothing could be evicted (every slot protected), evicted -1
+        where the slot was empty."""
+        experts = np.asarray(experts, np.int64)
+        if (self.slot_of[layer, experts] >= 0).any():
+            raise ValueError(f"layer {layer}: experts {experts[self.slot_of[layer, experts] >= 0].tolist()} are "
+                             "already resident")
+        got = self.victims(len(experts))
+        slots = np.full(len(experts), -1, np.int64)
+        evicted = np.full(len(experts), -1, np.int64)
+        slots[:len(got)] = got
+        evicted[:len(got)] = self.owner[got]
+        for e, slot, old in zip(experts[:len(got)].tolist(), got.tolist(), evicted[:len(got)].tolist()):
+            if old >= 0:
+                self.slot_of[old // self.E, old % self.E] = -1
+            self.owner[slot] = layer * self.E + e
+            self.slot_of[layer, e] = slot
+        self.last_use[got] = self.clock
+        self.protect_until[got] = self.clock
+        self.version += len(got)
+        return slots, evicted
 
     def admit(self, layer: int, expert: int) -> tuple[int, int]:
         """Give (layer, expert) a slot. Returns (slot, evicted flat id or -1); slot -1 when nothing can be evicted."""
-        if self.slot_of[layer, expert] >= 0:
-            raise ValueError(f"expert {expert} of layer {layer} is already resident")
-        s = self.victim()
-        if s < 0:
-            return -1, -1
-        old = int(self.owner[s])
-        if old >= 0:
-            self.slot_of[old // self.E, old % self.E] = -1
-        self.owner[s] = layer * self.E + expert
-        self.slot_of[layer, expert] = s
-        self.last_use[s] = self.clock
-        self.protect_until[s] = self.clock
-        self.version += 1
-        return s, old
+        slots, evicted = self.admit_many(layer, np.array([expert]))
+        return int(slots[0]), int(evicted[0])
 
     def evict(self, slot: int) -> None:
         old = int(self.owner[slot])

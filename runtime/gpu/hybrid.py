@@ -127,8 +127,7 @@ class GpuExperts:
         if o.mode in ("resident", "static"):
             self.cache.tick()
             for layer in gpu_layers:
-                for e in range(self.E):
-                    s, _ = self.cache.admit(layer, e)
+                for e, s in enumerate(self.cache.admit_many(layer, np.arange(self.E))[0].tolist()):
                     self.uploader.upload(s, self.banks[layer].record(e))
                 self.cache.tick()
             self._wait(self.uploader.fence())
@@ -180,10 +179,9 @@ class GpuExperts:
         self.per_layer[:, layer] += (int(hit.sum()), len(misses), len(fetch), len(on_cpu))
         future = self._submit_cpu(layer, on_cpu, ids, x, topk_weights) if len(on_cpu) else None
         slot_of = dict(zip(uniq[hit].tolist(), slots[hit].tolist()))
-        for e in fetch:
-            s, _ = self.cache.admit(layer, int(e))
-            self.uploader.upload(s, self.banks[layer].record(int(e)))
-            slot_of[int(e)] = s
+        for e, s in zip(fetch.tolist(), self.cache.admit_many(layer, fetch)[0].tolist()):  # _split: all fit
+            self.uploader.upload(s, self.banks[layer].record(e))
+            slot_of[e] = s
         c["fetched"] += len(fetch)
         c["bytes_h2d"] += len(fetch) * self.layout.stride
         y = self._gpu_moe(x, ids, slot_of, topk_weights)
@@ -259,14 +257,12 @@ class GpuExperts:
 
     def _prefetch(self, nxt: int, experts: np.ndarray) -> None:
         budget = self.opts.prefetch_max if self.opts.prefetch_max is not None else self.k
-        missing = [int(e) for e in experts if self.cache.slot_of[nxt, e] < 0][:budget]
-        issued = []
-        for e in missing:
-            s, _ = self.cache.admit(nxt, e)
-            if s < 0:
-                break
+        experts = np.asarray(experts, np.int64)
+        missing = experts[self.cache.slot_of[nxt, experts] < 0][:budget]
+        slots, _ = self.cache.admit_many(nxt, missing)
+        issued = [e for e, s in zip(missing.tolist(), slots.tolist()) if s >= 0]  # a -1 means the pool is all busy
+        for e, s in zip(issued, slots.tolist()):
             self.uploader.upload(s, self.banks[nxt].record(e))
-            issued.append(e)
         self.predictor.issued_for(nxt, issued)
         self.counters["bytes_h2d"] += len(issued) * self.layout.stride
 

@@ -143,3 +143,33 @@ def test_belady_count_from_skips_warmup():
     warm = belady(trace, 4, 2, count_from=1)
     assert full["misses"] == 3 and full["accesses"] == 5
     assert warm["misses"] == 1 and warm["hits"] == 2 and warm["accesses"] == 3
+
+
+@pytest.mark.parametrize("policy", ["lru", "lru-freq"])
+def test_admit_many_takes_the_slots_successive_admits_would(policy):
+    rng = np.random.default_rng(3)
+    L, E, S = 3, 16, 10
+    priors = rng.random((L, E))
+    one, many = (ExpertCache(L, E, S, policy=policy, priors=priors) for _ in range(2))
+    for step in range(300):
+        layer, ids = step % L, rng.integers(0, E, int(rng.integers(1, 14)))
+        for c in (one, many):
+            c.tick()
+            c.observe(layer, ids, 1)
+            c.touch(c.lookup(layer, np.unique(ids)))
+        uniq = np.unique(ids)
+        miss = rng.permutation(uniq[one.lookup(layer, uniq) < 0])
+        want = [one.admit(layer, int(e)) for e in miss]
+        slots, evicted = many.admit_many(layer, miss)
+        assert list(zip(slots.tolist(), evicted.tolist())) == want
+        assert np.array_equal(one.slot_of, many.slot_of) and one.version == many.version
+
+
+def test_admit_many_stops_when_every_slot_is_protected():
+    c = ExpertCache(1, 8, 3, policy="lru")
+    c.tick()
+    slots, evicted = c.admit_many(0, np.array([4, 5, 6, 7]))
+    assert slots.tolist() == [0, 1, 2, -1] and evicted.tolist() == [-1, -1, -1, -1]
+    assert c.slot_of[0, 7] == -1 and c.num_resident == 3
+    with pytest.raises(ValueError, match=r"experts \[5\] are already resident"):
+        c.admit_many(0, np.array([1, 5]))
