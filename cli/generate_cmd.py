@@ -35,6 +35,11 @@ def generate_command(
     memory_ratio: float = typer.Option(0.9, "--memory-ratio",
                                        help="CUDA only: share of free GPU memory to use when --vram-budget is not "
                                             "given, in (0, 1]."),
+    dense_weights: str = typer.Option("dequantized", "--dense-weights",
+                                      help="CUDA only: quantized dense linears (FP8 / NVFP4 in ModelOpt checkpoints) "
+                                                "dequantized to bf16 at load, or kept as stored and dequantized per "
+                                                "call: 2-4x less VRAM for them, left to the expert cache, for extra "
+                                                "work per step."),
     verify: bool = typer.Option(False, "--verify", help="Check every checksum of the FTW before loading."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object: token ids, text, finish reason, "
                                                         "timings."),
@@ -57,6 +62,8 @@ def generate_command(
             budget = parse_bytes(vram_budget)
         if not 0 < memory_ratio <= 1:
             raise ValueError(f"--memory-ratio must be in (0, 1], got {memory_ratio}")
+        if dense_weights not in ("dequantized", "quantized"):
+            raise ValueError(f"--dense-weights {dense_weights!r}; use dequantized or quantized")
     except ValueError as e:
         _fail(str(e))
     try:
@@ -66,7 +73,8 @@ def generate_command(
             if problems:
                 _fail(str(problems[0]) + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
         engine = Engine(reader, device=device, kv_reserve_tokens=kv_reserve_tokens,
-                        max_prefill_length=max_prefill_length, vram_budget=budget, memory_ratio=memory_ratio)
+                        max_prefill_length=max_prefill_length, vram_budget=budget, memory_ratio=memory_ratio,
+                        dense_weights=dense_weights)
     except FtwError as e:  # structural problems, unknown family (V19), bad config
         _fail(str(e))
     except ValueError as e:

@@ -43,6 +43,11 @@ def serve(
                                               help="CUDA only: VRAM for everything the engine allocates (dense "
                                                    "weights, KV, expert cache), e.g. 8GiB or 12e9; overrides "
                                                    "--memory-ratio."),
+    dense_weights: str = typer.Option("dequantized", "--dense-weights",
+                                      help="CUDA only: quantized dense linears (FP8 / NVFP4 in ModelOpt checkpoints) "
+                                                "dequantized to bf16 at load, or kept as stored and dequantized per "
+                                                "call: 2-4x less VRAM for them, left to the expert cache, for extra "
+                                                "work per step."),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
 ) -> None:
     """Serve an FTW with OpenAI (/v1/chat/completions, /v1/completions, /v1/responses) and Anthropic
@@ -67,7 +72,7 @@ def serve(
                                  kv_reserve_tokens=kv_reserve_tokens, max_prefill_length=max_prefill_length,
                                  max_output_tokens=max_output_tokens, max_running_requests=max_running_requests,
                                  max_queued_requests=max_queued_requests, memory_ratio=memory_ratio,
-                                 vram_budget=budget)
+                                 vram_budget=budget, dense_weights=dense_weights)
     except ValueError as e:
         err.print(f"[red]error[/red]: {e}")
         raise typer.Exit(2)

@@ -45,7 +45,8 @@ def _weight_bytes(model) -> int:
 
 
 def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, memory_ratio: float,
-                   offload: OffloadConfig | None, kv_reserve_tokens: int, max_running_requests: int):
+                   offload: OffloadConfig | None, kv_reserve_tokens: int, max_running_requests: int,
+                   dense_weights: str | None = None):
     """-> (model, GpuExperts with its slot pool allocated; `experts.vram_plan` says how the budget was spent)."""
     from ft.runtime.gpu.benchbw import load_profile
     from ft.runtime.model import load_model
@@ -61,6 +62,8 @@ def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, m
     opts = offload or OffloadConfig(mode="hybrid", vram_budget=budget)
     if opts.vram_budget is None and budget is not None:
         opts = dataclasses.replace(opts, vram_budget=budget)
+    if dense_weights is not None:
+        opts = dataclasses.replace(opts, dense=dense_weights)  # validated by OffloadConfig
     before = torch.cuda.memory_allocated(dev) if cuda else 0  # routers (prefetch) count as dense weights too
     experts = GpuExperts(reader, opts, device=str(dev), profile=load_profile(dev.index or 0) if cuda else None)
     keep = opts.dense == "quantized"

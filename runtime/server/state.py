@@ -30,6 +30,7 @@ class ServeSettings:
     max_queued_requests: int = 64
     memory_ratio: float = 0.9  # CUDA only: share of free VRAM for weights + expert cache + KV
     vram_budget: int | None = None  # CUDA only: bytes for everything the engine allocates (overrides memory_ratio)
+    dense_weights: str = "dequantized"  # CUDA only: quantized dense linears dequantized at load or kept as stored
     keepalive_s: float = 15.0  # silence before an SSE keep-alive (OpenAI comment / Anthropic ping)
 
     def __post_init__(self) -> None:
@@ -38,6 +39,8 @@ class ServeSettings:
             problems.append("--api-key must not be empty (omit it to disable authentication)")
         if self.vram_budget is not None and self.vram_budget <= 0:
             problems.append(f"--vram-budget must be positive, got {self.vram_budget}")
+        if self.dense_weights not in ("dequantized", "quantized"):
+            problems.append(f"--dense-weights {self.dense_weights!r}; use dequantized or quantized")
         if not 0 < self.memory_ratio <= 1:
             problems.append(f"--memory-ratio must be in (0, 1], got {self.memory_ratio}")
         for flag, value in (("--kv-reserve-tokens", self.kv_reserve_tokens), ("--max-prefill-length",

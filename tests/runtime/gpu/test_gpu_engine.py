@@ -107,12 +107,16 @@ def test_cli_flags_are_checked(ftw_for):
     assert res.exit_code == 1 and "byte count" in res.output
     res = CliRunner().invoke(app, ["generate", "--ftw", ftw, "--token-ids", "1,2", "--memory-ratio", "1.5"])
     assert res.exit_code == 1 and "--memory-ratio" in res.output
+    res = CliRunner().invoke(app, ["generate", "--ftw", ftw, "--token-ids", "1,2", "--dense-weights", "fp4"])
+    assert res.exit_code == 1 and "--dense-weights 'fp4'" in res.output
     if not torch.cuda.is_available():
         res = CliRunner().invoke(app, ["generate", "--ftw", ftw, "--token-ids", "1,2", "--device", "cuda"])
         assert res.exit_code == 1 and "no CUDA GPU" in res.output
     pytest.importorskip("fastapi")  # `ft serve` needs the server extras
     res = CliRunner().invoke(app, ["serve", "--ftw", ftw, "--vram-budget", "-3GiB"])
     assert res.exit_code == 2 and "byte count" in res.output
+    res = CliRunner().invoke(app, ["serve", "--ftw", ftw, "--dense-weights", "fp4"])
+    assert res.exit_code == 2 and "--dense-weights 'fp4'" in res.output
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -171,8 +175,9 @@ def test_engine_with_quantized_dense_weights_decodes_the_same_tokens(ftw_for):
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     prompt = [5, 17, 3, 99, 42, 7, 11, 2, 9, 4]
     runs = {}
-    for dense in ("dequantized", "quantized"):
-        eng = _engine(ftw, vram_budget=64 * GIB, offload=OffloadConfig(mode="resident", prefetch=False, dense=dense))
+    for dense in ("dequantized", "quantized"):  # the engine's dense_weights (the CLI's --dense-weights) wins
+        eng = _engine(ftw, vram_budget=64 * GIB, offload=OffloadConfig(mode="resident", prefetch=False),
+                      dense_weights=dense)
         runs[dense] = (generate(eng, prompt, params).token_ids, eng._experts.vram_plan)
         eng.close()
     (want, plain), (got, kept) = runs["dequantized"], runs["quantized"]
