@@ -24,7 +24,7 @@ PLANS: dict[str, dict] = {
 }
 
 # Seconds, from the H200 runs A-E of benchmarks/gpu.md (4 layers of the Qwen3.6-35B-A3B geometry), rounded up.
-COST = dict(env=2.0, tests=40.0, pin=8.0, kernel=15.0, bw=35.0, build=60.0, load=6.0, logits=10.0, setup=2.0,
+COST = dict(env=2.0, tests=40.0, pin=8.0, kernel=25.0, bw=35.0, build=60.0, load=6.0, logits=10.0, setup=2.0,
             engine_load=5.0)
 RATE = dict(resident=90.0, offload=40.0, engine=10.0)  # decode tok/s (engine: measured 11.8 at 8 GiB)
 PREFILL_RATE = dict(resident=12000.0, stream=6000.0)  # prefill tok/s

@@ -68,6 +68,51 @@ def bench_kernel(*, hidden: int = 2048, inter: int = 512, num_experts: int = 256
                      "tflops": flops / ms / 1e9, "rel_err": err})
     if decode_device:
         rows += bench_decode_device(hidden=hidden, inter=inter, num_experts=num_experts, top_k=top_k, seed=seed)
+        rows += bench_dense_quant(seed=seed)
+    return rows
+
+
+DENSE_SHAPES = (("lm_head", "nvfp4", 248320, 2048), ("deltanet.in_proj_qkvz", "fp8_row", 12288, 2048),
+                ("attn.o_proj", "fp8_row", 2048, 4096))  # Qwen3.6-35B-A3B
+
+
+def bench_dense_quant(*, shapes=DENSE_SHAPES, tokens: tuple[int, ...] = (1, 4), seed: int = 0,
+                      device: str = "cuda") -> list[dict]:
+    """Quantized dense linears at decode: the dequantizing GEMV (`dense_quant.py`), the chunked dequantization path
+    (`Linear` for more rows), and F.linear on the bf16 copy the default path holds. GB/s counts the bytes each path
+    must read at least (the stored weight; the bf16 weight). `device="cpu"` (interpreter, tiny shapes) only
+    exercises this code in tests."""
+    from ft.runtime.layers.linear import Linear
+
+    dev = torch.device(device)
+    g = torch.Generator().manual_seed(seed + 2)
+    rows = []
+    for name, scheme, n, k in shapes:
+        parts = ({"weight": torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g),
+                  "weight_scale": (torch.rand(n, k // 16, generator=g) + 0.5).to(torch.float8_e4m3fn),
+                  "weight_scale_2": torch.tensor(0.003)} if scheme == "nvfp4" else
+                 {"weight": (torch.randn(n, k, generator=g) * 8).to(torch.float8_e4m3fn),
+                  "weight_scale": torch.rand(n, generator=g) * 0.01})
+        ops = {}
+        for keep in (False, True):
+            op = Linear()
+            for key, t in parts.items():
+                setattr(op, key, t.to(dev))  # prepare dequantizes where the tensors are
+            op.bias = None
+            op.prepare(name, scheme, torch.bfloat16, dev, keep_quantized=keep)
+            ops[keep] = op
+        stored = sum(t.numel() * t.element_size() for t in (ops[True].weight, ops[True].weight_scale))
+        for T in tokens:
+            x = torch.randn(T, k, generator=g).to(torch.bfloat16).to(dev)
+            want = ops[False](x).float()
+            base = {"path": f"dense/{scheme}", "linear": name, "tokens": T, "shape": [n, k]}
+            for how, fn, nbytes in (
+                    ("gemv", lambda: ops[True](x), stored),
+                    ("chunked", lambda: ops[True]._chunked(x), stored),
+                    ("bf16", lambda: ops[False](x), n * k * 2)):
+                err = float((fn().float() - want).norm() / want.norm())
+                ms = _time_ms(fn)
+                rows.append({**base, "method": how, "ms": ms, "gbs": nbytes / ms / 1e6, "rel_err_vs_bf16": err})
     return rows
 
 

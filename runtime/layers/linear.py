@@ -5,9 +5,10 @@
 * `fp8_row`: `weight` f8_e4m3 [out, in], `weight_scale` f32 [out].
 By default a quantized linear is dequantized once, at `prepare`, into the compute dtype (exact up to that dtype's
 rounding). With `keep_quantized` (opt-in on the GPU, `OffloadConfig(dense="quantized")`: the weights take 2-4x less
-room, which goes to the expert cache) the stored bytes move to the device as they are, and each call dequantizes
-`CHUNK_BYTES` of weight rows at a time into the same compute-dtype values and multiplies by them: the same results
-as the dequantized linear, for a transient of one chunk and one extra pass over the weight per call.
+room, which goes to the expert cache) the stored bytes move to the device as they are. On CUDA, calls of at most
+`GEMV_MAX_TOKENS` rows (decode) run a dequantizing GEMV that reads the stored bytes once (`ft.runtime.gpu.dense_quant`);
+other calls dequantize `CHUNK_BYTES` of weight rows at a time into the same compute-dtype values the default path
+holds and multiply by them (the same results, for a transient of one chunk and one extra pass over the weight).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from ft.runtime.layers.base import REQUIRED, Op
 PLAIN_SCHEMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 QUANT_SCHEMES = ("nvfp4", "fp8_row")
 CHUNK_BYTES = 64 << 20  # fp32 dequantization transient per chunk of rows (keep_quantized)
+GEMV_MAX_TOKENS = 8  # keep_quantized: rows of x up to which the dequantizing GEMV runs
+GEMV_DEVICES = ("cuda",)  # where it runs (tests add "cpu" under TRITON_INTERPRET=1)
 
 
 class Linear(Op):
@@ -61,7 +64,15 @@ class Linear(Op):
         self._dtype = dtype
         if scheme in QUANT_SCHEMES and keep_quantized:
             self._scheme = scheme
-            self.weight, self.weight_scale = self.weight.to(device), self.weight_scale.to(device)
+            if scheme == "nvfp4":  # codes and scales in one allocation: the GEMV finds the scales by their offset
+                w, s = self.weight, self.weight_scale
+                buf = torch.empty(w.numel() + s.numel(), dtype=torch.uint8, device=device)
+                buf[:w.numel()].copy_(w.reshape(-1))
+                buf[w.numel():].copy_(s.reshape(-1).view(torch.uint8))
+                self.weight = buf[:w.numel()].view(w.shape)
+                self.weight_scale = buf[w.numel():].view(s.dtype).view(s.shape)
+            else:
+                self.weight, self.weight_scale = self.weight.to(device), self.weight_scale.to(device)
             if self.weight_scale_2 is not None:
                 self.weight_scale_2 = self.weight_scale_2.to(device)
         else:
@@ -99,6 +110,19 @@ class Linear(Op):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._scheme is None:
             return F.linear(x, self.weight, self.bias)
+        out, k = self.weight_shape
+        if self.weight.device.type in GEMV_DEVICES and x.numel() <= GEMV_MAX_TOKENS * k:
+            from ft.runtime.gpu.dense_quant import quantized_gemv, supported
+
+            if supported(self._scheme, k):
+                y = quantized_gemv(self._scheme, x.reshape(-1, k).contiguous(), self.weight, self.weight_scale,
+                                   self.weight_scale_2)
+                y = y if self.bias is None else y + self.bias
+                return y.reshape(*x.shape[:-1], out)
+        return self._chunked(x)
+
+    def _chunked(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T (+ bias) with W dequantized CHUNK_BYTES of rows at a time (keep_quantized)."""
         out, k = self.weight_shape
         rows = max(1, CHUNK_BYTES // (4 * k))
         if rows >= out:
