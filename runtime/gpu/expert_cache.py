@@ -135,15 +135,18 @@ class ExpertCache:
             order = order[np.lexsort((order, neg[order]))]
         return order[neg[order] < np.inf]
 
-    def admit_many(self, layer: int, experts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def admit_many(self, layer: int, experts: np.ndarray, victims: np.ndarray | None = None
+                   ) -> tuple[np.ndarray, np.ndarray]:
         """Give each of `experts` (distinct, none resident) at `layer` a slot, in order. Returns (slots, evicted flat
         ids), both as long as `experts`: slot -1 where nothing could be evicted (every slot protected), evicted -1
-        where the slot was empty."""
+        where the slot was empty. `victims`: slots chosen by an earlier `victims()` call of this clock tick with
+        nothing admitted since but from its own head (scores of the other slots have not moved, so they are still
+        the next best); default: chosen now."""
         experts = np.asarray(experts, np.int64)
         if (self.slot_of[layer, experts] >= 0).any():
             raise ValueError(f"layer {layer}: experts {experts[self.slot_of[layer, experts] >= 0].tolist()} are "
                              "already resident")
-        got = self.victims(len(experts))
+        got = self.victims(len(experts)) if victims is None else np.asarray(victims, np.int64)[:len(experts)]
         slots = np.full(len(experts), -1, np.int64)
         evicted = np.full(len(experts), -1, np.int64)
         slots[:len(got)] = got

@@ -179,14 +179,17 @@ class GpuExperts:
         self.per_layer[:, layer] += (int(hit.sum()), len(misses), len(fetch), len(on_cpu))
         future = self._submit_cpu(layer, on_cpu, ids, x, topk_weights) if len(on_cpu) else None
         slot_of = dict(zip(uniq[hit].tolist(), slots[hit].tolist()))
-        for e, s in zip(fetch.tolist(), self.cache.admit_many(layer, fetch)[0].tolist()):  # _split: all fit
+        prefetching = pred is not None and pred[0] not in o.cpu_layers
+        # one scoring pass for this call's fetches and the next layer's prefetch (see ExpertCache.admit_many)
+        chosen = self.cache.victims(len(fetch) + (self._prefetch_budget() if prefetching else 0))
+        for e, s in zip(fetch.tolist(), self.cache.admit_many(layer, fetch, chosen)[0].tolist()):  # _split: all fit
             self.uploader.upload(s, self.banks[layer].record(e))
             slot_of[e] = s
         c["fetched"] += len(fetch)
         c["bytes_h2d"] += len(fetch) * self.layout.stride
         y = self._gpu_moe(x, ids, slot_of, topk_weights)
-        if pred is not None and pred[0] not in o.cpu_layers:
-            self._prefetch(pred[0], self.predictor.rank(*pred))
+        if prefetching:
+            self._prefetch(pred[0], self.predictor.rank(*pred), chosen[len(fetch):])
         if future is not None:
             y_cpu, seconds = future.result()
             c["cpu_seconds"] += seconds
@@ -255,11 +258,13 @@ class GpuExperts:
             self.uploader.after_compute(self._record_compute())
         return y
 
-    def _prefetch(self, nxt: int, experts: np.ndarray) -> None:
-        budget = self.opts.prefetch_max if self.opts.prefetch_max is not None else self.k
+    def _prefetch_budget(self) -> int:
+        return self.opts.prefetch_max if self.opts.prefetch_max is not None else self.k
+
+    def _prefetch(self, nxt: int, experts: np.ndarray, victims: np.ndarray) -> None:
         experts = np.asarray(experts, np.int64)
-        missing = experts[self.cache.slot_of[nxt, experts] < 0][:budget]
-        slots, _ = self.cache.admit_many(nxt, missing)
+        missing = experts[self.cache.slot_of[nxt, experts] < 0][:self._prefetch_budget()]
+        slots, _ = self.cache.admit_many(nxt, missing, victims)
         issued = [e for e, s in zip(missing.tolist(), slots.tolist()) if s >= 0]  # a -1 means the pool is all busy
         for e, s in zip(issued, slots.tolist()):
             self.uploader.upload(s, self.banks[nxt].record(e))

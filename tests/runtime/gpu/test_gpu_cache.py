@@ -173,3 +173,29 @@ def test_admit_many_stops_when_every_slot_is_protected():
     assert c.slot_of[0, 7] == -1 and c.num_resident == 3
     with pytest.raises(ValueError, match=r"experts \[5\] are already resident"):
         c.admit_many(0, np.array([1, 5]))
+
+
+def test_victims_chosen_once_serve_two_admits_of_one_tick():
+    """GpuExperts scores once per call: the misses of layer l and the prefetch for l+1 share one victims() pass."""
+    rng = np.random.default_rng(5)
+    L, E, S = 4, 16, 12
+    seq, shared = (ExpertCache(L, E, S, priors=rng.random((L, E))) for _ in range(2))
+    shared.counts, shared.tokens = seq.counts.copy(), seq.tokens.copy()
+    for step in range(200):
+        layer, nxt = step % L, (step + 1) % L
+        ids = rng.integers(0, E, 6)
+        for c in (seq, shared):
+            c.tick()
+            c.observe(layer, ids, 1)
+            c.touch(c.lookup(layer, np.unique(ids)))
+        uniq = np.unique(ids)
+        miss = uniq[seq.lookup(layer, uniq) < 0]
+        pred = rng.choice(E, 5, replace=False)
+        a1 = seq.admit_many(layer, miss)
+        a2 = seq.admit_many(nxt, pred[seq.slot_of[nxt, pred] < 0])
+        chosen = shared.victims(len(miss) + 5)
+        b1 = shared.admit_many(layer, miss, chosen)
+        b2 = shared.admit_many(nxt, pred[shared.slot_of[nxt, pred] < 0], chosen[len(miss):])
+        for x, y in ((a1, b1), (a2, b2)):
+            assert np.array_equal(x[0], y[0]) and np.array_equal(x[1], y[1])
+        assert np.array_equal(seq.slot_of, shared.slot_of)
