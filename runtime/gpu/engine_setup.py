@@ -4,9 +4,10 @@
                                     kv_reserve_tokens=8192, max_running_requests=4)
 
 Order: resolve the budget (free VRAM before anything is loaded), load the dense weights onto the device (quantized
-linears dequantized, or as stored with `OffloadConfig(dense="quantized")`), measure what they took, then give the expert slots what the KV reserve, prefill buffers and activation reserve leave. When
-every expert fits, the scheduler runs fully resident. `device="cpu"` with an explicit `offload` runs the same
-scheduler on the CPU emulation path (the "VRAM" is then host memory; used by tests).
+linears dequantized, or as stored with `OffloadConfig(dense="quantized")`), measure what they took, then give the
+expert slots what the KV reserve, prefill buffers and activation reserve leave. When every expert fits, the
+scheduler runs fully resident. `device="cpu"` with an explicit `offload` runs the same scheduler on the CPU
+emulation path (the "VRAM" is then host memory; used by tests).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Everything the engine allocates on the GPU counts against one budget:
 
-    budget = dense weights (measured after loading; an untied embedding table stays in host memory) + KV reserve (kv_reserve_tokens x bytes per token)
+    budget = dense weights (measured after loading; an untied embedding table stays in host memory)
+           + KV reserve (kv_reserve_tokens x bytes per token)
            + fixed per-sequence state (DeltaNet conv/recurrent state) x max_running_requests
            + two prefill buffers (2 x prefill_slots x record stride) + activation reserve + expert slots
 
