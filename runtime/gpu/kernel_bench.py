@@ -82,6 +82,7 @@ def bench_dense_quant(*, shapes=DENSE_SHAPES, tokens: tuple[int, ...] = (1, 4), 
     (`Linear` for more rows), and F.linear on the bf16 copy the default path holds. GB/s counts the bytes each path
     must read at least (the stored weight; the bf16 weight). `device="cpu"` (interpreter, tiny shapes) only
     exercises this code in tests."""
+    from ft.runtime.layers import linear as linear_mod
     from ft.runtime.layers.linear import Linear
 
     dev = torch.device(device)
@@ -113,6 +114,8 @@ def bench_dense_quant(*, shapes=DENSE_SHAPES, tokens: tuple[int, ...] = (1, 4), 
                 err = float((fn().float() - want).norm() / want.norm())
                 ms = _time_ms(fn)
                 rows.append({**base, "method": how, "ms": ms, "gbs": nbytes / ms / 1e6, "rel_err_vs_bf16": err})
+                if how == "gemv" and dev.type not in linear_mod.GEMV_DEVICES:
+                    rows[-1]["error"] = "the GEMV failed and Linear fell back to chunked dequantization (see the log)"
     return rows
 
 

@@ -13,6 +13,8 @@ holds and multiply by them (the same results, for a transient of one chunk and o
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
@@ -23,7 +25,8 @@ PLAIN_SCHEMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.fl
 QUANT_SCHEMES = ("nvfp4", "fp8_row")
 CHUNK_BYTES = 64 << 20  # fp32 dequantization transient per chunk of rows (keep_quantized)
 GEMV_MAX_TOKENS = 8  # keep_quantized: rows of x up to which the dequantizing GEMV runs
-GEMV_DEVICES = ("cuda",)  # where it runs (tests add "cpu" under TRITON_INTERPRET=1)
+GEMV_DEVICES = ["cuda"]  # where it runs (tests add "cpu" under TRITON_INTERPRET=1; emptied if it fails to run)
+log = logging.getLogger("ft.runtime")
 
 
 class Linear(Op):
@@ -115,10 +118,16 @@ class Linear(Op):
             from ft.runtime.gpu.dense_quant import quantized_gemv, supported
 
             if supported(self._scheme, k):
-                y = quantized_gemv(self._scheme, x.reshape(-1, k).contiguous(), self.weight, self.weight_scale,
-                                   self.weight_scale_2)
-                y = y if self.bias is None else y + self.bias
-                return y.reshape(*x.shape[:-1], out)
+                try:
+                    y = quantized_gemv(self._scheme, x.reshape(-1, k).contiguous(), self.weight, self.weight_scale,
+                                       self.weight_scale_2)
+                except Exception as e:  # noqa: BLE001 - e.g. a Triton build failure: same results, slower path
+                    log.warning("quantized GEMV failed (%s: %s); dense linears use chunked dequantization",
+                                type(e).__name__, str(e)[:200])
+                    GEMV_DEVICES.clear()
+                else:
+                    y = y if self.bias is None else y + self.bias
+                    return y.reshape(*x.shape[:-1], out)
         return self._chunked(x)
 
     def _chunked(self, x: torch.Tensor) -> torch.Tensor:

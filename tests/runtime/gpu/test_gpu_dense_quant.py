@@ -63,7 +63,7 @@ def test_kept_quantized_linear_runs_the_gemv_for_decode_rows(scheme, monkeypatch
     from ft.runtime.layers.linear import Linear
 
     if DEVICE == "cpu":  # the interpreter stands in for the GPU
-        monkeypatch.setattr(linear_mod, "GEMV_DEVICES", ("cuda", "cpu"))
+        monkeypatch.setattr(linear_mod, "GEMV_DEVICES", ["cuda", "cpu"])
     g = torch.Generator().manual_seed(11)
     n, k = 48, 128
     parts = ({"weight": torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g),
@@ -98,10 +98,33 @@ def test_dense_benchmark_rows(monkeypatch):
 
     monkeypatch.setattr(kernel_bench, "_time_ms", lambda fn: 2.0)
     if DEVICE == "cpu":
-        monkeypatch.setattr(linear_mod, "GEMV_DEVICES", ("cuda", "cpu"))
+        monkeypatch.setattr(linear_mod, "GEMV_DEVICES", ["cuda", "cpu"])
     rows = kernel_bench.bench_dense_quant(shapes=(("head", "nvfp4", 40, 64), ("proj", "fp8_row", 24, 96)),
                                           tokens=(1,), device=DEVICE)
     assert [(r["linear"], r["method"]) for r in rows] == [
         (lin, m) for lin in ("head", "proj") for m in ("gemv", "chunked", "bf16")]
     assert all(r["rel_err_vs_bf16"] < 2e-2 and r["ms"] == 2.0 for r in rows)
     assert rows[0]["gbs"] == (40 * 32 + 40 * 4) / 2.0 / 1e6 and rows[2]["gbs"] == 40 * 64 * 2 / 2.0 / 1e6
+
+
+def test_a_failing_gemv_falls_back_to_chunked_dequantization(monkeypatch, caplog):
+    import ft.runtime.gpu.dense_quant as dq
+    from ft.runtime.layers import linear as linear_mod
+    from ft.runtime.layers.linear import Linear
+
+    monkeypatch.setattr(linear_mod, "GEMV_DEVICES", ["cuda", "cpu"])
+
+    def broken(*a):
+        raise RuntimeError("no kernel for this GPU")
+
+    monkeypatch.setattr(dq, "quantized_gemv", broken)
+    g = torch.Generator().manual_seed(2)
+    op, ref = Linear(), Linear()
+    for o in (op, ref):
+        o.weight = (torch.randn(16, 64, generator=torch.Generator().manual_seed(1)) * 4).to(torch.float8_e4m3fn)
+        o.weight_scale, o.bias = torch.full((16,), 0.05), None
+    op.prepare("m", "fp8_row", torch.float32, torch.device("cpu"), keep_quantized=True)
+    ref.prepare("m", "fp8_row", torch.float32, torch.device("cpu"))
+    x = torch.randn(2, 64, generator=g)
+    assert torch.equal(op(x), ref(x)) and linear_mod.GEMV_DEVICES == []
+    assert "quantized GEMV failed (RuntimeError: no kernel for this GPU)" in caplog.text
