@@ -48,7 +48,7 @@ class Embedding(Op):
         super().__init__()
         self.weight: torch.Tensor = REQUIRED    # [V, H]
         self._target: torch.device | None = None  # set: weight stays on the host, outputs go to this device
-        self._pinned: torch.Tensor | None = None  # [capacity, H] staging rows (CUDA targets)
+        self._pinned: torch.Tensor | None | bool = None  # [capacity, H] staging rows (CUDA); False: refused
         self._copied: torch.cuda.Event | None = None
 
     def keep_on_host(self, target: torch.device) -> None:
@@ -58,11 +58,16 @@ class Embedding(Op):
         if self._target is None:
             return F.embedding(_to_device(ids, self.weight.device), self.weight)
         ids = ids.cpu()
-        if self._target.type != "cuda":
+        if self._target.type != "cuda" or self._pinned is False:
             return F.embedding(ids, self.weight).to(self._target)
         n = ids.numel()
         if self._pinned is None or self._pinned.shape[0] < n:
-            self._pinned = torch.empty(max(n, 64), self.weight.shape[1], dtype=self.weight.dtype, pin_memory=True)
+            try:
+                self._pinned = torch.empty(max(n, 64), self.weight.shape[1], dtype=self.weight.dtype,
+                                           pin_memory=True)
+            except RuntimeError:  # page-locking refused (e.g. a pin quota): plain copies from now on
+                self._pinned = False
+                return self(ids)
         elif self._copied is not None:
             self._copied.synchronize()  # the previous step's rows have left the buffer
         rows = self._pinned[:n]
