@@ -9,9 +9,13 @@
  * pair outputs into y (column chunks, fixed pair order, so results do not depend on the thread count).
  * With AVX-512 one 16-element block (8 code bytes + 1 scale byte) is decoded by a permute from a 16-float table.
  */
+#define _POSIX_C_SOURCE 200809L
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -178,6 +182,109 @@ int ft_nvfp4_moe(const ft_layout *L, int32_t n_groups, const uint8_t *const *rec
         }
     }
     return 0;
+}
+
+/* A persistent native worker per caller: `ft_worker_submit` hands it one `ft_nvfp4_moe` call and returns at once,
+ * `ft_worker_wait` blocks until that call is done. The caller (Python, through ctypes, which releases the GIL around
+ * each call) needs no Python thread of its own: a Python worker thread would have to win the GIL before it could
+ * even start the kernel, which serialises the CPU experts behind the GPU-driving thread's Python work. One call in
+ * flight per worker; the argument buffers must stay alive until the wait returns. The worker's OpenMP team
+ * persists between calls (libgomp keeps one pool per master thread). */
+typedef struct {
+    pthread_t th;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int pending, done, stop, rc;
+    double seconds; /* of the last call, measured on the worker */
+    const ft_layout *L;
+    int32_t n_groups, T, nthreads;
+    const uint8_t *const *recs;
+    const int32_t *grp_start, *pair_tok;
+    const float *pair_w, *x;
+    float *act, *part, *y;
+} ft_worker;
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static void *worker_loop(void *arg) {
+    ft_worker *w = (ft_worker *)arg;
+    pthread_mutex_lock(&w->mu);
+    for (;;) {
+        while (!w->pending && !w->stop) pthread_cond_wait(&w->cv, &w->mu);
+        if (w->stop) break;
+        w->pending = 0;
+        pthread_mutex_unlock(&w->mu);
+        double t = now_s();
+        int rc = ft_nvfp4_moe(w->L, w->n_groups, w->recs, w->grp_start, w->pair_tok, w->pair_w, w->T, w->x, w->act,
+                              w->part, w->y, w->nthreads);
+        double dt = now_s() - t;
+        pthread_mutex_lock(&w->mu);
+        w->rc = rc;
+        w->seconds = dt;
+        w->done = 1;
+        pthread_cond_broadcast(&w->cv);
+    }
+    pthread_mutex_unlock(&w->mu);
+    return NULL;
+}
+
+ft_worker *ft_worker_new(void) {
+    ft_worker *w = (ft_worker *)calloc(1, sizeof(ft_worker));
+    if (!w) return NULL;
+    pthread_mutex_init(&w->mu, NULL);
+    pthread_cond_init(&w->cv, NULL);
+    w->done = 1;
+    if (pthread_create(&w->th, NULL, worker_loop, w) != 0) {
+        pthread_cond_destroy(&w->cv);
+        pthread_mutex_destroy(&w->mu);
+        free(w);
+        return NULL;
+    }
+    return w;
+}
+
+/* 0 = started; -2 = a call is still in flight (wait for it first). */
+int ft_worker_submit(ft_worker *w, const ft_layout *L, int32_t n_groups, const uint8_t *const *recs,
+                     const int32_t *grp_start, const int32_t *pair_tok, const float *pair_w, int32_t T,
+                     const float *x, float *act, float *part, float *y, int32_t nthreads) {
+    pthread_mutex_lock(&w->mu);
+    if (!w->done) {
+        pthread_mutex_unlock(&w->mu);
+        return -2;
+    }
+    w->L = L, w->n_groups = n_groups, w->recs = recs, w->grp_start = grp_start, w->pair_tok = pair_tok;
+    w->pair_w = pair_w, w->T = T, w->x = x, w->act = act, w->part = part, w->y = y, w->nthreads = nthreads;
+    w->done = 0;
+    w->pending = 1;
+    pthread_cond_broadcast(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+    return 0;
+}
+
+/* The return code of the call in flight (or of the last one); its seconds on the worker in *seconds. */
+int ft_worker_wait(ft_worker *w, double *seconds) {
+    pthread_mutex_lock(&w->mu);
+    while (!w->done) pthread_cond_wait(&w->cv, &w->mu);
+    int rc = w->rc;
+    *seconds = w->seconds;
+    pthread_mutex_unlock(&w->mu);
+    return rc;
+}
+
+void ft_worker_free(ft_worker *w) {
+    if (!w) return;
+    pthread_mutex_lock(&w->mu);
+    w->stop = 1;
+    pthread_cond_broadcast(&w->cv);
+    pthread_mutex_unlock(&w->mu);
+    pthread_join(w->th, NULL);
+    pthread_cond_destroy(&w->cv);
+    pthread_mutex_destroy(&w->mu);
+    free(w);
 }
 
 /* dst <- src, n bytes, split over threads (pageable file pages -> pinned staging). */

@@ -1,9 +1,11 @@
 """CPU side of the hybrid expert path: NVFP4 expert MLPs computed from host memory.
 
 The kernel is `cpu_nvfp4.c` (plain C + OpenMP, AVX-512 when the CPU has it), built once per machine with the system C
-compiler into the user cache (`$XDG_CACHE_HOME/ft/kernels` or `~/.cache/ft/kernels`) and called through ctypes, which
-releases the GIL, so a Python worker thread can run it while the main thread drives the GPU. Where no C compiler is
-found, `CpuMoe` computes the same function with the PyTorch reference (much slower; `backend` says which is used).
+compiler into the user cache (`$XDG_CACHE_HOME/ft/kernels` or `~/.cache/ft/kernels`) and called through ctypes.
+`CpuMoe.__call__` runs it in the calling thread; `CpuMoe.submit` hands it to the library's native worker thread and
+returns at once, so the CPU experts run while the calling thread goes on driving the GPU, without a Python thread
+that would first have to win the GIL. Where no C compiler is found, `CpuMoe` computes the same function with the
+PyTorch reference (much slower; `backend` says which is used).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -24,7 +28,7 @@ from .moe_reference import expert_forward_ref
 from .record_layout import RecordLayout
 
 _SRC = Path(__file__).with_name("cpu_nvfp4.c")
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11"]
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-pthread", "-shared", "-fPIC", "-std=c11"]
 
 
 def cache_dir() -> Path:
@@ -81,6 +85,13 @@ def load_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         p = ctypes.c_void_p
         lib.ft_nvfp4_moe.argtypes = [p, ctypes.c_int32, p, p, p, p, ctypes.c_int32, p, p, p, p, ctypes.c_int32]
         lib.ft_nvfp4_moe.restype = ctypes.c_int
+        lib.ft_worker_new.restype = p
+        lib.ft_worker_submit.argtypes = [p, p, ctypes.c_int32, p, p, p, p, ctypes.c_int32, p, p, p, p, ctypes.c_int32]
+        lib.ft_worker_submit.restype = ctypes.c_int
+        lib.ft_worker_wait.argtypes = [p, ctypes.POINTER(ctypes.c_double)]
+        lib.ft_worker_wait.restype = ctypes.c_int
+        lib.ft_worker_free.argtypes = [p]
+        lib.ft_worker_free.restype = None
         lib.ft_memcpy.argtypes = [p, p, ctypes.c_int64, ctypes.c_int32]
         lib.ft_memcpy.restype = None
         lib.ft_has_avx512.restype = ctypes.c_int
@@ -108,6 +119,8 @@ class CpuMoe:
         if backend == "c" and self.lib is None:
             raise RuntimeError("the C expert kernel needs a C compiler (cc/gcc) on PATH or $CC")
         self.backend = "torch" if self.lib is None else ("c-avx512" if self.lib.ft_has_avx512() else "c")
+        self._worker = None  # native worker of `submit` (ft_worker *), started on first use
+        self._inflight: CpuJob | None = None  # the submitted job whose result() has not been taken
         lay = layout
         self._clayout = _Layout(lay.hidden, lay.inter, lay.off_gate_up, lay.off_gate_up_scale,
                                 lay.off_gate_up_scale_2, lay.off_down, lay.off_down_scale, lay.off_down_scale_2)
@@ -122,6 +135,35 @@ class CpuMoe:
             return torch.zeros(T, H, dtype=torch.float32)
         if self.lib is None:
             return self._torch(records, group_pairs, pair_tok, pair_w, xf)
+        args, y = self._args(records, group_pairs, pair_tok, pair_w, xf, pinned=False)
+        _check(self.lib.ft_nvfp4_moe(*args[:-1], self.threads))
+        return y
+
+    def submit(self, records: list[torch.Tensor], group_pairs: list[np.ndarray], pair_tok: np.ndarray,
+               pair_w: np.ndarray, x: torch.Tensor, *, pinned: bool = False) -> CpuJob:
+        """The same call, started on the native worker; `.result()` -> (y f32 [T, H], seconds of the CPU path: this
+        call's own preparation plus the kernel's time on the worker). One job in flight per CpuMoe: a new submit first
+        waits for the previous job. `pinned`: y in page-locked memory (for a non-blocking copy to a GPU)."""
+        t = time.perf_counter()
+        if self.lib is None or not records:
+            y = self(records, group_pairs, pair_tok, pair_w, x)
+            return CpuJob(None, None, (y.pin_memory() if pinned else y), time.perf_counter() - t)
+        if self._inflight is not None:  # one job at a time: finish the previous one (its result stays available)
+            self._inflight.result()
+        if self._worker is None:
+            self._worker = self.lib.ft_worker_new()
+            if not self._worker:
+                raise RuntimeError("could not start the CPU expert worker thread")
+            self._finalizer = weakref.finalize(self, self.lib.ft_worker_free, self._worker)
+        xf = x.to(torch.bfloat16).float().contiguous()
+        args, y = self._args(records, group_pairs, pair_tok, pair_w, xf, pinned=pinned)
+        _check(self.lib.ft_worker_submit(self._worker, *args[:-1], self.threads))
+        self._inflight = CpuJob(self, args, y, None, prep_seconds=time.perf_counter() - t)
+        return self._inflight
+
+    def _args(self, records, group_pairs, pair_tok, pair_w, xf, *, pinned: bool) -> tuple[tuple, torch.Tensor]:
+        """ctypes arguments of one kernel call (the last element keeps their buffers alive) and the output y."""
+        T, H = xf.shape
         order = np.concatenate(group_pairs).astype(np.int64)
         tok = np.ascontiguousarray(pair_tok[order], np.int32)
         w = np.ascontiguousarray(pair_w[order], np.float32)
@@ -131,13 +173,18 @@ class CpuMoe:
         P = int(starts[-1])
         act = torch.empty(P, self.layout.inter, dtype=torch.float32)
         part = torch.empty(P, H, dtype=torch.float32)
-        y = torch.empty(T, H, dtype=torch.float32)
-        rc = self.lib.ft_nvfp4_moe(ctypes.byref(self._clayout), len(records), ptrs, starts.ctypes.data,
-                                   tok.ctypes.data, w.ctypes.data, T, xf.data_ptr(), act.data_ptr(),
-                                   part.data_ptr(), y.data_ptr(), self.threads)
-        if rc != 0:
-            raise RuntimeError(f"CPU NVFP4 kernel refused its arguments (code {rc})")
-        return y
+        y = torch.empty(T, H, dtype=torch.float32, pin_memory=pinned)
+        keep = (records, tok, w, starts, ptrs, xf, act, part, y)
+        return (ctypes.byref(self._clayout), len(records), ptrs, starts.ctypes.data, tok.ctypes.data, w.ctypes.data,
+                T, xf.data_ptr(), act.data_ptr(), part.data_ptr(), y.data_ptr(), keep), y
+
+    def close(self) -> None:
+        """Stop the native worker (after its job, if any); a later `submit` starts a new one."""
+        if self._inflight is not None:
+            self._inflight.result()
+        if self._worker is not None:
+            self._finalizer()
+            self._worker = None
 
     def _torch(self, records, group_pairs, pair_tok, pair_w, xf):
         y = torch.zeros_like(xf)
@@ -146,6 +193,39 @@ class CpuMoe:
             out = expert_forward_ref(rec, self.layout, xf[tok])
             y.index_add_(0, tok, out * torch.from_numpy(np.asarray(pair_w[idx], np.float32))[:, None])
         return y
+
+
+def _check(rc: int) -> None:
+    if rc == -2:
+        raise RuntimeError("a CPU expert job is still in flight; wait for its result first")
+    if rc != 0:
+        raise RuntimeError(f"CPU NVFP4 kernel refused its arguments (code {rc})")
+
+
+class CpuJob:
+    """One `CpuMoe.submit` call: `result()` waits for it (the GIL is released while waiting) and returns
+    (y, seconds on the worker)."""
+
+    def __init__(self, moe: CpuMoe | None, args: tuple | None, y: torch.Tensor, seconds: float | None, *,
+                 prep_seconds: float = 0.0):
+        self._moe, self._args, self._y, self._seconds, self._prep = moe, args, y, seconds, prep_seconds
+
+    def result(self) -> tuple[torch.Tensor, float]:
+        if self._seconds is None:
+            secs = ctypes.c_double()
+            rc = self._moe.lib.ft_worker_wait(self._moe._worker, ctypes.byref(secs))
+            self._seconds, self._args = self._prep + secs.value, None  # the buffers may go now
+            self._moe._inflight = None
+            _check(rc)
+        return self._y, self._seconds
+
+    def __del__(self) -> None:
+        # never free the buffers under a running kernel (a caller that dropped the job, e.g. on an exception)
+        if self._seconds is None and self._args is not None:
+            try:
+                self.result()
+            except Exception:  # noqa: BLE001 - nothing to report to in a finalizer
+                pass
 
 
 def parallel_copy(dst: torch.Tensor, src: torch.Tensor, threads: int) -> None:

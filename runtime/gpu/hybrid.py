@@ -4,7 +4,7 @@ Per MoE layer call (decode: few tokens):
  1. routing comes to the host; the slot table splits the routed experts into hits and misses;
  2. of the M misses, F (min-wait under fixed + per-expert cost lines of both paths, see `split`) are admitted
     into slots (evicting by the cache policy) and uploaded on the copy stream; the other M - F are handed first
-    to a CPU worker thread that runs the NVFP4 CPU kernel straight on the mmapped records;
+    to the CPU kernel's native worker thread (`CpuMoe.submit`), which reads the mmapped records in place;
  3. the GPU kernel runs over hits + fetched experts after the copy fence; the CPU partial sum is added on arrival.
     Both partial sums cover disjoint (token, expert) pairs, so their sum is the full mixture;
  4. layer l+1's router applied to this layer's input predicts its experts; up to `prefetch_max` missing ones are
@@ -29,8 +29,6 @@ misses, per-layer counts or trace: those need the routing on the host).
 
 from __future__ import annotations
 
-import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -77,7 +75,6 @@ class GpuExperts:
         self.profile = profile or {}
         self.split = self._make_split(pinned=False)
         self.cpu = CpuMoe(self.layout, threads=opts.cpu_threads)
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ft-cpu-moe")
         routers = {i: reader.tensor(f"layers.{i}.mlp.gate.weight").to(self.device) for i in self.moe_layers}
         self.predictor = NextLayerPredictor(routers, self.moe_layers, self.k) if opts.prefetch else None
         self.cache: ExpertCache | None = None
@@ -230,15 +227,7 @@ class GpuExperts:
         x_cpu = x.to("cpu")
         self.counters["cpu_experts"] += len(experts)
         self.counters["bytes_cpu"] += len(experts) * self.layout.payload_bytes
-
-        def job():
-            t = time.perf_counter()
-            y = self.cpu(records, groups, pair_tok, pair_w, x_cpu)
-            if self.device.type == "cuda":
-                y = y.pin_memory()
-            return y, time.perf_counter() - t
-
-        return self.worker.submit(job)
+        return self.cpu.submit(records, groups, pair_tok, pair_w, x_cpu, pinned=self.device.type == "cuda")
 
     def _gpu_moe(self, x, ids, slot_of, topk_weights, *, fence: bool = True) -> torch.Tensor:
         lut = np.full(self.E, -1, np.int64)  # expert -> slot for this call (vectorised: prefill has T*k pairs)
@@ -296,6 +285,6 @@ class GpuExperts:
         return reset_experts_stats(self)
 
     def close(self) -> None:
-        self.worker.shutdown(wait=True)
+        self.cpu.close()
         if getattr(self, "uploader", None) is not None:
             self.uploader.close()

@@ -70,3 +70,27 @@ def test_parallel_copy_is_exact():
 def test_bad_backend_refused():
     with pytest.raises(ValueError, match="supported: auto, c, torch"):
         CpuMoe(RecordLayout.packed(64, 32), backend="gpu")
+
+
+@needs_cc
+def test_submit_runs_the_same_kernel_on_the_native_worker():
+    layout = RecordLayout.packed(hidden=64, inter=32)
+    recs = random_records(layout, 6, 3)
+    g = torch.Generator().manual_seed(3)
+    moe = CpuMoe(layout, threads=2, backend="c")
+    for T, k in ((1, 3), (4, 2)):
+        x = torch.randn(T, 64, generator=g)
+        slots = torch.stack([torch.randperm(6, generator=g)[:k] for _ in range(T)])
+        uniq, groups, pair_tok = _groups(slots)
+        w = torch.rand(T, k, generator=g).reshape(-1).numpy()
+        args = ([recs[int(s)] for s in uniq], groups, pair_tok, w, x)
+        job = moe.submit(*args)
+        again = moe.submit(*args)  # one job at a time: this waits for the first, whose result stays as it was
+        y, seconds = job.result()
+        assert torch.equal(y, moe(*args)) and seconds > 0
+        assert torch.equal(again.result()[0], y) and again.result()[0] is not y
+        assert job.result()[0] is y  # a second result() does not wait again
+    moe.close()
+    y, _ = moe.submit(*args).result()  # a new worker after close
+    assert torch.equal(y, moe(*args))
+    moe.close()
