@@ -5,10 +5,13 @@ fraction of the link speed. Two ways around it, both in `CudaUploader`:
   * registered ranges: `register(base, nbytes)` page-locks a whole expert bank in place (cudaHostRegister, read-only
     where the driver allows it); a record inside such a range is DMA'd straight from the file pages at link speed;
   * staging: any other record is copied (threaded memcpy) into one of a ring of pinned buffers, then DMA'd.
-Both run on a staging thread that consumes a FIFO of commands, so the caller never waits for a memcpy at upload
-time: prefetches overlap the next attention block. `fence()` waits until every queued command is issued and returns
-an event on the copy stream; `after_compute(ev)` queues "later copies wait for ev" (slot reuse), in FIFO order with
-the copies, so two uploads into one slot can never be reordered.
+Staged copies run on a staging thread that consumes a FIFO of commands, so the caller never waits for a memcpy at
+upload time: prefetches overlap the next attention block. A direct copy (a DMA from page-locked pages, microseconds
+to issue) is issued at once on the caller's thread when nothing is queued: going through the staging thread would
+make it wait until that thread wins the GIL from the caller, which keeps it while it drives the GPU. `fence()` waits
+until every queued command is issued and returns an event on the copy stream; `after_compute(ev)` makes later
+copies wait for ev (slot reuse). Commands are issued in call order (directly only when the FIFO is empty, queued
+otherwise), so two uploads into one slot can never be reordered.
 
 `HostUploader` is the same interface over a CPU "pool" (plain copies, no streams): the hybrid scheduler runs on it in
 CPU-only tests and emulation.
@@ -99,12 +102,18 @@ class CudaUploader:
     # ---- commands (caller thread) ----------------------------------------------------------------------------
     def upload(self, slot: int, record: torch.Tensor) -> None:
         self._raise()
-        self._q.put(("copy", slot, record))
+        if self._q.unfinished_tasks == 0 and self._registered(record.data_ptr(), record.numel()):
+            self._copy(slot, record)  # everything queued is issued already: the order holds
+        else:
+            self._q.put(("copy", slot, record))
         self.bytes += self.stride
         self.copies += 1
 
     def after_compute(self, event: torch.cuda.Event) -> None:
-        self._q.put(("wait", event, None))
+        if self._q.unfinished_tasks == 0:
+            self.stream.wait_event(event)
+        else:
+            self._q.put(("wait", event, None))
 
     def fence(self) -> torch.cuda.Event:
         self._q.join()

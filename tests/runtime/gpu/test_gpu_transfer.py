@@ -70,3 +70,28 @@ def test_cuda_uploads_staged_and_direct_are_exact(reader):
     assert n <= 2 * bank.num_experts and seconds >= 0
     up.close()
     assert up.pinned_bytes == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_uploads_into_one_slot_keep_their_order(reader):
+    """Direct copies issued on the caller's thread and staged ones queued behind them land in call order."""
+    from ft.runtime.gpu.transfer import CudaUploader
+
+    bank, other = reader.bank("layers.0.mlp.experts"), reader.bank("layers.2.mlp.experts")
+    pool = torch.zeros(2, bank.stride, dtype=torch.uint8, device="cuda")
+    up = CudaUploader(pool, num_staging=2, copy_threads=2)
+    up.register(*bank_range(bank))
+    for e in range(bank.num_experts):
+        up.upload(0, bank.record(e))  # direct when registered and nothing is queued
+        up.upload(1, other.record(e))  # staged
+        up.upload(0 if e % 2 else 1, (other if e % 2 else bank).record(e))  # the other path into the same slot
+        done = torch.cuda.Event()
+        done.record()
+        up.after_compute(done)
+    torch.cuda.current_stream().wait_event(up.fence())
+    last = bank.num_experts - 1
+    # odd e: slot 0 gets bank then other, slot 1 other; even e: slot 0 bank, slot 1 other then bank
+    want0 = other.record(last) if last % 2 else bank.record(last)
+    want1 = other.record(last) if last % 2 else bank.record(last)
+    assert torch.equal(pool[0].cpu(), want0) and torch.equal(pool[1].cpu(), want1)
+    up.close()
