@@ -17,15 +17,14 @@ rewritten from all runs.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import subprocess
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
+
+from bench_record import append_run, machine  # tools/, next to this script
 
 from ft.runtime.gpu.expert_cache import ExpertCache
 
@@ -96,16 +95,10 @@ def main() -> None:
                          "ms_per_token": round(sec * 1e3, 3),
                          "misses_per_token": miss, "us_per_layer_call": round(sec * 1e6 / L, 1)})
             print(f"{kind:8s} {slots:6d} slots: {sec * 1e3:7.2f} ms/token host, {miss} misses/token")
-    load = Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").exists() else "?"
-    cpu = platform.processor() or platform.machine()
-    if Path("/proc/cpuinfo").exists():
-        cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                    if ln.startswith("model name")), cpu)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     run = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "label": args.label,
            "commit": commit, "pattern": "per-expert admit" if args.per_expert else "admit_many",
-           "machine": f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, numpy {np.__version__}, "
-                      f"1-min load {load}",
+           "machine": machine(f"numpy {np.__version__}"),
            "command": "python tools/bench_cache_host.py " + " ".join(
                ([f"--slots {' '.join(map(str, args.slots))}"] if args.slots != [2200, 4300, 10240] else [])
                + (["--per-expert"] if args.per_expert else [])
@@ -113,10 +106,7 @@ def main() -> None:
                + ([f"--label {args.label}"] if args.label else [])),
            "note": args.note, "rows": rows}
     out = Path(args.out)
-    path = out / "cache_host.json"
-    runs = json.loads(path.read_text()) if path.exists() else []
-    runs.append(run)
-    path.write_text(json.dumps(runs, indent=1) + "\n")
+    runs = append_run(out, "cache_host", run)
     lines = ["# Expert-cache bookkeeping: host time per decode token", "",
              "What `tools/bench_cache_host.py` measures (see its docstring): the cache calls `GpuExperts` makes",
              "per MoE layer on the miss path, for the 40-layer Qwen3.6-35B-A3B geometry at batch 1, as host",

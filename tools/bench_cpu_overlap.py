@@ -15,9 +15,6 @@ Results are appended to <out>/cpu_overlap.json; <out>/cpu_overlap.md is rewritte
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from bench_record import append_run, machine  # tools/, next to this script
 
 from ft.runtime.gpu.benchbw import _synthetic_records
 from ft.runtime.gpu.cpu_nvfp4 import CpuMoe
@@ -74,20 +73,13 @@ def main() -> None:
         rows.append(row)
         print(row)
     moe.close()
-    load = Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").exists() else "?"
-    cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                if ln.startswith("model name")), platform.machine()) if Path("/proc/cpuinfo").exists() else "?"
     run = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-           "machine": f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}, "
-                      f"backend {moe.backend}, 1-min load {load}",
+           "machine": machine(f"torch {torch.__version__}, backend {moe.backend}"),
            "command": "python tools/bench_cpu_overlap.py " + " ".join(sys.argv[1:]),
            "experts": args.experts, "threads": args.threads, "switch_interval_s": sys.getswitchinterval(),
            "rows": rows}
     out = Path(args.out)
-    path = out / "cpu_overlap.json"
-    runs = json.loads(path.read_text()) if path.exists() else []
-    runs.append(run)
-    path.write_text(json.dumps(runs, indent=1) + "\n")
+    runs = append_run(out, "cpu_overlap", run)
     lines = ["# CPU expert job beside a busy GPU-driving thread", "",
              "What `tools/bench_cpu_overlap.py` measures (see its docstring): submit -> result of one hybrid CPU job",
              "while the submitting thread spins in Python, with the kernel started by a Python worker thread (the",
