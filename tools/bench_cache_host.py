@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import subprocess
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -99,11 +100,7 @@ def main() -> None:
     run = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "label": args.label,
            "commit": commit, "pattern": "per-expert admit" if args.per_expert else "admit_many",
            "machine": machine(f"numpy {np.__version__}"),
-           "command": "python tools/bench_cache_host.py " + " ".join(
-               ([f"--slots {' '.join(map(str, args.slots))}"] if args.slots != [2200, 4300, 10240] else [])
-               + (["--per-expert"] if args.per_expert else [])
-               + ([f"--prefetch {args.prefetch}"] if args.prefetch else [])
-               + ([f"--label {args.label}"] if args.label else [])),
+           "command": "python tools/bench_cache_host.py " + " ".join(sys.argv[1:]),
            "note": args.note, "rows": rows}
     out = Path(args.out)
     runs = append_run(out, "cache_host", run)

@@ -204,7 +204,7 @@ def _check(rc: int) -> None:
 
 class CpuJob:
     """One `CpuMoe.submit` call: `result()` waits for it (the GIL is released while waiting) and returns
-    (y, seconds on the worker)."""
+    (y, seconds of the CPU path: the submit's preparation plus the kernel's time on the worker)."""
 
     def __init__(self, moe: CpuMoe | None, args: tuple | None, y: torch.Tensor, seconds: float | None, *,
                  prep_seconds: float = 0.0):
