@@ -24,6 +24,7 @@ Everything lands in <out>/gpu_bench.json (and a log); the last lines printed are
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import platform
 import shutil
@@ -166,6 +167,9 @@ def main(argv: list[str] | None = None) -> None:
     results: dict = {"command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M:%S %z"),
                      "args": vars(args)}
     path = out / "gpu_bench.json"
+    # a run still going 25 s past its deadline is hung: write every thread's stack where the results go
+    stacks = open(out / "stacks.txt", "w")  # noqa: SIM115 - open for the life of the process
+    faulthandler.dump_traceback_later(args.deadline_s + 25, repeat=True, file=stacks)
     prof = None
     plan = TimePlan(time.time() + args.deadline_s)
     results["time_plan"] = {"estimates": plan.estimates, "skipped": plan.skipped}
@@ -206,7 +210,8 @@ def main(argv: list[str] | None = None) -> None:
             elif stage == "pin":  # can this VM page-lock FTW file pages? (isolated: a hang cannot stop the run)
                 results["pin"] = parts.pin_probe(parts.ftw_path(Path(args.work), args.layers,
                                                                 args.routings.split(",")[0], args.preset))
-                args.no_pin = args.no_pin or not results["pin"].get("ok")
+                pinned = results["pin"].get("ok") or '"registered_True": true' in results["pin"].get("stdout", "")
+                args.no_pin = args.no_pin or not pinned
                 log(f"pin probe: {results['pin']}")
             elif stage == "kernel":
                 results["kernel"] = stage_kernel()

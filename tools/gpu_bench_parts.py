@@ -145,17 +145,20 @@ def check_logits(ftw: Path, gpu_model, prompt: list[int]) -> dict:
 
 
 _PIN_PROBE = """
-import json, sys, time, torch
+import faulthandler, json, sys, time, torch
+faulthandler.dump_traceback_later(float(sys.argv[2]), exit=True)  # a hang reports every thread's stack on stderr
 from ft.formats import FtwReader
 from ft.runtime.gpu.sizing import dense_weight_bytes
-from ft.runtime.gpu.pinning import bank_range
+from ft.runtime.gpu.pinning import bank_range, prefault
 from ft.runtime.gpu.transfer import CudaUploader
 r = FtwReader(sys.argv[1]); cfg = r.config
 bank = r.bank(f"layers.{cfg.mlp_types.index('moe')}.mlp.experts")
 pool = torch.empty(64, bank.stride, dtype=torch.uint8, device="cuda")
 out = {}
-for pin in (False, True):
+for pin in (True, False):  # direct first: the engine's path; the staged one is the fallback
     up = CudaUploader(pool)
+    t = time.perf_counter(); out[f"prefault_{pin}"] = prefault(*bank_range(bank)) if pin else None
+    out[f"prefault_s_{pin}"] = time.perf_counter() - t
     t = time.perf_counter(); ok = up.register(*bank_range(bank)) if pin else False
     out[f"register_s_{pin}"] = time.perf_counter() - t; out[f"registered_{pin}"] = ok
     for rep in range(3):
@@ -165,9 +168,14 @@ for pin in (False, True):
     out[f"gbs_pinned_{pin}"] = 64 * bank.stride / dt / 1e9; out[f"direct_{pin}"] = up.direct_copies
     assert all(torch.equal(pool[i].cpu(), bank.record((i * 7 + 2) % bank.num_experts)) for i in range(64))
     up.close()
+    print(json.dumps(out), flush=True)  # partial result: which path finished before a hang
 out["ok"] = bool(out["registered_True"])
 print(json.dumps(out))
 """
+
+
+def _text(x) -> str:
+    return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
 
 
 def pin_probe(ftw: Path, timeout: float = 25.0) -> dict:
@@ -178,10 +186,11 @@ def pin_probe(ftw: Path, timeout: float = 25.0) -> dict:
     import sys
 
     try:
-        res = subprocess.run([sys.executable, "-c", _PIN_PROBE, str(ftw)], capture_output=True, text=True,
-                             timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "error": f"timed out after {timeout} s"}
-    if res.returncode != 0:
-        return {"ok": False, "error": res.stderr[-1500:]}
+        res = subprocess.run([sys.executable, "-c", _PIN_PROBE, str(ftw), str(timeout - 3)], capture_output=True,
+                             text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        return {"ok": False, "error": f"timed out after {timeout} s", "stdout": _text(e.stdout)[-3000:],
+                "stderr": _text(e.stderr)[-6000:]}
+    if res.returncode != 0:  # faulthandler's exit: the stacks of the hang; stdout: the paths that finished
+        return {"ok": False, "error": res.stderr[-6000:], "stdout": res.stdout[-3000:]}
     return json.loads(res.stdout.strip().splitlines()[-1])

@@ -3,11 +3,15 @@ DMA from registered memory landing byte-identical records in their slots."""
 
 from __future__ import annotations
 
+import ctypes
+import os
+
+import numpy as np
 import pytest
 import torch
 
 from ft.formats import FtwReader
-from ft.runtime.gpu.pinning import bank_range, pin_banks
+from ft.runtime.gpu.pinning import bank_range, pin_banks, prefault
 from ft.runtime.gpu.transfer import HostUploader
 
 from .gpu_fixtures import tiny_moe_ftw
@@ -47,6 +51,63 @@ def test_pin_banks_respects_the_allowance(reader):
     assert pin_banks(_Recorder(True), banks, allowance=0)["pinned_bytes"] == 0
     refused = pin_banks(_Recorder(False), banks, allowance=None)
     assert refused["pin_refused"] and refused["pinned_bytes"] == 0
+
+
+def _resident(base: int, nbytes: int) -> float:
+    """Share of the pages of [base, base + nbytes) that are in memory (mincore)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    start = base - base % 4096
+    vec = np.zeros((nbytes + base - start + 4095) // 4096, np.uint8)
+    assert libc.mincore(start, nbytes + base - start, vec.ctypes.data) == 0, os.strerror(ctypes.get_errno())
+    return float((vec & 1).mean())
+
+
+def _evict(path) -> None:
+    """Drop a file's clean pages from the page cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+class _ResidentCheck(HostUploader):
+    """Records the resident share of each range at the moment it is registered."""
+
+    def __init__(self):
+        super().__init__(torch.empty(0))
+        self.seen: list[float] = []
+
+    def register(self, base: int, nbytes: int) -> bool:
+        self.seen.append(_resident(base, nbytes))
+        return True
+
+
+def test_pin_banks_faults_cold_file_pages_in_before_registering(tmp_path):
+    # cudaHostRegister faulted cold file pages in one at a time: minutes per bank on the GPU VM, where a freshly
+    # compiled (O_DIRECT) or copied bundle has none of its pages cached. pin_banks must read them in first.
+    path = tiny_moe_ftw(tmp_path / "cold.ftw", experts=64, top_k=2, hidden=128)
+    for f in path.rglob("*"):
+        if f.is_file():
+            _evict(f)
+    r = FtwReader(path)
+    banks = [r.bank(f"layers.{i}.mlp.experts") for i in range(2)]
+    if max(_resident(*bank_range(b)) for b in banks) > 0.5:
+        pytest.skip("this filesystem keeps the pages cached (fadvise DONTNEED had no effect)")
+    rec = _ResidentCheck()
+    assert pin_banks(rec, banks, allowance=None)["pinned_banks"] == 2
+    assert rec.seen == [1.0, 1.0]
+
+
+def test_prefault_reads_an_unaligned_range_in(tmp_path):
+    f = tmp_path / "blob"
+    f.write_bytes(os.urandom(1 << 20))
+    _evict(f)
+    arr = np.memmap(f, dtype=np.uint8, mode="r")
+    base = arr.ctypes.data + 1000  # not page aligned, like a bank inside a data file
+    assert prefault(base, (1 << 20) - 5000) in ("populate", "touch")
+    assert _resident(base, (1 << 20) - 5000) == 1.0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
