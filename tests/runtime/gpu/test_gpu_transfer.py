@@ -67,6 +67,7 @@ def _evict(path) -> None:
     """Drop a file's clean pages from the page cache."""
     fd = os.open(path, os.O_RDONLY)
     try:
+        os.fsync(fd)  # dirty pages are not dropped
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
@@ -106,6 +107,8 @@ def test_prefault_reads_an_unaligned_range_in(tmp_path):
     _evict(f)
     arr = np.memmap(f, dtype=np.uint8, mode="r")
     base = arr.ctypes.data + 1000  # not page aligned, like a bank inside a data file
+    if _resident(base, (1 << 20) - 5000) > 0.5:
+        pytest.skip("this filesystem keeps the pages cached (fadvise DONTNEED had no effect)")
     assert prefault(base, (1 << 20) - 5000) in ("populate", "touch")
     assert _resident(base, (1 << 20) - 5000) == 1.0
 
