@@ -67,7 +67,9 @@ def stage_tests(out: Path, timeout: float) -> dict:
         res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/runtime/gpu"],
                              capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:  # a hung test must not take the whole run
-        text = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "") for x in (e.stdout, e.stderr))
+        from gpu_bench_parts import text_of
+
+        text = text_of(e.stdout) + text_of(e.stderr)
         (out / "tests.log").write_text(f"{text}\ntimed out after {timeout:.0f} s")
         return {"returncode": None, "summary": f"timed out after {timeout:.0f} s", "seconds": timeout}
     (out / "tests.log").write_text(res.stdout + res.stderr)

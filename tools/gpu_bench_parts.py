@@ -174,7 +174,8 @@ print(json.dumps(out))
 """
 
 
-def _text(x) -> str:
+def text_of(x) -> str:
+    """A subprocess's captured output as text (bytes, str or None)."""
     return x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
 
 
@@ -189,8 +190,8 @@ def pin_probe(ftw: Path, timeout: float = 25.0) -> dict:
         res = subprocess.run([sys.executable, "-c", _PIN_PROBE, str(ftw), str(timeout - 3)], capture_output=True,
                              text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
-        return {"ok": False, "error": f"timed out after {timeout} s", "stdout": _text(e.stdout)[-3000:],
-                "stderr": _text(e.stderr)[-6000:]}
+        return {"ok": False, "error": f"timed out after {timeout} s", "stdout": text_of(e.stdout)[-3000:],
+                "stderr": text_of(e.stderr)[-6000:]}
     if res.returncode != 0:  # faulthandler's exit: the stacks of the hang; stdout: the paths that finished
         return {"ok": False, "error": res.stderr[-6000:], "stdout": res.stdout[-3000:]}
     return json.loads(res.stdout.strip().splitlines()[-1])

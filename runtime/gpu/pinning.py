@@ -2,7 +2,8 @@
 
 `pin_banks` registers whole banks (one contiguous byte range each) with the uploader, in the order given, while
 the host-memory allowance lasts. The allowance defaults to half of MemAvailable: page-locked memory cannot be
-swapped or reclaimed, so the page cache and the rest of the machine keep the other half. A bank the driver refuses
+swapped or reclaimed, so the page cache and the rest of the machine keep the other half. Each bank is
+read into the page cache with readahead first (`prefault`): the driver would fault cold pages in one at a time. A bank the driver refuses
 (some VMs cannot pin file pages) stays on the staging path; nothing else changes.
 """
 
@@ -10,6 +11,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
+
+import numpy as np
 
 log = logging.getLogger("ft.gpu")
 _CUDART: list = []
@@ -64,8 +67,6 @@ def prefault(base: int, nbytes: int) -> str:
     if libc.madvise(start, length, _MADV_POPULATE_READ) == 0:
         return "populate"
     libc.madvise(start, length, _MADV_WILLNEED)  # older kernels: start readahead, then touch every page
-    import numpy as np
-
     pages = np.ctypeslib.as_array((ctypes.c_uint8 * length).from_address(start))[::_PAGE]
     int(pages.sum())  # reads one byte of each page
     return "touch"
