@@ -1,9 +1,9 @@
 """Page-locking expert banks in place, so fetched records are DMA'd from the file pages with no staging copy.
 
-`pin_banks` registers whole banks (one contiguous byte range each) with the uploader, in the order given, while
-the host-memory allowance lasts. The allowance defaults to half of MemAvailable: page-locked memory cannot be
-swapped or reclaimed, so the page cache and the rest of the machine keep the other half. Each bank is
-read into the page cache with readahead first (`prefault`): the driver would fault cold pages in one at a time. A bank the driver refuses
+`pin_banks` registers whole banks (one contiguous byte range each) with the uploader, in the order given, while the
+host-memory allowance lasts. The allowance defaults to half of MemAvailable: page-locked memory cannot be swapped or
+reclaimed, so the page cache and the rest of the machine keep the other half. Each bank is read into the page cache
+with readahead first (`prefault`): the driver would fault cold pages in one at a time. A bank the driver refuses
 (some VMs cannot pin file pages) stays on the staging path; nothing else changes.
 """
 
