@@ -212,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
             elif stage == "pin":  # can this VM page-lock FTW file pages? (isolated: a hang cannot stop the run)
                 results["pin"] = parts.pin_probe(parts.ftw_path(Path(args.work), args.layers,
                                                                 args.routings.split(",")[0], args.preset))
-                pinned = results["pin"].get("ok") or '"registered_True": true' in results["pin"].get("stdout", "")
+                pinned = results["pin"].get("ok") or results["pin"].get("partial", {}).get("registered_True")
                 args.no_pin = args.no_pin or not pinned
                 log(f"pin probe: {results['pin']}")
             elif stage == "kernel":

@@ -10,7 +10,10 @@ divided evenly over the full model's MoE layers, and the benchmark model gets th
 from __future__ import annotations
 
 import gc
+import json
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -182,16 +185,18 @@ def text_of(x) -> str:
 def pin_probe(ftw: Path, timeout: float = 25.0) -> dict:
     """Register one expert bank of the FTW and upload 64 records staged vs direct, in a child process with a
     timeout (page-locking file pages is VM-dependent); {"ok": bool, GB/s of each path, ...}."""
-    import json
-    import subprocess
-    import sys
-
     try:
         res = subprocess.run([sys.executable, "-c", _PIN_PROBE, str(ftw), str(timeout - 3)], capture_output=True,
                              text=True, timeout=timeout)
     except subprocess.TimeoutExpired as e:
-        return {"ok": False, "error": f"timed out after {timeout} s", "stdout": text_of(e.stdout)[-3000:],
-                "stderr": text_of(e.stderr)[-6000:]}
-    if res.returncode != 0:  # faulthandler's exit: the stacks of the hang; stdout: the paths that finished
-        return {"ok": False, "error": res.stderr[-6000:], "stdout": res.stdout[-3000:]}
-    return json.loads(res.stdout.strip().splitlines()[-1])
+        return {"ok": False, "error": f"timed out after {timeout} s", "stderr": text_of(e.stderr)[-6000:],
+                "partial": _last_json(text_of(e.stdout))}
+    if res.returncode != 0:  # faulthandler's exit: the stacks of the hang; partial: the paths that finished
+        return {"ok": False, "error": res.stderr[-6000:], "partial": _last_json(res.stdout)}
+    return _last_json(res.stdout)
+
+
+def _last_json(stdout: str) -> dict:
+    """The probe's last JSON line (it prints one after each path), {} if none."""
+    lines = stdout.strip().splitlines()
+    return json.loads(lines[-1]) if lines else {}
