@@ -152,7 +152,7 @@ import faulthandler, json, sys, time, torch
 faulthandler.dump_traceback_later(float(sys.argv[2]), exit=True)  # a hang reports every thread's stack on stderr
 from ft.formats import FtwReader
 from ft.runtime.gpu.sizing import dense_weight_bytes
-from ft.runtime.gpu.pinning import bank_range, prefault
+from ft.runtime.gpu.pinning import bank_range, prefault, shared_view
 from ft.runtime.gpu.transfer import CudaUploader
 r = FtwReader(sys.argv[1]); cfg = r.config
 bank = r.bank(f"layers.{cfg.mlp_types.index('moe')}.mlp.experts")
@@ -160,9 +160,10 @@ pool = torch.empty(64, bank.stride, dtype=torch.uint8, device="cuda")
 out = {}
 for pin in (True, False):  # direct first: the engine's path; the staged one is the fallback
     up = CudaUploader(pool)
-    t = time.perf_counter(); out[f"prefault_{pin}"] = prefault(*bank_range(bank)) if pin else None
+    view = shared_view(bank); t = time.perf_counter()
+    out[f"prefault_{pin}"] = prefault(view.data_ptr(), view.numel()) if pin else None
     out[f"prefault_s_{pin}"] = time.perf_counter() - t
-    t = time.perf_counter(); ok = up.register(*bank_range(bank)) if pin else False
+    t = time.perf_counter(); ok = up.register(*bank_range(bank), view) if pin else False
     out[f"register_s_{pin}"] = time.perf_counter() - t; out[f"registered_{pin}"] = ok
     for rep in range(3):
         torch.cuda.synchronize(); t = time.perf_counter()

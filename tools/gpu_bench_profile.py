@@ -243,9 +243,10 @@ def stage_profile(args, bw_profile: dict, out: Path, res: dict, plan, log=print)
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])):
         torch.ones(1, device=args.device).add_(1)  # the profiler's one-time start-up (CUPTI), outside the paths
     model = load_model(reader, device=args.device, experts=lambda *a: None, keep_quantized=args.dense == "quantized")
+    pin = {"pin_host_bytes": 0} if args.no_pin else {}  # the pin probe failed, or --no-pin
     for name, opts in (("resident_direct", OffloadConfig(mode="resident", prefill_slots=args.prefill_slots)),
                        (f"hybrid{gib:g}_direct", OffloadConfig(mode="hybrid", num_slots=sc["num_slots"],
-                                                               prefill_slots=args.prefill_slots))):
+                                                               prefill_slots=args.prefill_slots, **pin))):
         if not plan.admit(f"profile:{name}", per_path):
             continue
         ex = GpuExperts(reader, opts, device=args.device, profile=bw_profile)
@@ -259,8 +260,9 @@ def stage_profile(args, bw_profile: dict, out: Path, res: dict, plan, log=print)
     gc.collect()
     kv = max(8192, len(prompt) + 4 * n + 16)
     budget, _ = e2e.engine_budget(reader, gib, kv_tokens=kv)
-    engines = ((f"engine{gib:g}", dict(vram_budget=budget) if cuda else dict(offload=OffloadConfig(
-                mode="hybrid", num_slots=sc["num_slots"], prefill_slots=args.prefill_slots))),
+    engines = ((f"engine{gib:g}", dict(vram_budget=budget, offload=OffloadConfig(mode="hybrid", **pin) if pin else None)
+                if cuda else dict(offload=OffloadConfig(mode="hybrid", num_slots=sc["num_slots"],
+                                                        prefill_slots=args.prefill_slots))),
                ("engine_resident", dict() if cuda else dict(offload=OffloadConfig(mode="resident"))))
     for name, kw in engines:
         if not plan.admit(f"profile:{name}", per_path + 5):

@@ -2,8 +2,10 @@
 
 FTW records live in mmapped (pageable) file pages; an H2D copy from pageable memory is staged by the driver at a
 fraction of the link speed. Two ways around it, both in `CudaUploader`:
-  * registered ranges: `register(base, nbytes)` page-locks a whole expert bank in place (cudaHostRegister, read-only
-    where the driver allows it); a record inside such a range is DMA'd straight from the file pages at link speed;
+  * registered ranges: `register(base, nbytes, view)` page-locks a whole expert bank in place (cudaHostRegister,
+    read-only where the driver allows it) through `view`, memory holding the same bytes as [base, base + nbytes)
+    (pinning.shared_view: a shared mapping of the same file pages); a record inside such a range is DMA'd straight
+    from the file pages at link speed;
   * staging: any other record is copied (threaded memcpy) into one of a ring of pinned buffers, then DMA'd.
 Staged copies run on a staging thread that consumes a FIFO of commands, so the caller never waits for a memcpy at
 upload time: prefetches overlap the next attention block. A direct copy (a DMA from page-locked pages, microseconds
@@ -19,6 +21,7 @@ CPU-only tests and emulation.
 
 from __future__ import annotations
 
+import ctypes
 import queue
 import threading
 import time
@@ -38,7 +41,7 @@ class HostUploader:
         self.direct_copies = 0
         self.pinned_bytes = 0
 
-    def register(self, base: int, nbytes: int) -> bool:
+    def register(self, base: int, nbytes: int, view: torch.Tensor | None = None) -> bool:
         return False
 
     def upload(self, slot: int, record: torch.Tensor) -> None:
@@ -74,7 +77,9 @@ class CudaUploader:
         self.copies = 0
         self.direct_copies = 0  # from registered ranges, no staging memcpy
         self.pinned_bytes = 0
-        self._ranges: list[tuple[int, int]] = []  # registered [start, end) host addresses
+        # registered ranges: (start, end) addresses of the records as callers pass them, and the page-locked uint8
+        # view of the same bytes that DMAs read
+        self._ranges: list[tuple[int, int, torch.Tensor]] = []
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # (start, end) per copy, not yet read
         self._lock = threading.Lock()
         self.staging_seconds = 0.0  # staging-thread time spent in pageable -> pinned copies
@@ -84,25 +89,35 @@ class CudaUploader:
         self._thread.start()
 
     # ---- pinning ---------------------------------------------------------------------------------------------
-    def register(self, base: int, nbytes: int) -> bool:
-        """Page-lock [base, base + nbytes) for direct DMA; False (nothing changed) if the driver refuses."""
+    def register(self, base: int, nbytes: int, view: torch.Tensor | None = None) -> bool:
+        """Page-lock `view` (uint8 [nbytes], the bytes at [base, base + nbytes); default: that memory itself) so that
+        records inside [base, base + nbytes) are DMA'd from it; False (nothing changed) if the driver refuses."""
+        if view is None:
+            view = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(base), dtype=torch.uint8)
+        if view.numel() < nbytes:
+            raise ValueError(f"register: view has {view.numel()} bytes, the range {nbytes}")
         cudart = torch.cuda.cudart()
-        for flags in (8, 0):  # cudaHostRegisterReadOnly (file pages stay shared), then plain (copy-on-write pages)
-            rc = cudart.cudaHostRegister(base, nbytes, flags)
+        for flags in (8, 0):  # cudaHostRegisterReadOnly (file pages stay shared), then plain (needs writable pages)
+            rc = cudart.cudaHostRegister(view.data_ptr(), nbytes, flags)
             if int(rc) == 0:
-                self._ranges.append((base, base + nbytes))
+                self._ranges.append((base, base + nbytes, view))
                 self.pinned_bytes += nbytes
                 return True
             clear_cuda_error()
         return False
 
-    def _registered(self, ptr: int, n: int) -> bool:
-        return any(a <= ptr and ptr + n <= b for a, b in self._ranges)
+    def _dma_source(self, record: torch.Tensor) -> torch.Tensor | None:
+        """The page-locked bytes of `record` if a registered range holds it, else None."""
+        ptr, n = record.data_ptr(), record.numel()
+        for a, b, view in self._ranges:
+            if a <= ptr and ptr + n <= b:
+                return view[ptr - a:ptr - a + n]
+        return None
 
     # ---- commands (caller thread) ----------------------------------------------------------------------------
     def upload(self, slot: int, record: torch.Tensor) -> None:
         self._raise()
-        if self._q.unfinished_tasks == 0 and self._registered(record.data_ptr(), record.numel()):
+        if self._q.unfinished_tasks == 0 and self._dma_source(record) is not None:
             self._copy(slot, record)  # everything queued is issued already: the order holds
         else:
             self._q.put(("copy", slot, record))
@@ -143,8 +158,8 @@ class CudaUploader:
             self._thread.join()
         self.stream.synchronize()
         cudart = torch.cuda.cudart()
-        for a, _ in self._ranges:
-            cudart.cudaHostUnregister(a)
+        for _, _, view in self._ranges:
+            cudart.cudaHostUnregister(view.data_ptr())
         self._ranges.clear()
         self.pinned_bytes = 0
 
@@ -174,8 +189,8 @@ class CudaUploader:
 
     def _copy(self, slot: int, record: torch.Tensor) -> None:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if self._registered(record.data_ptr(), record.numel()):
-            src = record
+        src = self._dma_source(record)
+        if src is not None:
             self.direct_copies += 1
         else:
             i = self.next

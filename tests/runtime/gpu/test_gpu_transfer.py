@@ -36,9 +36,9 @@ class _Recorder(HostUploader):
         super().__init__(torch.empty(0, 1, dtype=torch.uint8))
         self.accept, self.ranges = accept, []
 
-    def register(self, base: int, nbytes: int) -> bool:
+    def register(self, base: int, nbytes: int, view=None) -> bool:
         if self.accept:
-            self.ranges.append((base, nbytes))
+            self.ranges.append((base, nbytes, view))
         return self.accept
 
 
@@ -51,6 +51,30 @@ def test_pin_banks_respects_the_allowance(reader):
     assert pin_banks(_Recorder(True), banks, allowance=0)["pinned_bytes"] == 0
     refused = pin_banks(_Recorder(False), banks, allowance=None)
     assert refused["pin_refused"] and refused["pinned_bytes"] == 0
+
+
+def _mapping_perms(addr: int) -> str:
+    """rwxp/rwxs permissions of the mapping that holds `addr` (/proc/self/maps)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= addr < hi:
+                return line.split()[1]
+    raise AssertionError(f"{addr:#x} is not mapped")
+
+
+def test_pin_banks_registers_a_shared_read_only_mapping_of_the_bank(reader):
+    # The reader's mapping is private and writable (copy-on-write): a long-term pin there makes the kernel copy every
+    # page (minutes per bank on the GPU VM). What gets page-locked must be a shared, read-only mapping of the same bytes.
+    assert _mapping_perms(bank_range(reader.bank("layers.0.mlp.experts"))[0]).endswith("p")
+    banks = [reader.bank(f"layers.{i}.mlp.experts") for i in range(2)]
+    rec = _Recorder(True)
+    pin_banks(rec, banks, allowance=None)
+    for bank, (base, nbytes, view) in zip(banks, rec.ranges, strict=True):
+        assert (base, nbytes) == bank_range(bank) and view.numel() == nbytes
+        assert _mapping_perms(view.data_ptr()) == "r--s"
+        assert torch.equal(view[bank.stride:2 * bank.stride], bank.record(1))
+        assert torch.equal(view[-bank.stride:], bank.record(bank.num_experts - 1))
 
 
 def _resident(base: int, nbytes: int) -> float:
@@ -80,8 +104,8 @@ class _ResidentCheck(HostUploader):
         super().__init__(torch.empty(0))
         self.seen: list[float] = []
 
-    def register(self, base: int, nbytes: int) -> bool:
-        self.seen.append(_resident(base, nbytes))
+    def register(self, base: int, nbytes: int, view=None) -> bool:
+        self.seen.append(_resident(view.data_ptr(), nbytes))
         return True
 
 
@@ -121,7 +145,7 @@ def test_cuda_uploads_staged_and_direct_are_exact(reader):
     other = reader.bank("layers.2.mlp.experts")
     pool = torch.zeros(2 * bank.num_experts, bank.stride, dtype=torch.uint8, device="cuda")
     up = CudaUploader(pool, num_staging=2, copy_threads=2)
-    registered = up.register(*bank_range(bank))
+    registered = bool(pin_banks(up, [bank], allowance=None)["pinned_banks"])  # the shared read-only mapping
     for e in range(bank.num_experts):
         up.upload(e, bank.record(e))
         up.upload(bank.num_experts + e, other.record(e))
@@ -144,7 +168,7 @@ def test_cuda_uploads_into_one_slot_keep_their_order(reader):
     bank, other = reader.bank("layers.0.mlp.experts"), reader.bank("layers.2.mlp.experts")
     pool = torch.zeros(2, bank.stride, dtype=torch.uint8, device="cuda")
     up = CudaUploader(pool, num_staging=2, copy_threads=2)
-    up.register(*bank_range(bank))
+    up.register(*bank_range(bank))  # the reader's own pages (no separate view)
     for e in range(bank.num_experts):
         up.upload(0, bank.record(e))  # direct when registered and nothing is queued
         up.upload(1, other.record(e))  # staged
