@@ -24,7 +24,10 @@ def print_summary(results: dict) -> None:
             print(f"profile {name:18s} {p['ms_per_token']:7.2f} ms/token (profiled {p['ms_per_token_profiled']:.2f}, "
                   f"device busy {p['device_busy_ms_per_token']:.2f}) tags ms {tags} syncs {p['syncs_per_token']}")
     for routing, r in results.get("e2e", {}).get("routings", {}).items():
-        print(routing, "logits", r.get("logits_vs_cpu"), "resident", round(r.get("resident", {}).get("tok_s", 0), 1))
+        host = r.get("resident_host_planned", {})
+        print(routing, "logits", r.get("logits_vs_cpu"), "resident", round(r.get("resident", {}).get("tok_s", 0), 1),
+              "host-planned", round(host.get("tok_s", 0), 1), "greedy sync-free vs host-planned",
+              f"{r.get('resident', {}).get('greedy_prefix_equal')}/{r.get('resident', {}).get('greedy_len')}")
         for key, d in r.get("decode", {}).items():
             b = d.get("bound") or {}
             static = r["decode"].get("static@" + key.split("@")[1], {}).get("tok_s")
@@ -33,7 +36,7 @@ def print_summary(results: dict) -> None:
                   f"h2d {d.get('h2d_mb_per_token', 0):6.1f} MB/t cpu {d.get('cpu_mb_per_token', 0):6.1f} MB/t "
                   f"bound {b.get('bound_tok_s', 0):7.1f} frac {b.get('fraction_of_bound', 0):.2f} {vs} "
                   f"direct {d['stats'].get('uploads_direct')}/{d['stats'].get('uploads')} "
-                  f"greedy {d.get('greedy_equal_to_resident')}/{d.get('greedy_len')}")
+                  f"greedy {d.get('greedy_prefix_equal')}/{d.get('greedy_len')}")
         if r.get("engine"):
             print("  engine", {k: v for k, v in r["engine"].items() if k not in ("moe", "vram")})
         for key, d in r.get("prefill", {}).items():

@@ -13,7 +13,7 @@ import sys
 import time
 
 _CHILD = r"""
-import ctypes, mmap, os, sys, time, numpy as np, torch
+import ctypes, json, mmap, os, sys, time, numpy as np, torch
 from ft.runtime.gpu.pinning import prefault
 path, case, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
 torch.cuda.init(); torch.empty(1, device="cuda")
@@ -41,7 +41,10 @@ elif case == "odirect":
     b = torch.empty(n, dtype=torch.uint8, pin_memory=True); evict()
     fd = os.open(path, os.O_RDONLY | os.O_DIRECT); mv = memoryview(b.numpy())
     t = time.perf_counter(); done = 0
-    while done < n: done += os.preadv(fd, [mv[done:done + (64 << 20)]], done)
+    while done < n:
+        got = os.preadv(fd, [mv[done:done + (64 << 20)]], done)
+        if got <= 0: raise SystemExit(f"short read at {done} of {n} bytes")
+        done += got
     out["read_s"] = time.perf_counter() - t; out["gbs"] = n / out["read_s"] / 1e9; out["rc"] = 0
     d = torch.empty(n, dtype=torch.uint8, device="cuda"); torch.cuda.synchronize(); t = time.perf_counter()
     d.copy_(b, non_blocking=True); torch.cuda.synchronize(); out["h2d_gbs"] = n / (time.perf_counter() - t) / 1e9
@@ -52,7 +55,7 @@ print(json.dumps(out), flush=True)
 def main() -> None:
     path, n = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 456 << 20
     with open(path, "wb") as f:  # buffered write, then fsync: the pages can be evicted afterwards
-        for _ in range(n >> 24):
+        for _ in range(-(-n >> 24)):  # whole 16 MiB chunks covering n bytes
             f.write(bytes(range(256)) * (1 << 16))
         f.flush()
         import os
