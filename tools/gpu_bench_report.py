@@ -26,8 +26,8 @@ def print_summary(results: dict) -> None:
     for routing, r in results.get("e2e", {}).get("routings", {}).items():
         host = r.get("resident_host_planned", {})
         print(routing, "logits", r.get("logits_vs_cpu"), "resident", round(r.get("resident", {}).get("tok_s", 0), 1),
-              "host-planned", round(host.get("tok_s", 0), 1), "greedy sync-free vs host-planned",
-              f"{r.get('resident', {}).get('greedy_prefix_equal')}/{r.get('resident', {}).get('greedy_len')}")
+              "host-planned", round(host.get("tok_s", 0), 1), "greedy host-planned vs resident",
+              f"{host.get('greedy_prefix_equal')}/{host.get('greedy_len')}")
         for key, d in r.get("decode", {}).items():
             b = d.get("bound") or {}
             static = r["decode"].get("static@" + key.split("@")[1], {}).get("tok_s")

@@ -43,6 +43,20 @@ def device_call(ex, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_we
     c["tokens"] += T
     c["pairs"] += T * k
     ex.cache.tick()
+    return device_kernel(ex, layer, x, topk_ids, topk_weights)
+
+
+def uses_device_kernel(ex, num_tokens: int) -> bool:
+    """Whether a host-planned decode call (offloaded layers: the routing was brought to the host for the cache) still
+    computes its GPU share with the device-planned kernel, through the slot table row (see `device_kernel`)."""
+    return ex.device_plan and 0 < num_tokens * ex.k <= MAX_DEVICE_PAIRS
+
+
+def device_kernel(ex, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """fp32 [T, H] = sum over the routed pairs whose expert has a slot in the layer's row of the device slot table
+    (re-uploaded when the host table changed, e.g. by this call's admits); pairs without a slot (experts computed on
+    the CPU) contribute 0. The kernel resident layers use, so an offloaded decode with no CPU share computes exactly
+    what a resident one does, whatever slots the experts sit in."""
     row = ex.cache.device_table(ex.device).row(layer)
     if ex.device.type == "cuda" or ex.interpret:
         from .nvfp4_decode import moe_nvfp4_device

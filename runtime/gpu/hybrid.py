@@ -19,8 +19,10 @@ Uploads run on the uploader's staging thread; page-locked banks (`pin_host_bytes
 Host syncs. Decode calls of fully resident layers (mode "resident", the GPU layers of mode "static", T * k <= 64)
 take the device-planned path (`device_path.py`): routing, the expert -> slot lookup (`slot_table.py`) and the kernel
 grid stay on the device, so the call issues no host sync and no data-dependent host work; `is_sync_free` says when
-(the contract for capturing decode in a CUDA graph). Everything else still brings the routing to the host, one sync
-per MoE layer call: modes hybrid / offload / cpu (cache lookup, split, LRU bookkeeping, the next layer's prediction,
+(the contract for capturing decode in a CUDA graph). Host-planned decode calls (T * k <= 64) run their GPU share
+through the same device-planned kernel once their admits are in the slot table (`device_kernel`): no per-call block
+planning or pair-slot upload, and the arithmetic of a resident layer. Everything else still brings the routing to
+the host, one sync per MoE layer call: modes hybrid / offload / cpu (cache lookup, split, LRU bookkeeping, the next layer's prediction,
 which rides along with the same copy), `cpu_layers` of mode static (CPU kernel), calls with T * k > 64 (prefill
 planning, `plan_blocks`), and `device_plan=False` (the default on device "cpu"). The first call allocates the pool
 (uploads, fence) if `allocate` was not called. Device-planned calls count calls / tokens / pairs only (no hits,
@@ -36,7 +38,7 @@ import torch
 from ft.formats import FtwReader
 
 from .cpu_nvfp4 import CpuMoe
-from .device_path import device_call, uses_device_plan
+from .device_path import device_call, device_kernel, uses_device_kernel, uses_device_plan
 from .expert_cache import ExpertCache, plan_num_slots
 from .hybrid_stats import experts_stats, reset_experts_stats
 from .moe_reference import moe_ref
@@ -184,7 +186,12 @@ class GpuExperts:
             slot_of[e] = s
         c["fetched"] += len(fetch)
         c["bytes_h2d"] += len(fetch) * self.layout.stride
-        y = self._gpu_moe(x, ids, slot_of, topk_weights)
+        if slot_of and uses_device_kernel(self, T):  # hits + this call's fetches by the table row (CPU ones: no slot)
+            self._wait(self.uploader.fence())
+            y = device_kernel(self, layer, x, topk_ids, topk_weights)
+            self.uploader.after_compute(self._record_compute())
+        else:
+            y = self._gpu_moe(x, ids, slot_of, topk_weights)
         if prefetching:
             self._prefetch(pred[0], self.predictor.rank(*pred), chosen[len(fetch):])
         if future is not None:

@@ -199,6 +199,42 @@ def test_resident_device_kernel_equals_host_kernel_interpreted(reader):
     old.close()
 
 
+@pytest.mark.parametrize("mode", ["offload", "hybrid"])
+def test_offloaded_decode_uses_the_device_kernel_through_the_updated_table(reader, mode):
+    # 3 slots for 3 layers x 8 experts: most calls miss, fetch and evict, so the table changes between calls; some
+    # misses go to the CPU (they have no slot: the device kernel must leave them out)
+    kw = dict(b_pcie=1e9, b_cpu=1e7, cpu_fixed_s=0.0) if mode == "hybrid" else {}
+    opts = OffloadConfig(mode=mode, num_slots=3, prefetch=False, adapt=False, **kw)
+    new = GpuExperts(reader, opts, device="cpu", device_plan=True)
+    old = GpuExperts(reader, opts, device="cpu", device_plan=False)
+    tokens = (1, 2, 1, 4, 1, 3, 1, 2, MAX_DEVICE_PAIRS // K + 1)
+    for layer, x, ids, w in _calls(tokens, seed=21):
+        assert not new.uses_device_plan(layer, x.shape[0])  # offloaded layers still bring the routing to the host
+        y_new, y_old = new(layer, x, ids, w), old(layer, x, ids, w)
+        assert rel_err(y_new.float(), y_old.float()) < 1e-6
+    a, b = new.stats(), old.stats()
+    for key in ("calls", "hits", "misses", "fetched", "cpu_experts"):
+        assert a[key] == b[key]  # same decisions; only the GPU share's kernel differs
+    assert a["fetched"] > 0 and a["cpu_experts"] > 0  # offload too: misses beyond the free slots go to the CPU
+    assert new.cache.device_table(new.device).uploads > 3  # re-uploaded after admits
+    assert old.cache.device_table(old.device).uploads == 0  # the host-planned kernel never reads it
+    new.close()
+    old.close()
+
+
+def test_offloaded_decode_equals_resident_decode_exactly(reader):
+    """Offload with no CPU share and a resident model compute the same pairs with the same kernel and summation
+    order, whichever slots the experts occupy: greedy tokens cannot diverge between them."""
+    res = GpuExperts(reader, OffloadConfig(mode="resident", prefetch=False), device="cpu", device_plan=True)
+    off = GpuExperts(reader, OffloadConfig(mode="offload", num_slots=4, prefetch=False), device="cpu",
+                     device_plan=True)
+    for layer, x, ids, w in _calls((1, 1, 2, 1, 2, 1, 1, 2), seed=22):  # <= 4 experts per call: all fit the slots
+        assert torch.equal(off(layer, x, ids, w), res(layer, x, ids, w))
+    assert off.stats()["fetched"] > 0 and off.stats()["cpu_experts"] == 0
+    res.close()
+    off.close()
+
+
 @pytest.mark.parametrize("broken", ["wrong", "raises"])
 def test_first_call_falls_back_when_the_kernel_is_wrong_or_fails(reader, broken):
     """The first device-planned call checks the kernel against the host-planned path; a bad one turns it off."""
