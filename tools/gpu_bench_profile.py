@@ -250,6 +250,8 @@ def stage_profile(args, bw_profile: dict, out: Path, res: dict, plan, log=print)
         if not plan.admit(f"profile:{name}", per_path):
             continue
         ex = GpuExperts(reader, opts, device=args.device, profile=bw_profile)
+        ex.allocate()
+        ex.wait_pinned()  # page-locking runs on a thread; profile the steady state
         e2e.attach(model, ex)
         with tagged(model):
             step, state = direct_step(model, prompt, n, n)
@@ -268,6 +270,7 @@ def stage_profile(args, bw_profile: dict, out: Path, res: dict, plan, log=print)
         if not plan.admit(f"profile:{name}", per_path + 5):
             continue
         eng = Engine(reader, device=args.device, kv_reserve_tokens=kv, **kw)
+        getattr(eng._experts, "wait_pinned", lambda: None)()
         with tagged(eng.model, eng):
             step = engine_step(eng, prompt, n, n)
             record(name, step, eng._experts, args.profile_trace and name != "engine_resident")

@@ -14,7 +14,8 @@ Prefill calls (many tokens) compute hits from the cache and stream each miss onc
 
 `device="cpu"` runs the same scheduler on a CPU "pool" with the PyTorch reference as the GPU side (tests, emulation;
 `interpret=True` runs the Triton kernels under Triton's interpreter instead).
-Uploads run on the uploader's staging thread; page-locked banks (`pin_host_bytes`) skip the staging copy.
+Uploads run on the uploader's staging thread; page-locked banks (`pin_host_bytes`, registered on a background thread
+after `allocate`: `wait_pinned`) skip the staging copy.
 
 Host syncs. Decode calls of fully resident layers (mode "resident", the GPU layers of mode "static", T * k <= 64)
 take the device-planned path (`device_path.py`): routing, the expert -> slot lookup (`slot_table.py`) and the kernel
@@ -43,7 +44,7 @@ from .expert_cache import ExpertCache, plan_num_slots
 from .hybrid_stats import experts_stats, reset_experts_stats
 from .moe_reference import moe_ref
 from .offload_config import OffloadConfig
-from .pinning import pin_banks
+from .pinning import BackgroundPinner
 from .prefetch import NextLayerPredictor
 from .prefill_stream import prefill_call
 from .record_layout import RecordLayout
@@ -87,7 +88,8 @@ class GpuExperts:
         self.counters["cpu_seconds"] = 0.0
         self.per_layer = np.zeros((4, self.L), np.int64)  # hits, misses, fetched, cpu-computed per layer
         self.vram_plan = None  # set by the engine when it sized the pool from a VRAM budget
-        self.pin_info: dict = {}
+        self.pin_info: dict = {}  # BackgroundPinner's result, once it has finished
+        self.pinner: BackgroundPinner | None = None
         self._stage_seen = 0.0
 
     def _make_split(self, *, pinned: bool) -> SplitEstimator:
@@ -117,10 +119,8 @@ class GpuExperts:
         if self.device.type == "cuda":
             self.uploader = CudaUploader(self.pool, num_staging=o.num_staging, copy_threads=o.copy_threads)
             self.compute_stream = torch.cuda.current_stream(self.device)
-            if o.mode not in ("resident", "static") and o.pin_host_bytes != 0:
-                self.pin_info = pin_banks(self.uploader, [self.banks[i] for i in gpu_layers], o.pin_host_bytes)
-                if self.pin_info["pinned_bytes"]:
-                    self.split = self._make_split(pinned=True)
+            if o.mode not in ("resident", "static") and o.pin_host_bytes != 0:  # on a thread: see pinning.py
+                self.pinner = BackgroundPinner(self.uploader, [self.banks[i] for i in gpu_layers], o.pin_host_bytes)
         else:
             self.uploader = HostUploader(self.pool)
         if o.mode in ("resident", "static"):
@@ -274,8 +274,23 @@ class GpuExperts:
         ev.record(self.compute_stream)
         return ev
 
+    def wait_pinned(self, timeout: float | None = None) -> dict:
+        """Block until the expert banks are page-locked (benchmarks: time the steady state); the pin result."""
+        if self.pinner is not None:
+            self.pinner.wait(timeout)
+            self._pin_finished()
+        return self.pin_info
+
+    def _pin_finished(self) -> None:
+        """Once the pinner is done: record its result and start the split from the pinned copy rate."""
+        if self.pinner is not None and not self.pin_info and self.pinner.done.is_set():
+            self.pin_info = self.pinner.info
+            if self.pin_info.get("pinned_bytes"):
+                self.split = self._make_split(pinned=True)
+
     def _observe_timing(self) -> None:
         """Feed finished copies to the fetch cost line: seconds = max(copy engine, staging memcpy) since last time."""
+        self._pin_finished()
         n, seconds = self.uploader.timing() if self.cache is not None else (0, 0.0)
         if n:
             stage = self.uploader.staging_seconds
@@ -293,5 +308,7 @@ class GpuExperts:
 
     def close(self) -> None:
         self.cpu.close()
+        if self.pinner is not None:
+            self.pinner.stop()  # before the uploader unregisters: nothing may be registered after that
         if getattr(self, "uploader", None) is not None:
             self.uploader.close()

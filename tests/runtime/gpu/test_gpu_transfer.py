@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 
 import numpy as np
 import pytest
 import torch
 
 from ft.formats import FtwReader
-from ft.runtime.gpu.pinning import bank_range, pin_banks, prefault
+from ft.runtime.gpu.pinning import BackgroundPinner, bank_range, pin_banks, prefault
 from ft.runtime.gpu.transfer import HostUploader
 
 from .gpu_fixtures import tiny_moe_ftw
@@ -51,6 +52,75 @@ def test_pin_banks_respects_the_allowance(reader):
     assert pin_banks(_Recorder(True), banks, allowance=0)["pinned_bytes"] == 0
     refused = pin_banks(_Recorder(False), banks, allowance=None)
     assert refused["pin_refused"] and refused["pinned_bytes"] == 0
+
+
+def test_background_pinner_registers_the_banks_off_the_calling_thread(reader):
+    banks = [reader.bank(f"layers.{i}.mlp.experts") for i in range(3)]
+    threads = []
+
+    class _Where(_Recorder):
+        def register(self, base, nbytes, view=None):
+            threads.append(threading.current_thread().name)
+            return super().register(base, nbytes, view)
+
+    rec = _Where(True)
+    pinner = BackgroundPinner(rec, banks, allowance=None)
+    info = pinner.wait(timeout=30)
+    assert info == pin_banks(_Recorder(True), banks, allowance=info["pin_allowance"])
+    assert info["pinned_banks"] == 3 and len(rec.ranges) == 3 and set(threads) == {"ft-pin"}
+    pinner.stop()  # after it finished: a no-op
+
+
+def test_background_pinner_stops_between_banks(reader):
+    banks = [reader.bank(f"layers.{i}.mlp.experts") for i in range(3)]
+    entered, release = threading.Event(), threading.Event()
+
+    class _Slow(_Recorder):
+        def register(self, base, nbytes, view=None):
+            entered.set()
+            release.wait(10)  # the first bank takes "long"
+            return super().register(base, nbytes, view)
+
+    rec = _Slow(True)
+    pinner = BackgroundPinner(rec, banks, allowance=None)
+    assert entered.wait(10) and pinner.wait(timeout=0) == {}  # still running: no result yet
+    threading.Timer(0.2, release.set).start()
+    pinner.stop()  # returns only once the bank in progress is done; nothing is registered after it
+    assert pinner.done.is_set() and len(rec.ranges) == 1 and pinner.info["pinned_banks"] == 1
+
+
+def test_background_pinner_reports_a_failure_and_finishes(reader):
+    class _Broken(_Recorder):
+        def register(self, base, nbytes, view=None):
+            raise OSError("cudaHostRegister: out of memory")
+
+    pinner = BackgroundPinner(_Broken(True), [reader.bank("layers.0.mlp.experts")], allowance=None)
+    info = pinner.wait(timeout=30)
+    assert info["pinned_bytes"] == 0 and "out of memory" in info["pin_error"]
+
+
+def test_gpu_experts_adopt_the_pinned_copy_rate_once_pinning_finished(reader):
+    from ft.runtime.gpu.hybrid import GpuExperts
+    from ft.runtime.gpu.offload_config import OffloadConfig
+
+    profile = {"b_pcie": 10e9, "b_cpu": 20e9, "gbs": {"h2d_expert_pinned": 50.0}}
+    ex = GpuExperts(reader, OffloadConfig(mode="offload", num_slots=4, prefetch=False), device="cpu", profile=profile)
+    ex.allocate()
+    staged = ex.split.t_fetch
+
+    class _Done:  # a pinner that has finished
+        done, info = threading.Event(), {"pinned_banks": 3, "pinned_bytes": 3 << 20, "pin_refused": False}
+        wait = stop = lambda self, *a: None
+
+    ex.pinner = _Done()
+    x = torch.randn(1, 64).to(torch.bfloat16)
+    ex(0, x, torch.tensor([[1, 2]]), torch.rand(1, 2))
+    assert ex.pin_info == {} and ex.split.t_fetch == staged  # still pinning: the staged rate
+    ex.pinner.done.set()
+    ex(0, x, torch.tensor([[3, 4]]), torch.rand(1, 2))
+    assert ex.pin_info["pinned_banks"] == 3 and ex.stats()["pin_refused"] is False
+    assert ex.split.t_fetch == pytest.approx(staged / 5)  # 50 GB/s instead of 10
+    ex.close()
 
 
 def _mapping_perms(addr: int) -> str:
