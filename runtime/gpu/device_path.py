@@ -10,6 +10,9 @@ on the host, so they stay untouched (in these modes every expert is a hit anyway
 host integer), takes the layer's row of the device slot table (uploaded only when the host table changed; never after
 `allocate` in these modes) and runs the device-planned kernels of `nvfp4_decode.py`. No host sync, no `.cpu()`.
 
+`device_kernel` (the kernel part alone) also serves host-planned decode calls of offloaded layers, after their
+admits: their routing went to the host for the cache anyway, but the GPU share needs no host-built plan.
+
 On device "cpu" (emulation) the same path runs the PyTorch reference on slots gathered from the device table, or the
 Triton kernels under the interpreter when `GpuExperts.interpret` is set.
 """

@@ -20,14 +20,14 @@ after `allocate`: `wait_pinned`) skip the staging copy.
 Host syncs. Decode calls of fully resident layers (mode "resident", the GPU layers of mode "static", T * k <= 64)
 take the device-planned path (`device_path.py`): routing, the expert -> slot lookup (`slot_table.py`) and the kernel
 grid stay on the device, so the call issues no host sync and no data-dependent host work; `is_sync_free` says when
-(the contract for capturing decode in a CUDA graph). Host-planned decode calls (T * k <= 64) run their GPU share
-through the same device-planned kernel once their admits are in the slot table (`device_kernel`): no per-call block
-planning or pair-slot upload, and the arithmetic of a resident layer. Everything else still brings the routing to
-the host, one sync per MoE layer call: modes hybrid / offload / cpu (cache lookup, split, LRU bookkeeping, the next layer's prediction,
+(the contract for capturing decode in a CUDA graph). Everything else still brings the routing to the host, one sync
+per MoE layer call: modes hybrid / offload / cpu (cache lookup, split, LRU bookkeeping, the next layer's prediction,
 which rides along with the same copy), `cpu_layers` of mode static (CPU kernel), calls with T * k > 64 (prefill
 planning, `plan_blocks`), and `device_plan=False` (the default on device "cpu"). The first call allocates the pool
 (uploads, fence) if `allocate` was not called. Device-planned calls count calls / tokens / pairs only (no hits,
-misses, per-layer counts or trace: those need the routing on the host).
+misses, per-layer counts or trace: those need the routing on the host). Host-planned decode calls (T * k <= 64)
+still run their GPU share through the device-planned kernel once their admits are in the slot table
+(`device_kernel`): no per-call block planning or pair-slot upload, and the arithmetic of a resident layer.
 """
 
 from __future__ import annotations
