@@ -160,7 +160,7 @@ pool = torch.empty(64, bank.stride, dtype=torch.uint8, device="cuda")
 out = {}
 for pin in (True, False):  # direct first: the engine's path; the staged one is the fallback
     up = CudaUploader(pool)
-    view = shared_view(bank); t = time.perf_counter()
+    view = shared_view(bank) if pin else None; t = time.perf_counter()
     out[f"prefault_{pin}"] = prefault(view.data_ptr(), view.numel()) if pin else None
     out[f"prefault_s_{pin}"] = time.perf_counter() - t
     t = time.perf_counter(); ok = up.register(*bank_range(bank), view) if pin else False
