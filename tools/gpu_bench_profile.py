@@ -1,8 +1,9 @@
-"""Stage `profile` of tools/gpu_bench.py: torch.profiler (CPU + CUDA) over a few decode tokens of four paths.
+"""Stage `profile` of tools/gpu_bench.py: torch.profiler (CPU + CUDA) over a few decode tokens of each path.
 
     resident_direct   all experts in VRAM, the bench's own loop (model.forward + argmax)
     hybrid<B>_direct  mode hybrid (the engine's default) at the first --budgets budget B (scaled slots), the bench's
                       own loop, with the bench's bandwidth profile
+    static<B>_direct  mode static at B: the first MoE layers' experts computed on the CPU (llama.cpp's --n-cpu-moe)
     engine<B>         Engine(device, vram_budget=...) at the same scaled budget: the `ft serve --vram-budget` path
                       (its scheduler reads the profile `ft bench bw` saved on this machine, if any)
     engine_resident   Engine with the whole VRAM (every expert fits: it runs mode resident)
@@ -209,7 +210,7 @@ def engine_step(engine, prompt: list[int], warm: int, tokens: int):
 
 
 def stage_profile(args, bw_profile: dict, out: Path, res: dict, plan, log=print) -> None:
-    """The four paths on the first routing's checkpoint; summaries into `res`, tables into out/profile_tables.txt."""
+    """The paths on the first routing's checkpoint; summaries into `res`, tables into out/profile_tables.txt."""
     import gpu_bench_parts as e2e
 
     from ft.formats import FtwReader
@@ -244,9 +245,15 @@ def stage_profile(args, bw_profile: dict, out: Path, res: dict, plan, log=print)
         torch.ones(1, device=args.device).add_(1)  # the profiler's one-time start-up (CUPTI), outside the paths
     model = load_model(reader, device=args.device, experts=lambda *a: None, keep_quantized=args.dense == "quantized")
     pin = {"pin_host_bytes": 0} if args.no_pin else {}  # the pin probe failed, or --no-pin
-    for name, opts in (("resident_direct", OffloadConfig(mode="resident", prefill_slots=args.prefill_slots)),
-                       (f"hybrid{gib:g}_direct", OffloadConfig(mode="hybrid", num_slots=sc["num_slots"],
-                                                               prefill_slots=args.prefill_slots, **pin))):
+    moe_layers = tuple(j for j, t in enumerate(cfg.mlp_types) if t == "moe")
+    static_cpu = moe_layers[: len(moe_layers) - min(len(moe_layers), sc["num_slots"] // cfg.num_experts)]
+    paths = [("resident_direct", OffloadConfig(mode="resident", prefill_slots=args.prefill_slots)),
+             (f"hybrid{gib:g}_direct", OffloadConfig(mode="hybrid", num_slots=sc["num_slots"],
+                                                     prefill_slots=args.prefill_slots, **pin))]
+    if static_cpu:  # the --n-cpu-moe baseline at the same budget (its e2e time is the one not yet explained)
+        paths.append((f"static{gib:g}_direct", OffloadConfig(mode="static", cpu_layers=static_cpu,
+                                                             prefill_slots=args.prefill_slots)))
+    for name, opts in paths:
         if not plan.admit(f"profile:{name}", per_path):
             continue
         ex = GpuExperts(reader, opts, device=args.device, profile=bw_profile)
@@ -254,7 +261,8 @@ def stage_profile(args, bw_profile: dict, out: Path, res: dict, plan, log=print)
         ex.wait_pinned()  # page-locking runs on a thread; profile the steady state
         e2e.attach(model, ex)
         with tagged(model):
-            step, state = direct_step(model, prompt, n, n)
+            # static prefills its CPU layers on the CPU: a short prompt, as in stage e2e
+            step, state = direct_step(model, prompt[:128] if opts.mode == "static" else prompt, n, n)
             record(name, step, ex, args.profile_trace and name != "resident_direct")
         state.free()
         ex.close()

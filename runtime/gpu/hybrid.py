@@ -32,7 +32,6 @@ still run their GPU share through the device-planned kernel once their admits ar
 
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 
@@ -45,7 +44,7 @@ from .hybrid_stats import experts_stats, reset_experts_stats
 from .moe_reference import moe_ref
 from .offload_config import OffloadConfig
 from .pinning import BackgroundPinner
-from .prefetch import NextLayerPredictor
+from .prefetch import NextLayerPredictor, prefetch_next
 from .prefill_stream import prefill_call
 from .record_layout import RecordLayout
 from .split import SplitEstimator, split_from_profile
@@ -80,6 +79,7 @@ class GpuExperts:
         self.cpu = CpuMoe(self.layout, threads=opts.cpu_threads)
         routers = {i: reader.tensor(f"layers.{i}.mlp.gate.weight").to(self.device) for i in self.moe_layers}
         self.predictor = NextLayerPredictor(routers, self.moe_layers, self.k) if opts.prefetch else None
+        self.prefetch_max = opts.prefetch_max if opts.prefetch_max is not None else self.k  # experts per call
         self.cache: ExpertCache | None = None
         self._prefill_done: list = [None, None]  # per prefill buffer: event after the last kernel reading it
         self.trace: list[tuple[int, np.ndarray]] = []
@@ -180,7 +180,7 @@ class GpuExperts:
         slot_of = dict(zip(uniq[hit].tolist(), slots[hit].tolist()))
         prefetching = pred is not None and pred[0] not in o.cpu_layers
         # one scoring pass for this call's fetches and the next layer's prefetch (see ExpertCache.admit_many)
-        chosen = self.cache.victims(len(fetch) + (self._prefetch_budget() if prefetching else 0))
+        chosen = self.cache.victims(len(fetch) + (self.prefetch_max if prefetching else 0))
         for e, s in zip(fetch.tolist(), self.cache.admit_many(layer, fetch, chosen)[0].tolist()):  # _split: all fit
             self.uploader.upload(s, self.banks[layer].record(e))
             slot_of[e] = s
@@ -193,7 +193,7 @@ class GpuExperts:
         else:
             y = self._gpu_moe(x, ids, slot_of, topk_weights)
         if prefetching:
-            self._prefetch(pred[0], self.predictor.rank(*pred), chosen[len(fetch):])
+            prefetch_next(self, pred[0], self.predictor.rank(*pred), chosen[len(fetch):])
         if future is not None:
             y_cpu, seconds = future.result()
             c["cpu_seconds"] += seconds
@@ -253,19 +253,6 @@ class GpuExperts:
         if fence:
             self.uploader.after_compute(self._record_compute())
         return y
-
-    def _prefetch_budget(self) -> int:
-        return self.opts.prefetch_max if self.opts.prefetch_max is not None else self.k
-
-    def _prefetch(self, nxt: int, experts: np.ndarray, victims: np.ndarray) -> None:
-        experts = np.asarray(experts, np.int64)
-        missing = experts[self.cache.slot_of[nxt, experts] < 0][:self._prefetch_budget()]
-        slots, _ = self.cache.admit_many(nxt, missing, victims)
-        issued = [e for e, s in zip(missing.tolist(), slots.tolist()) if s >= 0]  # a -1 means the pool is all busy
-        for e, s in zip(issued, slots.tolist()):
-            self.uploader.upload(s, self.banks[nxt].record(e))
-        self.predictor.issued_for(nxt, issued)
-        self.counters["bytes_h2d"] += len(issued) * self.layout.stride
 
     def _record_compute(self):
         if self.device.type != "cuda":

@@ -70,3 +70,16 @@ class NextLayerPredictor:
             "prefetch_wasted": self.wasted,
             "prefetch_precision": self.correct / self.predicted if self.predicted else None,
         }
+
+
+def prefetch_next(ex, nxt: int, experts: np.ndarray, victims: np.ndarray) -> None:
+    """Admit and upload up to `ex.prefetch_max` of layer `nxt`'s predicted `experts` that are not
+    resident, into `victims` (slots the current call's scoring pass chose after its own fetches)."""
+    experts = np.asarray(experts, np.int64)
+    missing = experts[ex.cache.slot_of[nxt, experts] < 0][:ex.prefetch_max]
+    slots, _ = ex.cache.admit_many(nxt, missing, victims)
+    issued = [e for e, s in zip(missing.tolist(), slots.tolist()) if s >= 0]  # a -1 means the pool is all busy
+    for e, s in zip(issued, slots.tolist()):
+        ex.uploader.upload(s, ex.banks[nxt].record(e))
+    ex.predictor.issued_for(nxt, issued)
+    ex.counters["bytes_h2d"] += len(issued) * ex.layout.stride
