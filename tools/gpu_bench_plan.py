@@ -45,9 +45,9 @@ def estimate(stage: str, args, built: frozenset[str] = frozenset()) -> float:
         return COST[stage]
     if stage == "ckpt":
         return sum(COST["build"] for r in args.routings.split(",") if r not in built)
-    if stage == "profile":  # resident + offload direct loops, the engine at the budget and resident; warm + timed
+    if stage == "profile":  # resident / hybrid / static direct loops, the engine at the budget and resident
         per_path = COST["setup"] + 3 * args.profile_tokens / RATE["offload"] + args.prompt / PREFILL_RATE["stream"]
-        return COST["load"] + 2 * COST["engine_load"] + 4 * per_path + (0 if args.routings.split(",")[0] in built
+        return COST["load"] + 2 * COST["engine_load"] + 5 * per_path + (0 if args.routings.split(",")[0] in built
                                                                      else COST["build"])
     if stage == "e2e":
         return sum(routing_estimate(args, r in built, first=i == 0)
