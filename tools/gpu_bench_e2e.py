@@ -53,15 +53,27 @@ def run_decode(model, reader, opts: OffloadConfig, prompt: list[int], *, warmup:
     return res
 
 
-def bound(res: dict, *, resident_ms: float, num_experts: int, payload: int, b_pcie: float, b_cpu: float) -> dict:
-    """Bound per token = Belady misses x payload / (B_pcie + B_cpu) + resident time, on this run's own trace."""
+def bound(res: dict, *, resident_ms: float, host_planned_ms: float | None, num_experts: int, payload: int,
+          b_pcie: float, b_cpu: float) -> dict:
+    """Bound per token = Belady misses x payload / (B_pcie + B_cpu) + resident time, on this run's own trace.
+
+    `gap_ms` splits measured - bound into what stands in the way: `host_path` (the host-planned path's own cost with
+    every expert resident: the resident_host_planned run minus resident), `traffic` (bytes moved beyond Belady's,
+    over both links at full rate) and `rest` (transfer waits not hidden behind compute, CPU-side stalls)."""
     trace, start, tokens = res.pop("_trace"), res.pop("_trace_start"), res.pop("_steps")
     opt = belady(trace, num_experts, res["num_slots"], count_from=start)
     miss_bytes = opt["misses"] * payload / tokens
     t = miss_bytes / (b_pcie + b_cpu) + resident_ms / 1e3
-    return {"belady_misses_per_token": opt["misses"] / tokens,
-            "belady_hit_rate": opt["hits"] / max(1, opt["accesses"]), "miss_mb_per_token_belady": miss_bytes / 1e6,
-            "bound_ms": t * 1e3, "bound_tok_s": 1 / t, "fraction_of_bound": res["tok_s"] * t}
+    out = {"belady_misses_per_token": opt["misses"] / tokens,
+           "belady_hit_rate": opt["hits"] / max(1, opt["accesses"]), "miss_mb_per_token_belady": miss_bytes / 1e6,
+           "bound_ms": t * 1e3, "bound_tok_s": 1 / t, "fraction_of_bound": res["tok_s"] * t}
+    if host_planned_ms is not None:
+        moved = (res["stats"]["bytes_h2d"] + res["stats"]["bytes_cpu"]) / tokens
+        gap = {"host_path": host_planned_ms - resident_ms,
+               "traffic": 1e3 * max(0.0, moved - miss_bytes) / (b_pcie + b_cpu)}
+        gap["rest"] = res["ms_per_token"] - out["bound_ms"] - gap["host_path"] - gap["traffic"]
+        out["gap_ms"] = gap
+    return out
 
 
 def prefill_runs(model, reader, args, *, prof: dict, h2d_link: float, deadline: float, log=print) -> dict:
@@ -226,7 +238,8 @@ def stage_e2e(args, prof: dict, out: dict, flush, plan, log=print) -> dict:
                 res = run(OffloadConfig(mode=mode.removesuffix("-staged"), num_slots=sc["num_slots"], **pin,
                                         **common))
                 res["budget"] = sc
-                res["bound"] = bound(res, resident_ms=resident["ms_per_token"], num_experts=E,
+                res["bound"] = bound(res, resident_ms=resident["ms_per_token"],
+                                     host_planned_ms=resident_host["ms_per_token"], num_experts=E,
                                      payload=layout.payload_bytes, b_pcie=b_p, b_cpu=b_c)
                 runs[key] = res
                 flush()

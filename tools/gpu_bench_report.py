@@ -37,6 +37,9 @@ def print_summary(results: dict) -> None:
                   f"bound {b.get('bound_tok_s', 0):7.1f} frac {b.get('fraction_of_bound', 0):.2f} {vs} "
                   f"direct {d['stats'].get('uploads_direct')}/{d['stats'].get('uploads')} "
                   f"greedy {d.get('greedy_prefix_equal')}/{d.get('greedy_len')}")
+            if b.get("gap_ms"):
+                print(f"  {'':20s} ms/token {d['ms_per_token']:.2f} = bound {b['bound_ms']:.2f} + "
+                      + " + ".join(f"{k} {v:.2f}" for k, v in b["gap_ms"].items()))
         if r.get("engine"):
             print("  engine", {k: v for k, v in r["engine"].items() if k not in ("moe", "vram")})
         for key, d in r.get("prefill", {}).items():
