@@ -43,6 +43,7 @@ def run_decode(model, reader, opts: OffloadConfig, prompt: list[int], *, warmup:
            "stats": s, "tokens": toks}
     res["h2d_mb_per_token"] = s["bytes_h2d"] / n / 1e6
     res["cpu_mb_per_token"] = s["bytes_cpu"] / n / 1e6
+    res["mapped_mb_per_token"] = s.get("bytes_mapped", 0) / n / 1e6  # read by GPU kernels from host memory
     res["_trace"], res["_trace_start"], res["_steps"] = list(ex.trace), mark[0], n
     ex.close()
     attach(model, lambda *a: (_ for _ in ()).throw(RuntimeError("experts detached")))
@@ -68,7 +69,7 @@ def bound(res: dict, *, resident_ms: float, host_planned_ms: float | None, num_e
            "belady_hit_rate": opt["hits"] / max(1, opt["accesses"]), "miss_mb_per_token_belady": miss_bytes / 1e6,
            "bound_ms": t * 1e3, "bound_tok_s": 1 / t, "fraction_of_bound": res["tok_s"] * t}
     if host_planned_ms is not None:
-        moved = (res["stats"]["bytes_h2d"] + res["stats"]["bytes_cpu"]) / tokens
+        moved = sum(res["stats"].get(k, 0) for k in ("bytes_h2d", "bytes_cpu", "bytes_mapped")) / tokens
         gap = {"host_path": host_planned_ms - resident_ms,
                "traffic": 1e3 * max(0.0, moved - miss_bytes) / (b_pcie + b_cpu)}
         gap["rest"] = res["ms_per_token"] - out["bound_ms"] - gap["host_path"] - gap["traffic"]

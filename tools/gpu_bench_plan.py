@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 # the device call's hard limit is 600 s including start-up.
 PLANS: dict[str, dict] = {
     "full": dict(stages="env,tests,pin,profile,e2e,bw,kernel", bg_ckpt="uniform,skewed", layers=4,
-                 routings="uniform,skewed", budgets=[8.0, 12.0, 24.0], modes="hybrid,offload", prompt=2048,
+                 routings="uniform,skewed", budgets=[8.0, 12.0, 24.0], modes="hybrid,offload,mapped", prompt=2048,
                  tokens=512, warmup=32, prefill_lengths=[2048, 16384, 32768], prefill_budgets=[8.0],
                  profile_tokens=16, profile_trace=True, deadline_s=540.0),
 }
@@ -45,9 +45,9 @@ def estimate(stage: str, args, built: frozenset[str] = frozenset()) -> float:
         return COST[stage]
     if stage == "ckpt":
         return sum(COST["build"] for r in args.routings.split(",") if r not in built)
-    if stage == "profile":  # resident / hybrid / static direct loops, the engine at the budget and resident
+    if stage == "profile":  # resident / hybrid / mapped / static direct loops, the engine at the budget and resident
         per_path = COST["setup"] + 3 * args.profile_tokens / RATE["offload"] + args.prompt / PREFILL_RATE["stream"]
-        return COST["load"] + 2 * COST["engine_load"] + 5 * per_path + (0 if args.routings.split(",")[0] in built
+        return COST["load"] + 2 * COST["engine_load"] + 6 * per_path + (0 if args.routings.split(",")[0] in built
                                                                      else COST["build"])
     if stage == "e2e":
         return sum(routing_estimate(args, r in built, first=i == 0)

@@ -3,6 +3,7 @@
     resident_direct   all experts in VRAM, the bench's own loop (model.forward + argmax)
     hybrid<B>_direct  mode hybrid (the engine's default) at the first --budgets budget B (scaled slots), the bench's
                       own loop, with the bench's bandwidth profile
+    mapped<B>_direct  mode mapped at B: misses read by the kernel from the mapped banks, no host sync
     static<B>_direct  mode static at B: the first MoE layers' experts computed on the CPU (llama.cpp's --n-cpu-moe)
     engine<B>         Engine(device, vram_budget=...) at the same scaled budget: the `ft serve --vram-budget` path
                       (its scheduler reads the profile `ft bench bw` saved on this machine, if any)
@@ -249,6 +250,8 @@ def stage_profile(args, bw_profile: dict, out: Path, res: dict, plan, log=print)
     static_cpu = moe_layers[: len(moe_layers) - min(len(moe_layers), sc["num_slots"] // cfg.num_experts)]
     paths = [("resident_direct", OffloadConfig(mode="resident", prefill_slots=args.prefill_slots)),
              (f"hybrid{gib:g}_direct", OffloadConfig(mode="hybrid", num_slots=sc["num_slots"],
+                                                     prefill_slots=args.prefill_slots, **pin)),
+             (f"mapped{gib:g}_direct", OffloadConfig(mode="mapped", num_slots=sc["num_slots"],
                                                      prefill_slots=args.prefill_slots, **pin))]
     if static_cpu:  # the --n-cpu-moe baseline at the same budget (its e2e time is the one not yet explained)
         paths.append((f"static{gib:g}_direct", OffloadConfig(mode="static", cpu_layers=static_cpu,

@@ -34,6 +34,7 @@ def print_summary(results: dict) -> None:
             vs = f"{d['tok_s'] / static:.2f}x static" if static and not key.startswith("static") else ""
             print(f"  {key:20s} {d['tok_s']:7.1f} tok/s hit {d['stats']['hit_rate'] or 0:.2f} "
                   f"h2d {d.get('h2d_mb_per_token', 0):6.1f} MB/t cpu {d.get('cpu_mb_per_token', 0):6.1f} MB/t "
+                  f"mapped {d.get('mapped_mb_per_token', 0):6.1f} MB/t "
                   f"bound {b.get('bound_tok_s', 0):7.1f} frac {b.get('fraction_of_bound', 0):.2f} {vs} "
                   f"direct {d['stats'].get('uploads_direct')}/{d['stats'].get('uploads')} "
                   f"greedy {d.get('greedy_prefix_equal')}/{d.get('greedy_len')}")

@@ -40,6 +40,7 @@ from ft.formats import FtwReader
 from .cpu_nvfp4 import CpuMoe
 from .device_path import device_call, device_kernel, uses_device_kernel, uses_device_plan
 from .expert_cache import ExpertCache, plan_num_slots
+from .mapped_path import MappedDecode, uses_mapped
 from .hybrid_stats import experts_stats, reset_experts_stats
 from .moe_reference import moe_ref
 from .offload_config import OffloadConfig
@@ -81,10 +82,12 @@ class GpuExperts:
         self.predictor = NextLayerPredictor(routers, self.moe_layers, self.k) if opts.prefetch else None
         self.prefetch_max = opts.prefetch_max if opts.prefetch_max is not None else self.k  # experts per call
         self.cache: ExpertCache | None = None
+        self.mapped: MappedDecode | None = None  # mode mapped: the sync-free decode path's state, made by allocate
         self._prefill_done: list = [None, None]  # per prefill buffer: event after the last kernel reading it
         self.trace: list[tuple[int, np.ndarray]] = []
         self.counters = dict.fromkeys(("calls", "tokens", "pairs", "hits", "misses", "fetched", "cpu_experts",
-                                       "bytes_h2d", "bytes_cpu", "prefill_calls", "prefill_streamed"), 0)
+                                       "bytes_h2d", "bytes_cpu", "bytes_mapped", "prefill_calls", "prefill_streamed"),
+                                      0)
         self.counters["cpu_seconds"] = 0.0
         self.per_layer = np.zeros((4, self.L), np.int64)  # hits, misses, fetched, cpu-computed per layer
         self.vram_plan = None  # set by the engine when it sized the pool from a VRAM budget
@@ -120,7 +123,8 @@ class GpuExperts:
             self.uploader = CudaUploader(self.pool, num_staging=o.num_staging, copy_threads=o.copy_threads)
             self.compute_stream = torch.cuda.current_stream(self.device)
             if o.mode not in ("resident", "static") and o.pin_host_bytes != 0:  # on a thread: see pinning.py
-                self.pinner = BackgroundPinner(self.uploader, [self.banks[i] for i in gpu_layers], o.pin_host_bytes)
+                self.pinner = BackgroundPinner(self.uploader, [self.banks[i] for i in gpu_layers], o.pin_host_bytes,
+                                               verify=o.mode == "mapped")
         else:
             self.uploader = HostUploader(self.pool)
         if o.mode in ("resident", "static"):
@@ -131,6 +135,8 @@ class GpuExperts:
                 self.cache.tick()
             self._wait(self.uploader.fence())
             self.cache.device_table(self.device).sync()  # the device-planned path's table, uploaded once
+        if o.mode == "mapped":
+            self.mapped = MappedDecode(self)
 
     def _wait(self, event) -> None:
         if event is not None:
@@ -145,9 +151,13 @@ class GpuExperts:
             return torch.zeros_like(x)
         if uses_device_plan(self, layer, T):  # no host sync: routing stays on the device
             return device_call(self, layer, x, topk_ids, topk_weights).to(x.dtype)
+        if uses_mapped(self, layer, T):  # no host sync: misses read from the mapped bank, bookkeeping a step later
+            return self.mapped(layer, x, topk_ids, topk_weights).to(x.dtype)
+        if self.mapped is not None:
+            self.mapped.release()
         o = self.opts
         pred = None  # next layer's predicted experts ride along with this layer's routing: one host sync
-        if self.predictor is not None and self.num_slots and T < o.prefill_tokens and o.mode in ("hybrid", "offload"):
+        if self.predictor is not None and self.num_slots and T < o.prefill_tokens and o.mode in ("hybrid", "offload", "mapped"):
             pred = self.predictor.predict_ids(layer, x)
         if pred is not None:
             both = torch.cat([topk_ids.reshape(-1), pred[1].to(topk_ids.dtype)]).to("cpu").numpy()
@@ -223,7 +233,7 @@ class GpuExperts:
         order = np.argsort(-self.cache.counts[layer, misses], kind="stable")
         misses = misses[order]
         cap = self.num_slots - int((self.cache.protect_until >= self.cache.clock).sum())
-        nf = min(len(misses), cap) if mode == "offload" else self.split.count(len(misses), cap=cap)
+        nf = min(len(misses), cap) if mode in ("offload", "mapped") else self.split.count(len(misses), cap=cap)
         return misses[:nf], misses[nf:]
 
     def _submit_cpu(self, layer, experts, ids, x, topk_weights):

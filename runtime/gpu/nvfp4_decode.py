@@ -15,6 +15,13 @@ A pair whose slot is < 0 (expert not resident) is never read: every load of its 
 contributes exactly 0 (its act row is written as 0). Callers guarantee residency; `check_resident` is a debug check
 (it syncs) that raises instead.
 
+Mapped reads (host_base != 0, "zero-copy"): such a pair reads expert e's record straight from the layer's bank at
+the device address `host_base + e * host_stride` (same `RecordLayout` as a slot), so every pair is live. Such a
+pair's record bytes cross the bus on every call (nothing is kept in VRAM; two pairs of one expert read it twice).
+On CUDA the caller guarantees the bank is page-locked and mapped (cudaHostRegister / pinned with a device pointer)
+and stays so for the call; on CPU under the interpreter any host address works. host_base == 0 compiles the
+kernels without the host branch (the `MAPPED` constexpr), i.e. exactly the code above.
+
 Dequantization is bit-identical to `nvfp4_triton.py` (`_weight_tile`: E2M1 and e4m3 decoded from bits into bf16 values
 times 2^-22, `scale_2 * 2^22` applied to the fp32 accumulator; the gated activation rounded to bf16 by
 `_to_bf16`). Each product of a bf16 weight with a bf16 activation is exact in fp32, as in the tensor-core dot, so the
@@ -29,20 +36,27 @@ import triton
 import triton.language as tl
 
 from .nvfp4_triton import _to_bf16, _weight_tile
-from .record_layout import RecordLayout
+from .record_layout import COMPONENTS, RecordLayout
 
 DECODE_BLOCKS = {"BLOCK_N_GU": 32, "BLOCK_N_D": 32, "BLOCK_K": 128, "num_warps": 4}
 COMBINES = ("pairs", "tokens")
 
 
 @triton.jit
-def _pair_record(pool, slot_stride, topk_ids, slot_row, p, n, N):
-    # pair p, output rows n [BN] of N -> (record pointer, row mask); a dead pair (slot < 0) gets an all-false mask
-    # (rows limited to N * 0), so every load through its pointer (clamped to slot 0) is masked off
+def _pair_record(pool, slot_stride, host_base, host_stride, topk_ids, slot_row, p, n, N, MAPPED: tl.constexpr):
+    # pair p, output rows n [BN] of N -> (record pointer, row mask). Not MAPPED: a dead pair (slot < 0) gets an
+    # all-false mask (rows limited to N * 0), so every load through its pointer (clamped to slot 0) is masked off.
+    # MAPPED: slot < 0 reads the bank record at the int64 address host_base + e * host_stride; every pair is live.
     e = tl.load(topk_ids + p).to(tl.int64)
     slot = tl.load(slot_row + e)
-    limit = N * (slot >= 0).to(tl.int32)  # a comparison, not `n_mask & live`: the interpreter mistypes that mask
-    return pool + tl.maximum(slot, 0).to(tl.int64) * slot_stride, n < limit
+    rec = pool + tl.maximum(slot, 0).to(tl.int64) * slot_stride
+    if MAPPED:
+        host = (host_base.to(tl.int64) + e * host_stride).to(tl.pointer_type(tl.uint8))
+        rec = tl.where(slot >= 0, rec, host)
+        limit = N
+    else:
+        limit = N * (slot >= 0).to(tl.int32)  # a comparison, not `n_mask & live`: the interpreter mistypes that mask
+    return rec, n < limit
 
 
 @triton.jit
@@ -61,9 +75,9 @@ def _gemv_tile(rec, OFF_W, OFF_S, rows, w_mask, src, K, BLOCK_N: tl.constexpr, B
 
 @triton.jit
 def _gate_up_pairs_kernel(
-    pool, slot_stride, x, act, topk_ids, slot_row, topk, H, I,
+    pool, slot_stride, host_base, host_stride, x, act, topk_ids, slot_row, topk, H, I,
     OFF_GU, OFF_GUS, OFF_GUS2,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERP: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERP: tl.constexpr, MAPPED: tl.constexpr,
 ):
     # act[p, n] = bf16(silu(g) * u), g = row n, u = row I + n of gate_up applied to x[p // topk]; 0 for a dead pair
     p = tl.program_id(0)
@@ -71,7 +85,7 @@ def _gate_up_pairs_kernel(
     xrow = x + (p // topk).to(tl.int64) * H
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < I
-    rec, w_mask = _pair_record(pool, slot_stride, topk_ids, slot_row, p, n, I)
+    rec, w_mask = _pair_record(pool, slot_stride, host_base, host_stride, topk_ids, slot_row, p, n, I, MAPPED)
     acc_g = _gemv_tile(rec, OFF_GU, OFF_GUS, n, w_mask, xrow, H, BLOCK_N, BLOCK_K)
     acc_u = _gemv_tile(rec, OFF_GU, OFF_GUS, I + n, w_mask, xrow, H, BLOCK_N, BLOCK_K)
     s2 = (rec + OFF_GUS2).to(tl.pointer_type(tl.float32))
@@ -83,10 +97,10 @@ def _gate_up_pairs_kernel(
 
 
 @triton.jit
-def _down_pair(pool, slot_stride, act, topk_ids, slot_row, pair_weight, p, n, H, I,
-               OFF_D, OFF_DS, OFF_DS2, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _down_pair(pool, slot_stride, host_base, host_stride, act, topk_ids, slot_row, pair_weight, p, n, H, I,
+               OFF_D, OFF_DS, OFF_DS2, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MAPPED: tl.constexpr):
     # weight[p] * (down rows n) . act[p]  -> fp32 [BN]; exactly 0 for a dead pair and for rows n >= H
-    rec, w_mask = _pair_record(pool, slot_stride, topk_ids, slot_row, p, n, H)
+    rec, w_mask = _pair_record(pool, slot_stride, host_base, host_stride, topk_ids, slot_row, p, n, H, MAPPED)
     acc = _gemv_tile(rec, OFF_D, OFF_DS, n, w_mask, act + p.to(tl.int64) * I, I, BLOCK_N, BLOCK_K)
     s2 = tl.load((rec + OFF_DS2).to(tl.pointer_type(tl.float32)) + n, mask=w_mask, other=0.0) * 4194304.0
     res = acc * s2 * tl.load(pair_weight + p)
@@ -95,24 +109,24 @@ def _down_pair(pool, slot_stride, act, topk_ids, slot_row, pair_weight, p, n, H,
 
 @triton.jit
 def _down_pairs_kernel(
-    pool, slot_stride, act, out, pair_weight, topk_ids, slot_row, H, I,
+    pool, slot_stride, host_base, host_stride, act, out, pair_weight, topk_ids, slot_row, H, I,
     OFF_D, OFF_DS, OFF_DS2,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MAPPED: tl.constexpr,
 ):
     # out[p, n] = weight[p] * (down row n) . act[p]   (fp32 [P, H]; the caller sums over k)
     p = tl.program_id(0)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < H
-    res = _down_pair(pool, slot_stride, act, topk_ids, slot_row, pair_weight, p, n, H, I,
-                     OFF_D, OFF_DS, OFF_DS2, BLOCK_N, BLOCK_K)
+    res = _down_pair(pool, slot_stride, host_base, host_stride, act, topk_ids, slot_row, pair_weight, p, n, H, I,
+                     OFF_D, OFF_DS, OFF_DS2, BLOCK_N, BLOCK_K, MAPPED)
     tl.store(out + p.to(tl.int64) * H + n, res, mask=n_mask)
 
 
 @triton.jit
 def _down_tokens_kernel(
-    pool, slot_stride, act, out, pair_weight, topk_ids, slot_row, H, I,
+    pool, slot_stride, host_base, host_stride, act, out, pair_weight, topk_ids, slot_row, H, I,
     OFF_D, OFF_DS, OFF_DS2,
-    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MAPPED: tl.constexpr,
 ):
     # out[t, n] = sum over j = 0..TOPK-1 (in this order) of weight[t*TOPK + j] * (down row n) . act[t*TOPK + j]
     t = tl.program_id(0)
@@ -120,8 +134,8 @@ def _down_tokens_kernel(
     n_mask = n < H
     total = tl.zeros((BLOCK_N,), dtype=tl.float32)
     for jj in tl.static_range(TOPK):
-        total += _down_pair(pool, slot_stride, act, topk_ids, slot_row, pair_weight, t * TOPK + jj, n, H, I,
-                            OFF_D, OFF_DS, OFF_DS2, BLOCK_N, BLOCK_K)
+        total += _down_pair(pool, slot_stride, host_base, host_stride, act, topk_ids, slot_row, pair_weight,
+                            t * TOPK + jj, n, H, I, OFF_D, OFF_DS, OFF_DS2, BLOCK_N, BLOCK_K, MAPPED)
     tl.store(out + t.to(tl.int64) * H + n, total, mask=n_mask)
 
 
@@ -142,12 +156,16 @@ def moe_nvfp4_device(
     *,
     blocks: dict[str, int] | None = None,
     combine: str = "pairs",
+    host_base: int = 0,
+    host_stride: int = 0,
 ) -> torch.Tensor:
     """Expert mixture with device-side routing. Host work depends on shapes only (no sync).
 
     pool u8 [S, stride]; x [T, H] (cast to bf16); topk_ids int [T, k]; slot_row int32 [E] (expert -> slot of this
     layer, -1 = not resident: that pair contributes 0); topk_weights [T, k]; all on one device.
-    Returns fp32 [T, H] = sum over pairs with a slot of weight * expert(x).
+    host_base: 0, or the device address of this layer's bank (expert e's record at host_base + e * host_stride,
+    16-byte aligned, page-locked and mapped on CUDA): then a pair without a slot reads its record from there.
+    Returns fp32 [T, H] = sum over pairs with a slot (all pairs when host_base != 0) of weight * expert(x).
     """
     T, H = x.shape
     if H != layout.hidden or pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] != layout.stride:
@@ -165,6 +183,12 @@ def moe_nvfp4_device(
         raise ValueError(f"unknown combine {combine!r}; supported: {', '.join(COMBINES)}")
     if pool.shape[0] == 0:
         raise ValueError("the slot pool is empty")
+    extent = max(getattr(layout, "off_" + c) + layout.nbytes(c) for c in COMPONENTS)  # bytes a record read may touch
+    if host_base < 0 or host_stride < 0 or host_base % 16 or (host_base and (host_stride < extent or host_stride % 16)):
+        raise ValueError(f"host_base {host_base:#x} must be >= 0 and 16-byte aligned; with host_base != 0, "
+                         f"host_stride {host_stride} must be a multiple of 16 and >= the record extent {extent}")
+    mapped = host_base != 0
+    host_stride = host_stride if mapped else 0  # one compiled variant for all unmapped calls
     k, I, dev = topk_ids.shape[1], layout.inter, x.device
     P = T * k
     b = {**DECODE_BLOCKS, **(blocks or {})}
@@ -179,22 +203,22 @@ def moe_nvfp4_device(
     interp = dev.type != "cuda"  # only the interpreter runs kernels on CPU tensors
     nw = b["num_warps"]
     _gate_up_pairs_kernel[(P, triton.cdiv(I, b["BLOCK_N_GU"]))](
-        pool, layout.stride, xb, act, ids, row, k, H, I,
+        pool, layout.stride, host_base, host_stride, xb, act, ids, row, k, H, I,
         layout.off_gate_up, layout.off_gate_up_scale, layout.off_gate_up_scale_2,
-        BLOCK_N=b["BLOCK_N_GU"], BLOCK_K=bk_gu, INTERP=interp, num_warps=nw,
+        BLOCK_N=b["BLOCK_N_GU"], BLOCK_K=bk_gu, INTERP=interp, MAPPED=mapped, num_warps=nw,
     )
     offs = (layout.off_down, layout.off_down_scale, layout.off_down_scale_2)
     if combine == "tokens":
         out = torch.empty(T, H, dtype=torch.float32, device=dev)
         _down_tokens_kernel[(T, triton.cdiv(H, b["BLOCK_N_D"]))](
-            pool, layout.stride, act, out, wts, ids, row, H, I, *offs,
-            TOPK=k, BLOCK_N=b["BLOCK_N_D"], BLOCK_K=bk_d, num_warps=nw,
+            pool, layout.stride, host_base, host_stride, act, out, wts, ids, row, H, I, *offs,
+            TOPK=k, BLOCK_N=b["BLOCK_N_D"], BLOCK_K=bk_d, MAPPED=mapped, num_warps=nw,
         )
         return out
     out = torch.empty(P, H, dtype=torch.float32, device=dev)
     _down_pairs_kernel[(P, triton.cdiv(H, b["BLOCK_N_D"]))](
-        pool, layout.stride, act, out, wts, ids, row, H, I, *offs,
-        BLOCK_N=b["BLOCK_N_D"], BLOCK_K=bk_d, num_warps=nw,
+        pool, layout.stride, host_base, host_stride, act, out, wts, ids, row, H, I, *offs,
+        BLOCK_N=b["BLOCK_N_D"], BLOCK_K=bk_d, MAPPED=mapped, num_warps=nw,
     )
     return out.view(T, k, H).sum(1)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MODES = ("hybrid", "offload", "cpu", "static", "resident")
+MODES = ("hybrid", "offload", "mapped", "cpu", "static", "resident")
 DENSE = ("dequantized", "quantized")
 GIB = 1 << 30
 
@@ -15,6 +15,10 @@ class OffloadConfig:
     mode:
       hybrid   - misses split between PCIe fetch (share q) and CPU compute, overlapped (default)
       offload  - every miss is fetched (pure GPU cache)
+      mapped   - decode calls never wait for the host: the GPU reads each miss straight from the page-locked bank in
+                 host memory (mapped into its address space), and the cache is refilled a step later from the routing
+                 copied back asynchronously (`mapped_path.py`); prefill, and decode before the banks are pinned, as
+                 offload
       cpu      - every miss is computed on the CPU (the cache only holds what was preloaded or prefetched)
       static   - llama.cpp --n-cpu-moe style: `cpu_layers` always on the CPU, every other layer fully resident
       resident - every expert of every layer in VRAM (needs the budget for it)
@@ -34,6 +38,7 @@ class OffloadConfig:
     cpu_layers: tuple[int, ...] = ()
     prefetch: bool = True
     prefetch_max: int | None = None  # experts per layer and step; None = top-k
+    admit_max: int = 2  # mode mapped: experts admitted into the cache per layer call at most
     prefill_tokens: int = 64  # calls with at least this many tokens stream their misses (prefill path)
     prefill_slots: int = 32  # slots per prefill buffer (two buffers)
     num_staging: int = 8  # pinned staging records
@@ -56,5 +61,7 @@ class OffloadConfig:
             raise ValueError("static mode needs cpu_layers (the MoE layers whose experts stay on the CPU)")
         if self.pin_host_bytes is not None and self.pin_host_bytes < 0:
             raise ValueError(f"pin_host_bytes must be >= 0 (0 = no pinning), got {self.pin_host_bytes}")
+        if self.admit_max < 0:
+            raise ValueError(f"admit_max must be >= 0, got {self.admit_max}")
         if self.prefill_slots < 1 or self.num_staging < 1:
             raise ValueError("prefill_slots and num_staging must be >= 1")

@@ -32,9 +32,8 @@ log = logging.getLogger("ft.gpu")
 _CUDART: list = []
 
 
-def clear_cuda_error() -> None:
-    """Reset the CUDA runtime's sticky last-error after a refused cudaHostRegister (torch's next kernel-launch check
-    would report it otherwise). Best effort: finds the libcudart this process already loaded."""
+def _cudart_libs() -> list:
+    """The libcudart copies this process already loaded (torch's), opened through ctypes once."""
     if not _CUDART:
         try:
             with open("/proc/self/maps") as f:
@@ -42,8 +41,24 @@ def clear_cuda_error() -> None:
             _CUDART.extend(ctypes.CDLL(p) for p in paths)
         except OSError:
             pass
-    for lib in _CUDART:  # every runtime copy in the process (the error state is per runtime and thread)
+    return _CUDART
+
+
+def clear_cuda_error() -> None:
+    """Reset the CUDA runtime's sticky last-error after a refused cudaHostRegister (torch's next kernel-launch check
+    would report it otherwise). Best effort."""
+    for lib in _cudart_libs():  # every runtime copy in the process (the error state is per runtime and thread)
         lib.cudaGetLastError()
+
+
+def device_pointer(host_ptr: int) -> int | None:
+    """The device address of registered, mapped host memory at `host_ptr` (cudaHostGetDevicePointer), or None."""
+    for lib in _cudart_libs():
+        out = ctypes.c_void_p()
+        if lib.cudaHostGetDevicePointer(ctypes.byref(out), ctypes.c_void_p(host_ptr), 0) == 0 and out.value:
+            return int(out.value)
+        lib.cudaGetLastError()
+    return None
 
 
 def mem_available() -> int:
@@ -99,11 +114,25 @@ def shared_view(bank) -> torch.Tensor:
     return whole[int(bank.offset) - start:]
 
 
-def pin_banks(uploader, banks: list, allowance: int | None, stop: threading.Event | None = None) -> dict:
-    """Register banks (in order) until `allowance` bytes (None = half of MemAvailable) are used, or `stop` is set."""
+def verify_bank(bank) -> bool:
+    """Check every record's checksum now (the reader otherwise checks each on its first `record()` call); False (and
+    a warning) on the first bad one. Kernels that read a bank in place (mode mapped) need this first."""
+    try:
+        for e in range(bank.num_experts):
+            bank.record(e)
+    except Exception as err:  # noqa: BLE001 - FtwChecksumError or I/O; the host path reports it when it reads it
+        log.warning("bank %s is not read in place: %s", bank.name, err)
+        return False
+    return True
+
+
+def pin_banks(uploader, banks: list, allowance: int | None, stop: threading.Event | None = None,
+              verify: bool = False) -> dict:
+    """Register banks (in order) until `allowance` bytes (None = half of MemAvailable) are used, or `stop` is set.
+    `verify`: also check every record of each registered bank (`verified_banks` lists those that passed)."""
     if allowance is None:
         allowance = mem_available() // 2
-    pinned, count, refused = 0, 0, False
+    pinned, count, refused, verified = 0, 0, False, []
     for bank in banks:
         if stop is not None and stop.is_set():
             break
@@ -117,10 +146,12 @@ def pin_banks(uploader, banks: list, allowance: int | None, stop: threading.Even
             break  # the driver refuses this kind of mapping; the others would fail the same way
         pinned += nbytes
         count += 1
+        if verify and verify_bank(bank):
+            verified.append(bank.name)
     if refused:
         log.warning("cudaHostRegister refused the expert banks' file pages; fetches stay on the staging path")
     return {"pinned_banks": count, "pinned_bytes": pinned, "pin_refused": refused,
-            "pin_allowance": allowance}
+            "pin_allowance": allowance, "verified_banks": verified}
 
 
 class BackgroundPinner:
@@ -128,20 +159,20 @@ class BackgroundPinner:
     holds its result. `stop()` ends it after the bank in progress and joins, so nothing is registered after it
     returns (call it before the uploader unregisters its ranges)."""
 
-    def __init__(self, uploader, banks: list, allowance: int | None):
+    def __init__(self, uploader, banks: list, allowance: int | None, verify: bool = False):
         self.info: dict = {}
         self.done = threading.Event()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(uploader, banks, allowance), name="ft-pin",
+        self._thread = threading.Thread(target=self._run, args=(uploader, banks, allowance, verify), name="ft-pin",
                                         daemon=True)
         self._thread.start()
 
-    def _run(self, uploader, banks: list, allowance: int | None) -> None:
+    def _run(self, uploader, banks: list, allowance: int | None, verify: bool) -> None:
         try:
             pool = getattr(uploader, "pool", None)
             if pool is not None and pool.device.type == "cuda":
                 torch.cuda.set_device(pool.device)  # register with the pool's device current on this thread
-            self.info = pin_banks(uploader, banks, allowance, stop=self._stop)
+            self.info = pin_banks(uploader, banks, allowance, stop=self._stop, verify=verify)
         except Exception as e:  # noqa: BLE001 - fetches simply stay on the staging path
             log.warning("page-locking the expert banks failed (%s: %s); fetches stay on the staging path",
                         type(e).__name__, e)

@@ -10,6 +10,10 @@ upload (a few KiB to a few hundred KiB: 4 * L * E bytes), else does nothing. So:
   bytes before the call returns, so the temporary may die; no device sync). Kernels queued later on the same stream
   see the new table; kernels queued earlier see the old one, which is what they were planned for.
 
+`hide(layer, experts)` keeps entries at -1 on the device although the host table has them resident: the mapped
+decode path (`mapped_path.py`) admits an expert on the host at once but must not let kernels read its slot before
+its upload has landed; `show` publishes them (the next `sync()` uploads).
+
 The tensor keeps its address for its whole life (uploads copy into it), so a captured CUDA graph that reads it stays
 valid; a sync must not happen during capture (`dirty` says whether one is due).
 """
@@ -25,13 +29,27 @@ class DeviceSlotTable:
         self.cache = cache  # an ExpertCache: slot_of int64 [L, E] and version
         self.device = torch.device(device)
         self.tensor = torch.full(tuple(cache.slot_of.shape), -1, dtype=torch.int32, device=self.device)
-        self.version = -1  # cache version uploaded last; -1 = never
+        self.version = -1  # (cache version, hidden changes) uploaded last; -1 = never
+        self.hidden = np.zeros(tuple(cache.slot_of.shape), bool)  # resident on the host, -1 on the device for now
+        self._hidden_changes = 0
         self.uploads = 0
+
+    def hide(self, layer: int, experts) -> None:
+        self.hidden[layer, np.asarray(experts, np.int64)] = True
+        self._hidden_changes += 1
+
+    def show(self, layer: int | None = None, experts=None) -> None:
+        """Publish hidden entries: `experts` of `layer`, or all of them (layer None)."""
+        if layer is None:
+            self.hidden[:] = False
+        else:
+            self.hidden[layer, np.asarray(experts, np.int64)] = False
+        self._hidden_changes += 1
 
     @property
     def dirty(self) -> bool:
         """True when the host table changed since the last upload (the next `sync()` copies)."""
-        return self.version != self.cache.version
+        return self.version != (self.cache.version, self._hidden_changes)
 
     def sync(self) -> torch.Tensor:
         """Upload the host table if it changed; returns the int32 [L, E] device tensor (always the same one)."""
@@ -39,9 +57,9 @@ class DeviceSlotTable:
             host = self.cache.slot_of
             if host.size and (host.max() >= 2**31):
                 raise ValueError(f"slot {int(host.max())} does not fit the int32 device table")
-            src = torch.from_numpy(np.ascontiguousarray(host, dtype=np.int32))
+            src = torch.from_numpy(np.where(self.hidden, -1, host).astype(np.int32))
             self.tensor.copy_(src, non_blocking=self.device.type == "cuda")
-            self.version = self.cache.version
+            self.version = (self.cache.version, self._hidden_changes)
             self.uploads += 1
         return self.tensor
 

@@ -29,7 +29,7 @@ import time
 import torch
 
 from .cpu_nvfp4 import parallel_copy
-from .pinning import clear_cuda_error
+from .pinning import clear_cuda_error, device_pointer
 
 
 class HostUploader:
@@ -43,6 +43,9 @@ class HostUploader:
 
     def register(self, base: int, nbytes: int, view: torch.Tensor | None = None) -> bool:
         return False
+
+    def mapped_address(self, ptr: int, nbytes: int) -> int | None:
+        return ptr  # a CPU "device" reads host memory as it is (kernels under the Triton interpreter)
 
     def upload(self, slot: int, record: torch.Tensor) -> None:
         self.pool[slot].copy_(record)
@@ -79,7 +82,7 @@ class CudaUploader:
         self.pinned_bytes = 0
         # registered ranges: (start, end) addresses of the records as callers pass them, and the page-locked uint8
         # view of the same bytes that DMAs read
-        self._ranges: list[tuple[int, int, torch.Tensor]] = []
+        self._ranges: list[tuple[int, int, torch.Tensor, int | None]] = []  # + the view's device address if mapped
         self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # (start, end) per copy, not yet read
         self._lock = threading.Lock()
         self.staging_seconds = 0.0  # staging-thread time spent in pageable -> pinned copies
@@ -97,19 +100,30 @@ class CudaUploader:
         if view.numel() < nbytes:
             raise ValueError(f"register: view has {view.numel()} bytes, the range {nbytes}")
         cudart = torch.cuda.cudart()
-        for flags in (8, 0):  # cudaHostRegisterReadOnly (file pages stay shared), then plain (needs writable pages)
+        # ReadOnly (8: file pages stay shared) and Mapped (2: kernels may read it, see `mapped_address`) first; then
+        # without Mapped, then plain (needs writable pages)
+        for flags in (10, 8, 2, 0):
             rc = cudart.cudaHostRegister(view.data_ptr(), nbytes, flags)
             if int(rc) == 0:
-                self._ranges.append((base, base + nbytes, view))
+                dptr = device_pointer(view.data_ptr()) if flags & 2 else None
+                self._ranges.append((base, base + nbytes, view, dptr))
                 self.pinned_bytes += nbytes
                 return True
             clear_cuda_error()
         return False
 
+    def mapped_address(self, ptr: int, nbytes: int) -> int | None:
+        """Device address through which kernels read [ptr, ptr + nbytes) in place (a registered, mapped range holds
+        it), else None."""
+        for a, b, _, dptr in self._ranges:
+            if dptr is not None and a <= ptr and ptr + nbytes <= b:
+                return dptr + (ptr - a)
+        return None
+
     def _dma_source(self, record: torch.Tensor) -> torch.Tensor | None:
         """The page-locked bytes of `record` if a registered range holds it, else None."""
         ptr, n = record.data_ptr(), record.numel()
-        for a, b, view in self._ranges:
+        for a, b, view, _ in self._ranges:
             if a <= ptr and ptr + n <= b:
                 return view[ptr - a:ptr - a + n]
         return None
@@ -158,7 +172,7 @@ class CudaUploader:
             self._thread.join()
         self.stream.synchronize()
         cudart = torch.cuda.cudart()
-        for _, _, view in self._ranges:
+        for _, _, view, _ in self._ranges:
             cudart.cudaHostUnregister(view.data_ptr())
         self._ranges.clear()
         self.pinned_bytes = 0
