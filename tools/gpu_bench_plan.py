@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 # the device call's hard limit is 600 s including start-up.
 PLANS: dict[str, dict] = {
     "full": dict(stages="env,tests,pin,profile,e2e,bw,kernel", bg_ckpt="uniform,skewed", layers=4,
-                 routings="uniform,skewed", budgets=[8.0, 12.0, 24.0], modes="hybrid,offload,mapped", prompt=2048,
+                 routings="uniform,skewed", budgets=[8.0, 12.0, 24.0], modes="hybrid,mapped", prompt=2048,
                  tokens=512, warmup=32, prefill_lengths=[2048, 16384, 32768], prefill_budgets=[8.0],
                  profile_tokens=16, profile_trace=True, deadline_s=540.0),
 }
