@@ -34,6 +34,7 @@ def run_decode(model, reader, opts: OffloadConfig, prompt: list[int], *, warmup:
     ex.wait_pinned()  # steady state: every bank page-locked before the timed window (pinning runs on a thread)
     mark = [0]
     toks, times, _ = greedy(model, prompt, tokens + 1, after_prefill=lambda: mark.__setitem__(0, ex.reset_stats()))
+    ex.settle()  # mode mapped counts routing when it comes back
     s = ex.stats()
     n = len(times)
     res = {"mode": opts.mode, "num_slots": ex.num_slots, "prompt_tokens": len(prompt), "tok_s": n / sum(times),

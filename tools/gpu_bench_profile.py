@@ -236,6 +236,7 @@ def stage_profile(args, bw_profile: dict, out: Path, res: dict, plan, log=print)
     def record(name: str, step, experts, trace: bool) -> None:
         experts.reset_stats()
         res[name], text = run_profiled(name, step, n, args.device, out, trace)
+        getattr(experts, "settle", lambda: None)()
         st = experts.stats()
         res[name]["experts"] = {k: st.get(k) for k in keys}  # over 2 x tokens steps (unprofiled + profiled)
         texts.append(text)

@@ -17,17 +17,16 @@ Prefill calls (many tokens) compute hits from the cache and stream each miss onc
 Uploads run on the uploader's staging thread; page-locked banks (`pin_host_bytes`, registered on a background thread
 after `allocate`: `wait_pinned`) skip the staging copy.
 
-Host syncs. Decode calls of fully resident layers (mode "resident", the GPU layers of mode "static", T * k <= 64)
-take the device-planned path (`device_path.py`): routing, the expert -> slot lookup (`slot_table.py`) and the kernel
-grid stay on the device, so the call issues no host sync and no data-dependent host work; `is_sync_free` says when
-(the contract for capturing decode in a CUDA graph). Everything else still brings the routing to the host, one sync
-per MoE layer call: modes hybrid / offload / cpu (cache lookup, split, LRU bookkeeping, the next layer's prediction,
-which rides along with the same copy), `cpu_layers` of mode static (CPU kernel), calls with T * k > 64 (prefill
-planning, `plan_blocks`), and `device_plan=False` (the default on device "cpu"). The first call allocates the pool
-(uploads, fence) if `allocate` was not called. Device-planned calls count calls / tokens / pairs only (no hits,
-misses, per-layer counts or trace: those need the routing on the host). Host-planned decode calls (T * k <= 64)
-still run their GPU share through the device-planned kernel once their admits are in the slot table
-(`device_kernel`): no per-call block planning or pair-slot upload, and the arithmetic of a resident layer.
+Host syncs. Decode calls (T * k <= 64) of fully resident layers (mode "resident", the GPU layers of "static") take
+the device-planned path (`device_path.py`: routing, slot lookup and grid stay on the device; `is_sync_free` is the
+contract for capturing decode in a CUDA graph), and so do mode "mapped"'s offloaded layers once their banks are
+page-locked and verified (`mapped_path.py`: misses read in place from host memory, cache refilled a step later).
+Every other call brings the routing to the host, one sync per MoE layer call (cache lookup, split, LRU bookkeeping,
+and the next layer's prediction riding along with the same copy): modes hybrid / offload / cpu, static's
+`cpu_layers`, prefill (T * k > 64: `plan_blocks`) and `device_plan=False` (the default on device "cpu"). Their GPU
+share of a decode call still runs the device-planned kernel through the slot table once their admits are in it
+(`device_kernel`), so it computes exactly what a resident layer does. Device-planned calls count calls / tokens /
+pairs only; mapped calls count hits, misses and the trace when their routing comes back.
 """
 
 from __future__ import annotations
@@ -297,6 +296,11 @@ class GpuExperts:
     # ---- observability -----------------------------------------------------------------------------------
     def stats(self) -> dict:
         return experts_stats(self)
+
+    def settle(self) -> None:
+        """Mode mapped: count the routing still in flight now (waits for it; from the thread driving the model)."""
+        if self.mapped is not None:
+            self.mapped.release()
 
     def reset_stats(self) -> int:
         """Zero the counters (the cache keeps its contents; call after a warm-up). Returns the trace position where

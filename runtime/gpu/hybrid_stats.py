@@ -32,6 +32,8 @@ def experts_stats(ex) -> dict:
 
 
 def reset_experts_stats(ex) -> int:
+    if getattr(ex, "mapped", None) is not None:
+        ex.mapped.release()  # routing still in flight belongs to the window that ends here
     for key in ex.counters:
         ex.counters[key] = 0 if isinstance(ex.counters[key], int) else 0.0
     ex.per_layer[:] = 0

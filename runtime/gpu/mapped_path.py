@@ -121,12 +121,14 @@ class MappedDecode:
             self._pop(wait=False)
 
     def release(self) -> None:
-        """Before a host-planned call reads the host table: read back every record and publish every hidden entry
-        (that call fences on every upload queued so far before its kernels run)."""
+        """Before a host-planned call reads the host table, or counters are read: read back every record, make later
+        kernels wait for every upload queued so far, and publish every hidden entry."""
         while self.records:
             self._pop(wait=True)
-        self.landing.clear()
-        self.table.show()
+        if self.landing:
+            self.ex._wait(self.ex.uploader.fence())
+            self.landing.clear()
+            self.table.show()
 
     def _pop(self, *, wait: bool) -> None:
         """Bookkeeping of the oldest record: counters, trace, recency, then admits (uploads queued, entries hidden)."""
