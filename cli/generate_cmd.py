@@ -40,6 +40,11 @@ def generate_command(
                                                 "dequantized to bf16 at load, or kept as stored and dequantized per "
                                                 "call: 2-4x less VRAM for them, left to the expert cache, for extra "
                                                 "work per step."),
+    offload_mode: str = typer.Option("hybrid", "--offload-mode",
+                                     help="CUDA only: how expert-cache misses are served. hybrid: split between "
+                                          "PCIe fetches and CPU compute; mapped: the GPU reads them from page-locked "
+                                          "host memory without waiting for the host; offload: every miss fetched; "
+                                          "cpu: every miss on the CPU."),
     verify: bool = typer.Option(False, "--verify", help="Check every checksum of the FTW before loading."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object: token ids, text, finish reason, "
                                                         "timings."),
@@ -64,6 +69,10 @@ def generate_command(
             raise ValueError(f"--memory-ratio must be in (0, 1], got {memory_ratio}")
         if dense_weights not in ("dequantized", "quantized"):
             raise ValueError(f"--dense-weights {dense_weights!r}; use dequantized or quantized")
+        from ft.runtime.gpu.offload_config import FLAG_MODES
+
+        if offload_mode not in FLAG_MODES:
+            raise ValueError(f"--offload-mode {offload_mode!r}; use one of {', '.join(FLAG_MODES)}")
     except ValueError as e:
         _fail(str(e))
     try:
@@ -74,7 +83,7 @@ def generate_command(
                 _fail(str(problems[0]) + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
         engine = Engine(reader, device=device, kv_reserve_tokens=kv_reserve_tokens,
                         max_prefill_length=max_prefill_length, vram_budget=budget, memory_ratio=memory_ratio,
-                        dense_weights=dense_weights)
+                        dense_weights=dense_weights, offload_mode=offload_mode if device.startswith("cuda") else None)
     except FtwError as e:  # structural problems, unknown family (V19), bad config
         _fail(str(e))
     except ValueError as e:

@@ -48,6 +48,11 @@ def serve(
                                                 "dequantized to bf16 at load, or kept as stored and dequantized per "
                                                 "call: 2-4x less VRAM for them, left to the expert cache, for extra "
                                                 "work per step."),
+    offload_mode: str = typer.Option("hybrid", "--offload-mode",
+                                     help="CUDA only: how expert-cache misses are served. hybrid: split between "
+                                          "PCIe fetches and CPU compute; mapped: the GPU reads them from page-locked "
+                                          "host memory without waiting for the host; offload: every miss fetched; "
+                                          "cpu: every miss on the CPU."),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
 ) -> None:
     """Serve an FTW with OpenAI (/v1/chat/completions, /v1/completions, /v1/responses) and Anthropic
@@ -72,7 +77,7 @@ def serve(
                                  kv_reserve_tokens=kv_reserve_tokens, max_prefill_length=max_prefill_length,
                                  max_output_tokens=max_output_tokens, max_running_requests=max_running_requests,
                                  max_queued_requests=max_queued_requests, memory_ratio=memory_ratio,
-                                 vram_budget=budget, dense_weights=dense_weights)
+                                 vram_budget=budget, dense_weights=dense_weights, offload_mode=offload_mode)
     except ValueError as e:
         err.print(f"[red]error[/red]: {e}")
         raise typer.Exit(2)

@@ -50,14 +50,15 @@ class Engine:
     """Serves one FTW model. `experts` replaces the default CPU experts; on CUDA the engine builds the GPU expert
     scheduler itself, sized from `vram_budget` bytes (dense weights, KV, buffers and expert slots all count) or, when
     it is None, `memory_ratio` x the free VRAM at start; `offload` (an OffloadConfig) picks its mode, and also runs it
-    on the CPU emulation path; `dense_weights` ("dequantized" or "quantized") overrides its `dense`.
+    on the CPU emulation path; `dense_weights` ("dequantized" or "quantized") overrides its `dense`; `offload_mode`
+    picks the mode of the default scheduler (`offload_config.FLAG_MODES`; default hybrid).
     `max_output_tokens` clamps every request's max_tokens (a larger request is not refused). `kv_block_tokens` is the step in which KV reservations grow (see `ft.runtime.kv`)."""
 
     def __init__(self, ftw_dir: str | Path | FtwReader, *, device: str = "cpu", kv_reserve_tokens: int = 8192,
                  max_prefill_length: int = 2048, max_running_requests: int = 4,
                  max_output_tokens: int = 32768, max_queued_requests: int = 64, experts: Any = None,
                  vram_budget: int | None = None, memory_ratio: float = 0.9, offload: Any = None,
-                 kv_block_tokens: int = 256, dense_weights: str | None = None) -> None:
+                 kv_block_tokens: int = 256, dense_weights: str | None = None, offload_mode: str | None = None) -> None:
         for name, value in (("kv_reserve_tokens", kv_reserve_tokens), ("max_prefill_length", max_prefill_length),
                             ("max_running_requests", max_running_requests), ("max_output_tokens",
                             max_output_tokens), ("max_queued_requests", max_queued_requests),
@@ -76,7 +77,7 @@ class Engine:
                 model, experts = load_offloaded(
                     reader, device=device, vram_budget=vram_budget, memory_ratio=memory_ratio, offload=offload,
                     kv_reserve_tokens=kv_reserve_tokens, max_running_requests=max_running_requests,
-                    dense_weights=dense_weights)
+                    dense_weights=dense_weights, mode=offload_mode)
             else:
                 log.warning("%s; routed experts run on the CPU", why)
         self.model = model if model is not None else load_model(reader, device=device, experts=experts)

@@ -20,7 +20,7 @@ import torch
 from ft.formats import FtwReader
 
 from .hybrid import GpuExperts
-from .offload_config import OffloadConfig
+from .offload_config import FLAG_MODES, OffloadConfig
 from .sizing import plan_vram, resolve_budget, state_bytes
 
 log = logging.getLogger("ft.gpu")
@@ -47,7 +47,7 @@ def _weight_bytes(model) -> int:
 
 def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, memory_ratio: float,
                    offload: OffloadConfig | None, kv_reserve_tokens: int, max_running_requests: int,
-                   dense_weights: str | None = None):
+                   dense_weights: str | None = None, mode: str | None = None):
     """-> (model, GpuExperts with its slot pool allocated; `experts.vram_plan` says how the budget was spent)."""
     from ft.runtime.gpu.benchbw import load_profile
     from ft.runtime.model import load_model
@@ -60,7 +60,9 @@ def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, m
     budget = None
     if cuda or explicit is not None:
         budget = resolve_budget(dev, explicit, memory_ratio)
-    opts = offload or OffloadConfig(mode="hybrid", vram_budget=budget)
+    if mode is not None and mode not in FLAG_MODES:
+        raise ValueError(f"offload mode {mode!r}; use one of {', '.join(FLAG_MODES)}")
+    opts = offload or OffloadConfig(mode=mode or "hybrid", vram_budget=budget)
     if opts.vram_budget is None and budget is not None:
         opts = dataclasses.replace(opts, vram_budget=budget)
     if dense_weights is not None:

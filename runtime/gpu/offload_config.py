@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 MODES = ("hybrid", "offload", "mapped", "cpu", "static", "resident")
 DENSE = ("dequantized", "quantized")
+FLAG_MODES = ("hybrid", "mapped", "offload", "cpu")  # what --offload-mode may ask for (resident: chosen when all fits)
 GIB = 1 << 30
 
 

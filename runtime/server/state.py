@@ -10,6 +10,7 @@ from typing import Any
 
 from fastapi import Request
 
+from ft.runtime.gpu.offload_config import FLAG_MODES as OFFLOAD_MODES
 from ft.runtime.server.errors import ApiError
 from ft.runtime.server.loop import EngineLoop
 from ft.runtime.server.metrics import ServerMetrics
@@ -31,6 +32,7 @@ class ServeSettings:
     memory_ratio: float = 0.9  # CUDA only: share of free VRAM for weights + expert cache + KV
     vram_budget: int | None = None  # CUDA only: bytes for everything the engine allocates (overrides memory_ratio)
     dense_weights: str = "dequantized"  # CUDA only: quantized dense linears dequantized at load or kept as stored
+    offload_mode: str = "hybrid"  # CUDA only: how expert-cache misses are served (OffloadConfig modes)
     keepalive_s: float = 15.0  # silence before an SSE keep-alive (OpenAI comment / Anthropic ping)
 
     def __post_init__(self) -> None:
@@ -41,6 +43,8 @@ class ServeSettings:
             problems.append(f"--vram-budget must be positive, got {self.vram_budget}")
         if self.dense_weights not in ("dequantized", "quantized"):
             problems.append(f"--dense-weights {self.dense_weights!r}; use dequantized or quantized")
+        if self.offload_mode not in OFFLOAD_MODES:
+            problems.append(f"--offload-mode {self.offload_mode!r}; use one of {', '.join(OFFLOAD_MODES)}")
         if not 0 < self.memory_ratio <= 1:
             problems.append(f"--memory-ratio must be in (0, 1], got {self.memory_ratio}")
         for flag, value in (("--kv-reserve-tokens", self.kv_reserve_tokens), ("--max-prefill-length",

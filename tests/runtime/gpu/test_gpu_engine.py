@@ -109,6 +109,8 @@ def test_cli_flags_are_checked(ftw_for):
     assert res.exit_code == 1 and "--memory-ratio" in res.output
     res = CliRunner().invoke(app, ["generate", "--ftw", ftw, "--token-ids", "1,2", "--dense-weights", "fp4"])
     assert res.exit_code == 1 and "--dense-weights 'fp4'" in res.output
+    res = CliRunner().invoke(app, ["generate", "--ftw", ftw, "--token-ids", "1,2", "--offload-mode", "fast"])
+    assert res.exit_code == 1 and "--offload-mode 'fast'" in res.output
     if not torch.cuda.is_available():
         res = CliRunner().invoke(app, ["generate", "--ftw", ftw, "--token-ids", "1,2", "--device", "cuda"])
         assert res.exit_code == 1 and "no CUDA GPU" in res.output
@@ -117,6 +119,8 @@ def test_cli_flags_are_checked(ftw_for):
     assert res.exit_code == 2 and "byte count" in res.output
     res = CliRunner().invoke(app, ["serve", "--ftw", ftw, "--dense-weights", "fp4"])
     assert res.exit_code == 2 and "--dense-weights 'fp4'" in res.output
+    res = CliRunner().invoke(app, ["serve", "--ftw", ftw, "--offload-mode", "resident"])
+    assert res.exit_code == 2 and "--offload-mode 'resident'" in res.output and "mapped" in res.output
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -131,6 +135,7 @@ def test_cuda_engine_resident_and_hybrid(ftw_for):
     assert ex.opts.mode == "resident" and plan.dense > 0
     got = generate(eng, prompt, params)
     assert got.token_ids[0] == exp.token_ids[0] and eng.stats()["moe"]["misses"] == 0
+    resident_tokens = got.token_ids
     eng.close()
     assert not plan.dense_quantized
     budget = plan.dense + plan.kv + plan.prefill_buffers + plan.reserve + 5 * ex.layout.stride + 4096
@@ -141,6 +146,14 @@ def test_cuda_engine_resident_and_hybrid(ftw_for):
     moe = eng.stats()["moe"]
     assert got.token_ids[0] == exp.token_ids[0] and moe["misses"] > 0
     assert moe["fetched"] + moe["cpu_experts"] == moe["misses"] and moe["uploads"] >= moe["fetched"]
+    eng.close()
+    eng = Engine(ftw, vram_budget=budget, offload_mode="mapped", **kw)
+    eng._experts.wait_pinned()  # then decode reads misses in place (banks pinned and verified)
+    got = generate(eng, prompt, params)
+    eng._experts.settle()
+    moe = eng.stats()["moe"]
+    assert eng._experts.opts.mode == "mapped" and moe["bytes_mapped"] > 0
+    assert got.token_ids == resident_tokens  # the same device kernel whichever memory an expert is read from
     eng.close()
     eng = Engine(ftw, vram_budget=budget, offload=OffloadConfig(dense="quantized"), **kw)
     ex3 = eng._experts  # the bytes the dense weights no longer take go to the cache
