@@ -245,7 +245,9 @@ class GpuExperts:
         self.counters["bytes_cpu"] += len(experts) * self.layout.payload_bytes
         return self.cpu.submit(records, groups, pair_tok, pair_w, x_cpu, pinned=self.device.type == "cuda")
 
-    def _gpu_moe(self, x, ids, slot_of, topk_weights, *, fence: bool = True) -> torch.Tensor:
+    def _gpu_moe(self, x, ids, slot_of, topk_weights, *, fence: bool = True, blocks=None, pair_out=None):
+        """fp32 [T, H] over the pairs whose expert is in `slot_of`; with `pair_out` (Triton kernels only) the pairs'
+        rows are written into it instead and None is returned (see `moe_nvfp4`)."""
         lut = np.full(self.E, -1, np.int64)  # expert -> slot for this call (vectorised: prefill has T*k pairs)
         if slot_of:
             n = len(slot_of)
@@ -258,7 +260,9 @@ class GpuExperts:
 
         if fence:  # wait for every upload issued so far; later uploads wait for this kernel (slot reuse)
             self._wait(self.uploader.fence())
-        y = moe_nvfp4(self.pool, self.layout, x, pair_slots, topk_weights)
+        y = moe_nvfp4(self.pool, self.layout, x, pair_slots, topk_weights, blocks=blocks, pair_out=pair_out)
+        if pair_out is not None:
+            y = None
         if fence:
             self.uploader.after_compute(self._record_compute())
         return y

@@ -186,21 +186,26 @@ def moe_nvfp4(
     pair_slots: np.ndarray,
     topk_weights: torch.Tensor,
     blocks: dict[str, int] | None = None,
+    pair_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Expert mixture over the pairs whose slot is >= 0.
 
     pool u8 [S, stride] (same device as x); x bf16 [T, H]; pair_slots int [T*k] host array; topk_weights [T, k].
     Returns fp32 [T, H] = sum over computed pairs of weight * expert(x). Pairs with slot -1 contribute nothing, so
     partial sums from other devices add exactly.
+    pair_out: fp32 [T*k, H] to write the computed pairs' rows into (other rows untouched); it is returned instead,
+    not summed over k. Calls over disjoint pairs with the same `blocks` then fill it exactly as one call would.
     """
     T, H = x.shape
     k = topk_weights.shape[1]
     if H != layout.hidden or pool.dtype != torch.uint8 or pool.shape[1] != layout.stride:
         raise ValueError(f"pool [S, {layout.stride}] u8 and x [T, {layout.hidden}] expected, got {tuple(pool.shape)} {tuple(x.shape)}")
     live = int((np.asarray(pair_slots) >= 0).sum())
-    out = torch.zeros(T * k, H, dtype=torch.float32, device=x.device)
+    out = pair_out if pair_out is not None else torch.zeros(T * k, H, dtype=torch.float32, device=x.device)
+    if pair_out is not None and (tuple(out.shape) != (T * k, H) or out.dtype != torch.float32):
+        raise ValueError(f"pair_out must be fp32 [{T * k}, {H}], got {out.dtype} {tuple(out.shape)}")
     if live == 0:
-        return out.view(T, k, H).sum(1)
+        return out if pair_out is not None else out.view(T, k, H).sum(1)
     b = blocks or pick_blocks(live / max(1, len(np.unique(pair_slots[pair_slots >= 0]))), H, layout.inter)
     if H % b["BLOCK_K"] or layout.inter % b["BLOCK_K"]:
         b = dict(b, BLOCK_K=32)
@@ -224,4 +229,4 @@ def moe_nvfp4(
         layout.off_down, layout.off_down_scale, layout.off_down_scale_2,
         BLOCK_M=b["BLOCK_M"], BLOCK_N=b["BLOCK_N_D"], BLOCK_K=min(b["BLOCK_K"], I), DOT_F32=interp,
     )
-    return out.view(T, k, H).sum(1)
+    return out if pair_out is not None else out.view(T, k, H).sum(1)

@@ -1,8 +1,10 @@
 """Prefill calls of `GpuExperts` (many tokens): hits from the cache, misses streamed once, never admitted.
 
 Misses go through two prefill buffers of `prefill_slots` slots each (pool rows num_slots.. num_slots + 2P), double
-buffered: group g+1 uploads while group g computes. Decode-hot slots survive because nothing is admitted. The
-partial sums cover disjoint (token, expert) pairs, so they add up to the full mixture.
+buffered: group g+1 uploads while group g computes. Decode-hot slots survive because nothing is admitted.
+Every kernel call of one prefill call uses the tile sizes of the whole call and writes its (token, expert) rows into
+one [T*k, H] buffer summed over k once at the end: each pair is computed as a resident model's single call computes
+it, whatever was streamed, so offloaded and resident prefill give bit-identical outputs (and greedy tokens).
 """
 
 from __future__ import annotations
@@ -29,24 +31,38 @@ def prefill_call(ex, layer: int, x: torch.Tensor, ids: np.ndarray, uniq: np.ndar
         for j, e in enumerate(groups[g]):
             ex.uploader.upload(base + j, ex.banks[layer].record(int(e)))
 
+    T, k = topk_weights.shape
+    H = x.shape[1]
+    blocks = None
+    if ex.device.type == "cuda" or ex.interpret:  # the Triton kernels (imported only where they run)
+        from .nvfp4_triton import pick_blocks
+
+        blocks = pick_blocks(len(ids) / max(1, len(uniq)), H, ex.layout.inter)  # the whole call's, as moe_nvfp4 picks
+    pairs = torch.zeros(T * k, H, dtype=torch.float32, device=ex.device)
+    acc = []  # reduced partial sums of the reference path (CPU emulation without Triton), which has no pair_out
+
+    def part(slot_of: dict) -> None:
+        y = ex._gpu_moe(x, ids, slot_of, topk_weights, fence=False, blocks=blocks, pair_out=pairs)
+        if y is not None:
+            acc.append(y)
+
     earlier = ex.uploader.fence()  # uploads issued before this call (e.g. prefetches into hit slots)
     if groups:
         upload(0)
     ex._wait(earlier)
-    slot_of = dict(zip(uniq[hit].tolist(), slots[hit].tolist()))
-    y = ex._gpu_moe(x, ids, slot_of, topk_weights, fence=False) if slot_of else torch.zeros(
-        x.shape[0], x.shape[1], dtype=torch.float32, device=ex.device)
+    if hit.any():
+        part(dict(zip(uniq[hit].tolist(), slots[hit].tolist())))
     for g, group in enumerate(groups):
         ready = ex.uploader.fence()
         if g + 1 < len(groups):
             upload(g + 1)  # overlaps with group g's kernel
         ex._wait(ready)
         base = ex.num_slots + (g % 2) * P
-        y = y + ex._gpu_moe(x, ids, {e: base + j for j, e in enumerate(group)}, topk_weights, fence=False)
+        part({e: base + j for j, e in enumerate(group)})
         ex._prefill_done[g % 2] = ex._record_compute()
     last = ex._record_compute()
     if last is not None:  # slots read here may be evicted by later decode uploads
         ex.uploader.after_compute(last)
     ex.counters["prefill_streamed"] += len(misses)
     ex.counters["bytes_h2d"] += len(misses) * ex.layout.stride
-    return y
+    return sum(acc[1:], acc[0]) if acc else pairs.view(T, k, H).sum(1)

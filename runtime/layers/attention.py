@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ft.formats.config import ModelConfig
 from ft.runtime.layers.base import Op
@@ -61,8 +62,20 @@ class Attention(Op):
         return self.o_proj(out)
 
 
+# Not cuDNN: its SDPA builds an execution plan per new key length, i.e. at every decode step (63 ms of host time per
+# call on an H200 with torch 2.11, against ~0.1 ms for flash / memory-efficient attention).
+_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
     """q [T, nq, hd]; k, v [past + T, nkv, hd] -> [T, nq, hd]; query i attends keys 0..past+i."""
+    if q.is_cuda:
+        with sdpa_kernel(_BACKENDS):
+            return _sdpa(q, k, v, past)
+    return _sdpa(q, k, v, past)
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
     t, s = q.shape[0], k.shape[0]
     qh, kh, vh = (a.transpose(0, 1).unsqueeze(0) for a in (q, k, v))    # [1, heads, len, hd]
     scale = q.shape[-1] ** -0.5
