@@ -40,7 +40,7 @@ def generate_command(
                                                 "dequantized to bf16 at load, or kept as stored and dequantized per "
                                                 "call: 2-4x less VRAM for them, left to the expert cache, for extra "
                                                 "work per step."),
-    offload_mode: str = typer.Option("hybrid", "--offload-mode",
+    offload_mode: str = typer.Option("mapped", "--offload-mode",
                                      help="CUDA only: how expert-cache misses are served. hybrid: split between "
                                           "PCIe fetches and CPU compute; mapped: the GPU reads them from page-locked "
                                           "host memory without waiting for the host; offload: every miss fetched; "

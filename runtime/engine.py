@@ -51,7 +51,7 @@ class Engine:
     scheduler itself, sized from `vram_budget` bytes (dense weights, KV, buffers and expert slots all count) or, when
     it is None, `memory_ratio` x the free VRAM at start; `offload` (an OffloadConfig) picks its mode, and also runs it
     on the CPU emulation path; `dense_weights` ("dequantized" or "quantized") overrides its `dense`; `offload_mode`
-    picks the mode of the default scheduler (`offload_config.FLAG_MODES`; default hybrid).
+    picks the mode of the default scheduler (`offload_config.FLAG_MODES`; default mapped).
     `max_output_tokens` clamps every request's max_tokens (a larger request is not refused). `kv_block_tokens` is the step in which KV reservations grow (see `ft.runtime.kv`)."""
 
     def __init__(self, ftw_dir: str | Path | FtwReader, *, device: str = "cpu", kv_reserve_tokens: int = 8192,

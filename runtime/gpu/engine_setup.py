@@ -62,7 +62,7 @@ def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, m
         budget = resolve_budget(dev, explicit, memory_ratio)
     if mode is not None and mode not in FLAG_MODES:
         raise ValueError(f"offload mode {mode!r}; use one of {', '.join(FLAG_MODES)}")
-    opts = offload or OffloadConfig(mode=mode or "hybrid", vram_budget=budget)
+    opts = offload or OffloadConfig(mode=mode or "mapped", vram_budget=budget)
     if opts.vram_budget is None and budget is not None:
         opts = dataclasses.replace(opts, vram_budget=budget)
     if dense_weights is not None:

@@ -232,7 +232,7 @@ class GpuExperts:
         order = np.argsort(-self.cache.counts[layer, misses], kind="stable")
         misses = misses[order]
         cap = self.num_slots - int((self.cache.protect_until >= self.cache.clock).sum())
-        nf = min(len(misses), cap) if mode in ("offload", "mapped") else self.split.count(len(misses), cap=cap)
+        nf = min(len(misses), cap) if mode == "offload" else self.split.count(len(misses), cap=cap)
         return misses[:nf], misses[nf:]
 
     def _submit_cpu(self, layer, experts, ids, x, topk_weights):

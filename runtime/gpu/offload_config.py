@@ -19,7 +19,7 @@ class OffloadConfig:
       mapped   - decode calls never wait for the host: the GPU reads each miss straight from the page-locked bank in
                  host memory (mapped into its address space), and the cache is refilled a step later from the routing
                  copied back asynchronously (`mapped_path.py`); prefill, and decode before the banks are pinned, as
-                 offload
+                 hybrid. The engine's default.
       cpu      - every miss is computed on the CPU (the cache only holds what was preloaded or prefetched)
       static   - llama.cpp --n-cpu-moe style: `cpu_layers` always on the CPU, every other layer fully resident
       resident - every expert of every layer in VRAM (needs the budget for it)

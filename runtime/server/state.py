@@ -32,7 +32,7 @@ class ServeSettings:
     memory_ratio: float = 0.9  # CUDA only: share of free VRAM for weights + expert cache + KV
     vram_budget: int | None = None  # CUDA only: bytes for everything the engine allocates (overrides memory_ratio)
     dense_weights: str = "dequantized"  # CUDA only: quantized dense linears dequantized at load or kept as stored
-    offload_mode: str = "hybrid"  # CUDA only: how expert-cache misses are served (OffloadConfig modes)
+    offload_mode: str = "mapped"  # CUDA only: how expert-cache misses are served (OffloadConfig modes)
     keepalive_s: float = 15.0  # silence before an SSE keep-alive (OpenAI comment / Anthropic ping)
 
     def __post_init__(self) -> None:

@@ -139,7 +139,7 @@ def test_cuda_engine_resident_and_hybrid(ftw_for):
     eng.close()
     assert not plan.dense_quantized
     budget = plan.dense + plan.kv + plan.prefill_buffers + plan.reserve + 5 * ex.layout.stride + 4096
-    eng = Engine(ftw, vram_budget=budget, **kw)
+    eng = Engine(ftw, vram_budget=budget, offload_mode="hybrid", **kw)
     ex2 = eng._experts  # allocator rounding moves the measured dense bytes a little between loads
     assert ex2.opts.mode == "hybrid" and ex2.num_slots == ex2.vram_plan.num_slots and 4 <= ex2.num_slots <= 7
     got = generate(eng, prompt, params)
@@ -147,7 +147,7 @@ def test_cuda_engine_resident_and_hybrid(ftw_for):
     assert got.token_ids[0] == exp.token_ids[0] and moe["misses"] > 0
     assert moe["fetched"] + moe["cpu_experts"] == moe["misses"] and moe["uploads"] >= moe["fetched"]
     eng.close()
-    eng = Engine(ftw, vram_budget=budget, offload_mode="mapped", **kw)
+    eng = Engine(ftw, vram_budget=budget, **kw)  # the default mode
     eng._experts.wait_pinned()  # then decode reads misses in place (banks pinned and verified)
     got = generate(eng, prompt, params)
     eng._experts.settle()
