@@ -71,7 +71,8 @@ def bound(res: dict, *, resident_ms: float, host_planned_ms: float | None, num_e
            "bound_ms": t * 1e3, "bound_tok_s": 1 / t, "fraction_of_bound": res["tok_s"] * t}
     if host_planned_ms is not None:
         moved = sum(res["stats"].get(k, 0) for k in ("bytes_h2d", "bytes_cpu", "bytes_mapped")) / tokens
-        gap = {"host_path": host_planned_ms - resident_ms,
+        # mode mapped never takes the host-planned path in decode: nothing of its cost applies
+        gap = {"host_path": 0.0 if res["mode"] == "mapped" else host_planned_ms - resident_ms,
                "traffic": 1e3 * max(0.0, moved - miss_bytes) / (b_pcie + b_cpu)}
         gap["rest"] = res["ms_per_token"] - out["bound_ms"] - gap["host_path"] - gap["traffic"]
         out["gap_ms"] = gap
