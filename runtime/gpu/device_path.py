@@ -38,14 +38,19 @@ def uses_device_plan(ex, layer: int, num_tokens: int) -> bool:
             and o.mode in ("resident", "static") and 0 < num_tokens * ex.k <= MAX_DEVICE_PAIRS)
 
 
-def device_call(ex, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """The device-planned call -> fp32 [T, H]. The caller checked `uses_device_plan`."""
+def count_call(ex, topk_ids: torch.Tensor) -> None:
+    """What a call whose routing stays on the device counts at once (calls, tokens, pairs); advances the clock."""
     T, k = topk_ids.shape
     c = ex.counters
     c["calls"] += 1
     c["tokens"] += T
     c["pairs"] += T * k
     ex.cache.tick()
+
+
+def device_call(ex, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """The device-planned call -> fp32 [T, H]. The caller checked `uses_device_plan`."""
+    count_call(ex, topk_ids)
     return device_kernel(ex, layer, x, topk_ids, topk_weights)
 
 

@@ -29,7 +29,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from .device_path import MAX_DEVICE_PAIRS
+from .device_path import MAX_DEVICE_PAIRS, count_call
 from .pinning import bank_range, verify_bank
 
 RING = 64  # routing records in flight; when all are, the oldest is waited for (bounds the bookkeeping lag)
@@ -77,11 +77,7 @@ class MappedDecode:
         ex = self.ex
         self.poll()
         T, k = topk_ids.shape
-        c = ex.counters
-        c["calls"] += 1
-        c["tokens"] += T
-        c["pairs"] += T * k
-        ex.cache.tick()
+        count_call(ex, topk_ids)
         row = self.table.row(layer)
         y = self._kernel(layer, x, topk_ids, row, topk_weights)
         ids = topk_ids.reshape(-1)
