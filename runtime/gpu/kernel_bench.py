@@ -6,7 +6,9 @@ compares against the PyTorch reference on fresh random records and inputs.
 `bench_decode_device` (appended to `bench_kernel`'s rows, `"path"` says which) times decode shapes three ways:
 "host+sync" is what a host-planned call costs (routing to the host, slot lookup, `plan_blocks`, `moe_nvfp4`);
 "device/<combine>" the device-planned kernels of `nvfp4_decode.py` with routing and slot table on the device, per
-block config; "device/pairs+graph" the same call captured in a CUDA graph and replayed (checked bit-equal to eager).
+block config; "device/pairs+graph" the same call captured in a CUDA graph and replayed (checked bit-equal to eager);
+"device/mapped" the same kernel with no expert in VRAM, every record read from page-locked host memory over the bus
+(mode mapped's miss path: its GB/s is the rate at which the kernel pulls records across PCIe).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from .benchbw import _synthetic_records
 from .moe_reference import moe_ref
+from .pinning import device_pointer
 from .record_layout import RecordLayout
 
 
@@ -156,6 +159,11 @@ def bench_decode_device(*, hidden: int = 2048, inter: int = 512, num_experts: in
     perm = torch.randperm(num_experts, generator=g)  # expert -> slot, not the identity
     table = perm.to(torch.int32).to(dev)
     perm_np = perm.numpy()
+    # the bank as mode mapped reads it: expert e's record at e * stride (= pool slot perm[e]), page-locked on CUDA
+    bank = host[perm].contiguous()
+    bank = bank.pin_memory() if dev.type == "cuda" else bank
+    bank_addr = device_pointer(bank.data_ptr()) if dev.type == "cuda" else bank.data_ptr()
+    unmapped = torch.full_like(table, -1)
     rng = np.random.default_rng(seed + 1)
     rows = []
     for T in tokens:
@@ -183,6 +191,9 @@ def bench_decode_device(*, hidden: int = 2048, inter: int = 512, num_experts: in
                 fn = lambda c=combine, b=cfg: moe_nvfp4_device(pool, layout, xd, ids, table, wd,  # noqa: E731
                                                                blocks=b, combine=c)
                 rows.append(row(f"device/{combine}", fn, blocks=cfg))
+        if bank_addr:
+            rows.append(row("device/mapped", lambda: moe_nvfp4_device(pool, layout, xd, ids, unmapped, wd,
+                                                                      host_base=bank_addr, host_stride=layout.stride)))
         if dev.type != "cuda":
             continue
         try:
