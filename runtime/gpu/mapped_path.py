@@ -52,7 +52,7 @@ class MappedDecode:
         cuda = ex.device.type == "cuda"
         self.ring = [torch.empty(2, MAX_DEVICE_PAIRS, dtype=torch.int32, pin_memory=cuda) for _ in range(RING)]
         self.next = 0
-        self.checked = not cuda  # the first CUDA call is compared with the host-planned kernels once
+        self.checked = not cuda  # the first CUDA call is compared with the reference once (`_kernel`)
 
     def ready(self, layer: int) -> bool:
         """Whether `layer`'s bank may be read in place (resolved once, when the pinner has finished)."""
