@@ -147,3 +147,28 @@ def test_streamed_prefill_equals_resident_prefill_bit_for_bit(tmp_path):
     assert off.stats()["prefill_streamed"] >= 6  # 8 experts, at most 2 resident: several groups were streamed
     res.close()
     off.close()
+
+
+def test_banks_not_pinned_or_not_verified_take_the_host_path(reader):
+    """Only banks the pinner registered and verified are read in place; the others split misses as hybrid does."""
+    import threading
+    from types import SimpleNamespace
+
+    ex = GpuExperts(reader, OffloadConfig(mode="mapped", num_slots=3, prefetch=False, b_pcie=1e9, b_cpu=1e9,
+                                          cpu_fixed_s=0.0, adapt=False), device="cpu", device_plan=True)
+    ex.allocate()
+    running = SimpleNamespace(done=threading.Event(), info={}, stop=lambda: None)
+    ex.pinner = running  # still pinning: nothing is read in place yet
+    assert not ex.uses_device_plan(0, 1) and ex.mapped is not None and not ex.mapped.ready(0)
+    running.done.set()
+    running.info = {"pinned_bytes": 1, "verified_banks": ["layers.1.mlp.experts"]}
+    assert [ex.mapped.ready(i) for i in range(3)] == [False, True, False]
+    for layer, x, ids, w in _calls(reader, (1, 1, 1, 1, 1, 1), seed=3):
+        y = ex(layer, x, ids, w)
+        assert rel_err(y.float(), _full(reader, layer, x, ids, w)) < 1e-2
+    s = ex.stats()
+    assert s["bytes_mapped"] > 0  # layer 1 read in place
+    assert s["per_layer"]["fetched"][0] + s["per_layer"]["cpu_experts"][0] > 0  # layer 0: the hybrid split
+    assert s["per_layer"]["cpu_experts"][1] == 0
+    ex.pinner = None
+    ex.close()
