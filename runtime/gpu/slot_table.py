@@ -6,9 +6,11 @@ device-planned kernel (`nvfp4_decode.py`) reads. The host table `ExpertCache.slo
 upload (a few KiB to a few hundred KiB: 4 * L * E bytes), else does nothing. So:
 
 * no admit/evict since the last sync -> `sync()` is a host-side integer compare, no device work at all;
-* after changes -> one H2D copy on the current stream, issued asynchronously from pageable memory (CUDA stages the
-  bytes before the call returns, so the temporary may die; no device sync). Kernels queued later on the same stream
-  see the new table; kernels queued earlier see the old one, which is what they were planned for.
+* after changes -> one H2D copy on the current stream from one of `STAGING` page-locked host copies, used in turn
+  (a pageable source could make the driver wait for the stream; a staging copy is refilled only after its last
+  upload's event completed, which it long has unless the host runs `STAGING` uploads ahead of the GPU). Kernels
+  queued later on the same stream see the new table; kernels queued earlier see the old one, which is what they
+  were planned for.
 
 `hide(layer, experts)` keeps entries at -1 on the device although the host table has them resident: the mapped
 decode path (`mapped_path.py`) admits an expert on the host at once but must not let kernels read its slot before
@@ -24,6 +26,9 @@ import numpy as np
 import torch
 
 
+STAGING = 16  # page-locked host copies of the table (CUDA)
+
+
 class DeviceSlotTable:
     def __init__(self, cache, device: torch.device | str):
         self.cache = cache  # an ExpertCache: slot_of int64 [L, E] and version
@@ -33,6 +38,10 @@ class DeviceSlotTable:
         self.hidden = np.zeros(tuple(cache.slot_of.shape), bool)  # resident on the host, -1 on the device for now
         self._hidden_changes = 0
         self.uploads = 0
+        cuda = self.device.type == "cuda"
+        n = STAGING if cuda else 1
+        self._staging = [torch.empty(self.tensor.shape, dtype=torch.int32, pin_memory=cuda) for _ in range(n)]
+        self._copied: list = [None] * n  # event after the last upload from each staging copy
 
     def hide(self, layer: int, experts) -> None:
         self.hidden[layer, np.asarray(experts, np.int64)] = True
@@ -57,8 +66,14 @@ class DeviceSlotTable:
             host = self.cache.slot_of
             if host.size and (host.max() >= 2**31):
                 raise ValueError(f"slot {int(host.max())} does not fit the int32 device table")
-            src = torch.from_numpy(np.where(self.hidden, -1, host).astype(np.int32))
-            self.tensor.copy_(src, non_blocking=self.device.type == "cuda")
+            i = self.uploads % len(self._staging)
+            if self._copied[i] is not None:
+                self._copied[i].synchronize()  # its previous upload still reads it (done long ago, normally)
+            np.copyto(self._staging[i].numpy(), np.where(self.hidden, -1, host), casting="unsafe")
+            self.tensor.copy_(self._staging[i], non_blocking=self.device.type == "cuda")
+            if self.device.type == "cuda":
+                self._copied[i] = torch.cuda.Event()
+                self._copied[i].record()
             self.version = (self.cache.version, self._hidden_changes)
             self.uploads += 1
         return self.tensor
