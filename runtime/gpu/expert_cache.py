@@ -100,13 +100,18 @@ class ExpertCache:
         self.last_use[s] = self.clock
         self.protect_until[s] = self.clock
 
+    def frequency(self, flat_ids: np.ndarray) -> np.ndarray:
+        """Routing frequency of experts given as flat ids layer * E + expert: pairs routed to each per token seen at
+        its layer (priors included)."""
+        ids = np.asarray(flat_ids, np.int64)
+        return self.counts.ravel()[ids] / np.maximum(self.tokens[ids // self.E], 1.0)
+
     def _scores(self) -> np.ndarray:
         # larger = evict first; empty slots first of all. Computed over all S slots without boolean gathers (the
         # empty ones are overwritten): this runs once per layer call with misses, over thousands of slots.
         live = self.owner >= 0
         if self.policy == "lru-freq":
-            ids = np.where(live, self.owner, 0)
-            f = self.counts.ravel()[ids] / np.maximum(self.tokens[ids // self.E], 1.0)
+            f = self.frequency(np.where(live, self.owner, 0))
             gap = self.num_moe_layers / np.maximum(f, 1e-6)  # layer visits until its next expected use
             score = gap - self.last_use  # age + expected gap: LRU when all gaps are equal
         else:

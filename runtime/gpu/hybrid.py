@@ -156,7 +156,8 @@ class GpuExperts:
             self.mapped.release()
         o = self.opts
         pred = None  # next layer's predicted experts ride along with this layer's routing: one host sync
-        if self.predictor is not None and self.num_slots and T < o.prefill_tokens and o.mode in ("hybrid", "offload", "mapped"):
+        if (self.predictor is not None and self.num_slots and T < o.prefill_tokens
+                and o.mode in ("hybrid", "offload", "mapped")):
             pred = self.predictor.predict_ids(layer, x)
         if pred is not None:
             both = torch.cat([topk_ids.reshape(-1), pred[1].to(topk_ids.dtype)]).to("cpu").numpy()

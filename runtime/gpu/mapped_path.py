@@ -153,17 +153,16 @@ class MappedDecode:
         n = min(len(missed), ex.opts.admit_max)
         if n == 0 or cache.S == 0:
             return
-        freq = cache.counts[layer] / max(cache.tokens[layer], 1.0)
-        cand = missed[np.argsort(-freq[missed], kind="stable")[:n]]
+        freq = cache.frequency(layer * ex.E + missed)
+        order = np.argsort(-freq, kind="stable")[:n]
         victims = cache.victims(n)
-        keep = 0  # candidates most frequent first, victims easiest first: stop at the first that does not pay
-        for e, owner in zip(cand.tolist(), cache.owner[victims].tolist()):
-            if owner >= 0 and freq[e] <= ADMIT_MARGIN * cache.counts.ravel()[owner] / max(cache.tokens[owner // ex.E], 1):
-                break
-            keep += 1
+        owners = cache.owner[victims]
+        # candidates most frequent first, victims easiest first: admit up to the first that does not pay
+        pays = (owners < 0) | (freq[order[:len(victims)]] > ADMIT_MARGIN * cache.frequency(np.maximum(owners, 0)))
+        keep = len(pays) if pays.all() else int(np.argmin(pays))
         if keep == 0:
             return
-        experts = cand[:keep]
+        experts = missed[order[:keep]]
         ex.uploader.after_compute(ex._record_compute())  # the evicted experts may still be read by queued kernels
         slots, _ = cache.admit_many(layer, experts, victims[:len(experts)])
         admitted = experts[slots >= 0]
