@@ -45,6 +45,10 @@ def generate_command(
                                           "PCIe fetches and CPU compute; mapped: the GPU reads them from page-locked "
                                           "host memory without waiting for the host; offload: every miss fetched; "
                                           "cpu: every miss on the CPU."),
+    enforce_eager: bool = typer.Option(False, "--enforce-eager",
+                                       help="CUDA only: never replay decode steps from CUDA graphs (by default a "
+                                            "one-token step is captured once per sequence and replayed when every "
+                                            "MoE layer is sync-free: modes mapped and resident)."),
     verify: bool = typer.Option(False, "--verify", help="Check every checksum of the FTW before loading."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object: token ids, text, finish reason, "
                                                         "timings."),
@@ -83,7 +87,8 @@ def generate_command(
                 _fail(str(problems[0]) + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
         engine = Engine(reader, device=device, kv_reserve_tokens=kv_reserve_tokens,
                         max_prefill_length=max_prefill_length, vram_budget=budget, memory_ratio=memory_ratio,
-                        dense_weights=dense_weights, offload_mode=offload_mode if device.startswith("cuda") else None)
+                        dense_weights=dense_weights, offload_mode=offload_mode if device.startswith("cuda") else None,
+                        cuda_graphs=not enforce_eager)
     except FtwError as e:  # structural problems, unknown family (V19), bad config
         _fail(str(e))
     except ValueError as e:

@@ -53,6 +53,10 @@ def serve(
                                           "PCIe fetches and CPU compute; mapped: the GPU reads them from page-locked "
                                           "host memory without waiting for the host; offload: every miss fetched; "
                                           "cpu: every miss on the CPU."),
+    enforce_eager: bool = typer.Option(False, "--enforce-eager",
+                                       help="CUDA only: never replay decode steps from CUDA graphs (by default a "
+                                            "one-token step is captured once per sequence and replayed when every "
+                                            "MoE layer is sync-free: modes mapped and resident)."),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
 ) -> None:
     """Serve an FTW with OpenAI (/v1/chat/completions, /v1/completions, /v1/responses) and Anthropic
@@ -77,7 +81,8 @@ def serve(
                                  kv_reserve_tokens=kv_reserve_tokens, max_prefill_length=max_prefill_length,
                                  max_output_tokens=max_output_tokens, max_running_requests=max_running_requests,
                                  max_queued_requests=max_queued_requests, memory_ratio=memory_ratio,
-                                 vram_budget=budget, dense_weights=dense_weights, offload_mode=offload_mode)
+                                 vram_budget=budget, dense_weights=dense_weights, offload_mode=offload_mode,
+                                 cuda_graphs=not enforce_eager)
     except ValueError as e:
         err.print(f"[red]error[/red]: {e}")
         raise typer.Exit(2)

@@ -51,14 +51,16 @@ class Engine:
     scheduler itself, sized from `vram_budget` bytes (dense weights, KV, buffers and expert slots all count) or, when
     it is None, `memory_ratio` x the free VRAM at start; `offload` (an OffloadConfig) picks its mode, and also runs it
     on the CPU emulation path; `dense_weights` ("dequantized" or "quantized") overrides its `dense`; `offload_mode`
-    picks the mode of the default scheduler (`offload_config.FLAG_MODES`; default mapped).
+    picks the mode of the default scheduler (`offload_config.FLAG_MODES`; default mapped); `cuda_graphs` lets it
+    replay one-token decode steps from captured CUDA graphs (`ft.runtime.gpu.graphs`).
     `max_output_tokens` clamps every request's max_tokens (a larger request is not refused). `kv_block_tokens` is the step in which KV reservations grow (see `ft.runtime.kv`)."""
 
     def __init__(self, ftw_dir: str | Path | FtwReader, *, device: str = "cpu", kv_reserve_tokens: int = 8192,
                  max_prefill_length: int = 2048, max_running_requests: int = 4,
                  max_output_tokens: int = 32768, max_queued_requests: int = 64, experts: Any = None,
                  vram_budget: int | None = None, memory_ratio: float = 0.9, offload: Any = None,
-                 kv_block_tokens: int = 256, dense_weights: str | None = None, offload_mode: str | None = None) -> None:
+                 kv_block_tokens: int = 256, dense_weights: str | None = None, offload_mode: str | None = None,
+                 cuda_graphs: bool = True) -> None:
         for name, value in (("kv_reserve_tokens", kv_reserve_tokens), ("max_prefill_length", max_prefill_length),
                             ("max_running_requests", max_running_requests), ("max_output_tokens",
                             max_output_tokens), ("max_queued_requests", max_queued_requests),
@@ -77,7 +79,7 @@ class Engine:
                 model, experts = load_offloaded(
                     reader, device=device, vram_budget=vram_budget, memory_ratio=memory_ratio, offload=offload,
                     kv_reserve_tokens=kv_reserve_tokens, max_running_requests=max_running_requests,
-                    dense_weights=dense_weights, mode=offload_mode)
+                    dense_weights=dense_weights, mode=offload_mode, cuda_graphs=cuda_graphs)
             else:
                 log.warning("%s; routed experts run on the CPU", why)
         self.model = model if model is not None else load_model(reader, device=device, experts=experts)
@@ -285,7 +287,7 @@ class Engine:
     def stats(self) -> dict:
         """Counters since start. decode_tok_s covers decode-only steps; prefill_tok_s the steps with a prefill chunk
         (those may also carry decodes). TTFT is measured from add_request over the last 1024 requests. "moe" holds
-        the experts implementation's own counters when it has any. `preemptions`: states dropped for KV (recompute)."""
+        the experts implementation's own counters when it has any, "cuda_graphs" the decode graphs'. `preemptions`: states dropped for KV (recompute)."""
         c = self._counters
         ttfts = sorted(self._ttfts)
         out = {
@@ -301,4 +303,6 @@ class Engine:
         }
         if callable(getattr(self._experts, "stats", None)):  # e.g. the GPU expert cache's hit/miss counters
             out["moe"] = self._experts.stats()
+        if self.model.graphs is not None:  # CUDA-graph decode: replays, captures and their seconds, eager steps
+            out["cuda_graphs"] = dict(self.model.graphs.counters)
         return out

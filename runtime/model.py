@@ -95,6 +95,7 @@ class CausalLM(Op):
         self._rotary = Rotary(config.rotary_dim, config.rope_theta) if config.rotary_dim else None
         self._dtype = torch.float32
         self._device = torch.device("cpu")
+        self.graphs = None  # CUDA: a `DecodeGraphs` (ft.runtime.gpu.graphs) that replays one-token decode steps
 
     @property
     def config(self) -> ModelConfig:
@@ -122,12 +123,15 @@ class CausalLM(Op):
     def forward(self, input_ids: torch.Tensor, segments: list[Segment]) -> list[torch.Tensor]:
         """input_ids [N] (all segments' tokens concatenated in order) -> per segment logits (see `Segment`).
         Each segment continues its state at `state.length`; the states advance by `num_tokens` on success."""
+        if self.graphs is not None and len(segments) == 1 and segments[0].num_tokens == 1 \
+                and segments[0].logits == "last":
+            self._plan(input_ids, segments, on_device=False)  # validates
+            logits = self.graphs.step(input_ids, segments[0].state)  # None: this step cannot be replayed
+            if logits is not None:
+                segments[0].state.length += 1
+                return [logits]
         batch = self._plan(input_ids, segments)
-        h = self.embed_tokens(input_ids)
-        if self._rotary is not None:
-            batch.rope["cos"], batch.rope["sin"] = self._rotary.cos_sin(batch.positions, self._dtype)
-        for layer in self.layers:
-            h = layer(h, batch)
+        h = self.layers_forward(self.embed_tokens(input_ids), batch)
         rows = []
         for seg, sr in zip(segments, batch.segments):
             rows.append(torch.arange(sr.start, sr.start + sr.num_tokens) if seg.logits == "all"
@@ -138,7 +142,16 @@ class CausalLM(Op):
             seg.state.length += seg.num_tokens
         return list(logits)
 
-    def _plan(self, input_ids: torch.Tensor, segments: list[Segment]) -> ForwardBatch:
+    def layers_forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """h [N, H] embeddings -> [N, H] hidden states after the last layer (before the final norm). For a static
+        batch this is the part of a decode step that a CUDA graph captures."""
+        if self._rotary is not None:
+            batch.rope["cos"], batch.rope["sin"] = self._rotary.cos_sin(batch.positions, self._dtype)
+        for layer in self.layers:
+            h = layer(h, batch)
+        return h
+
+    def _plan(self, input_ids: torch.Tensor, segments: list[Segment], *, on_device: bool = True) -> ForwardBatch:
         if input_ids.dim() != 1 or input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"input_ids must be a 1-D integer tensor, got {input_ids.dtype} {tuple(input_ids.shape)}")
         if not segments:
@@ -166,7 +179,8 @@ class CausalLM(Op):
             raise ValueError(f"segments cover {start} tokens but input_ids has {input_ids.shape[0]}")
         if int(input_ids.min()) < 0 or int(input_ids.max()) >= self._config.vocab_size:
             raise ValueError(f"token ids must be in [0, {self._config.vocab_size})")
-        return ForwardBatch(rows, _to_device(torch.cat(positions), self._device))
+        positions = torch.cat(positions)
+        return ForwardBatch(rows, _to_device(positions, self._device) if on_device else positions)
 
     # -- loading ----------------------------------------------------------------------------------------------
     def bind(self, reader: FtwReader, experts: ExpertsFn) -> None:

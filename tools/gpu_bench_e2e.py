@@ -16,18 +16,21 @@ from gpu_bench_parts import (GIB, attach, build_checkpoint, check_logits, chunke
 
 from ft.formats import FtwReader
 from ft.runtime.gpu.belady import belady
+from ft.runtime.gpu.graphs import DecodeGraphs
 from ft.runtime.gpu.hybrid import GpuExperts
 from ft.runtime.gpu.offload_config import OffloadConfig
 
 
 def run_decode(model, reader, opts: OffloadConfig, prompt: list[int], *, warmup: int, tokens: int,
-               profile: dict | None, device_plan: bool | None = None) -> dict:
+               profile: dict | None, device_plan: bool | None = None, graphs: bool = True) -> dict:
     """One placement: warm up, then prefill `prompt` and time `tokens` greedy decode steps after it (the issue's
     "512 tokens after a 2k prompt"); counters over the decode window only. device_plan=False: a resident model
-    decodes through the host-planned kernel, the one offloaded placements use."""
+    decodes through the host-planned kernel, the one offloaded placements use. graphs: one-token steps replay CUDA
+    graphs where the placement allows (`DecodeGraphs`; each decode's state is captured once, inside the window)."""
     cuda = model.device.type == "cuda"
     ex = GpuExperts(reader, opts, device=str(model.device), profile=profile, device_plan=device_plan)
     attach(model, ex)
+    model.graphs = DecodeGraphs(model, ex) if graphs else None
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     greedy(model, prompt, warmup)  # fills the cache, compiles kernels
@@ -41,12 +44,13 @@ def run_decode(model, reader, opts: OffloadConfig, prompt: list[int], *, warmup:
            "ms_per_token": 1e3 * sum(times) / n, "median_ms": 1e3 * float(np.median(times)),
            "peak_alloc_gib": torch.cuda.max_memory_allocated() / GIB if cuda else None,
            "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB if cuda else None,
-           "stats": s, "tokens": toks}
+           "stats": s, "tokens": toks, "graphs": dict(model.graphs.counters) if graphs else None}
     res["h2d_mb_per_token"] = s["bytes_h2d"] / n / 1e6
     res["cpu_mb_per_token"] = s["bytes_cpu"] / n / 1e6
     res["mapped_mb_per_token"] = s.get("bytes_mapped", 0) / n / 1e6  # read by GPU kernels from host memory
     res["_trace"], res["_trace_start"], res["_steps"] = list(ex.trace), mark[0], n
     ex.close()
+    model.graphs = None
     attach(model, lambda *a: (_ for _ in ()).throw(RuntimeError("experts detached")))
     del ex
     gc.collect()
@@ -56,11 +60,13 @@ def run_decode(model, reader, opts: OffloadConfig, prompt: list[int], *, warmup:
 
 
 def bound(res: dict, *, resident_ms: float, host_planned_ms: float | None, num_experts: int, payload: int,
-          b_pcie: float, b_cpu: float) -> dict:
+          b_pcie: float, b_cpu: float, eager_ms: float | None = None) -> dict:
     """Bound per token = Belady misses x payload / (B_pcie + B_cpu) + resident time, on this run's own trace.
+    resident_ms: the fastest resident decode (CUDA graphs); eager_ms: resident decode without graphs.
 
-    `gap_ms` splits measured - bound into what stands in the way: `host_path` (the host-planned path's own cost with
-    every expert resident: the resident_host_planned run minus resident), `traffic` (bytes moved beyond Belady's,
+    `gap_ms` splits measured - bound into what stands in the way: `eager` (a placement whose steps ran without CUDA
+    graphs pays the eager resident run's extra host time), `host_path` (the host-planned path's own cost with every
+    expert resident: the resident_host_planned run minus eager resident), `traffic` (bytes moved beyond Belady's,
     over both links at full rate) and `rest` (transfer waits not hidden behind compute, CPU-side stalls)."""
     trace, start, tokens = res.pop("_trace"), res.pop("_trace_start"), res.pop("_steps")
     opt = belady(trace, num_experts, res["num_slots"], count_from=start)
@@ -72,9 +78,12 @@ def bound(res: dict, *, resident_ms: float, host_planned_ms: float | None, num_e
     if host_planned_ms is not None:
         moved = sum(res["stats"].get(k, 0) for k in ("bytes_h2d", "bytes_cpu", "bytes_mapped")) / tokens
         # mode mapped never takes the host-planned path in decode: nothing of its cost applies
-        gap = {"host_path": 0.0 if res["mode"] == "mapped" else host_planned_ms - resident_ms,
+        eager = eager_ms if eager_ms is not None else resident_ms
+        replayed = bool(res.get("graphs") and res["graphs"]["replays"])
+        gap = {"eager": 0.0 if replayed else eager - resident_ms,
+               "host_path": 0.0 if res["mode"] == "mapped" else host_planned_ms - eager,
                "traffic": 1e3 * max(0.0, moved - miss_bytes) / (b_pcie + b_cpu)}
-        gap["rest"] = res["ms_per_token"] - out["bound_ms"] - gap["host_path"] - gap["traffic"]
+        gap["rest"] = res["ms_per_token"] - out["bound_ms"] - sum(gap.values())
         out["gap_ms"] = gap
     return out
 
@@ -150,7 +159,8 @@ def engine_run(ftw: Path, reader: FtwReader, *, budget_gib: float, log, tokens: 
            "decode_tok_s": res.timings.get("decode_tok_s"), "prefill_tok_s": res.timings.get("prefill_tok_s"),
            "tokens": len(res.token_ids), "moe": moe,
            "step_ms_median": {k: statistics.median(s[k] for s in steps) for k in ("step", *PHASES, "other")},
-           "host_reads_per_step": statistics.median(s["reads"] for s in counted)}
+           "host_reads_per_step": statistics.median(s["reads"] for s in counted),
+           "cuda_graphs": eng.stats().get("cuda_graphs")}
     log(f"engine @ {out['budget_gib']:.2f} GiB: {out['num_slots']} slots ({out['mode']}), decode "
         f"{out['decode_tok_s']:.1f} tok/s, hit {moe.get('hit_rate')}, step ms {out['step_ms_median']}")
     eng.close()
@@ -208,10 +218,11 @@ def stage_e2e(args, prof: dict, out: dict, flush, plan, log=print) -> dict:
         r["verify_records_s"] = time.perf_counter() - t_verify
         run(OffloadConfig(mode="resident", **common))
         resident = run(OffloadConfig(mode="resident", **common))
+        resident_eager = run(OffloadConfig(mode="resident", **common), graphs=False)
         # resident experts through the host-planned path (a sync per layer, the tile kernel): its time minus the
-        # resident time is the host-planned path's own cost; its tokens show how far the two kernels agree
+        # eager resident time is the host-planned path's own cost; its tokens show how far the two kernels agree
         resident_host = run(OffloadConfig(mode="resident", **common), device_plan=False)
-        for res in (resident, resident_host):
+        for res in (resident, resident_eager, resident_host):
             for k in ("_trace", "_trace_start", "_steps"):
                 res.pop(k, None)
         layout = RecordLayout.from_bank(reader.bank(f"layers.{cfg.mlp_types.index('moe')}.mlp.experts"),
@@ -224,8 +235,9 @@ def stage_e2e(args, prof: dict, out: dict, flush, plan, log=print) -> dict:
             ex.close()
             del ex
             _empty_cache()
-        r["resident"], r["resident_host_planned"] = resident, resident_host
-        log(f"{routing} resident: {resident['tok_s']:.1f} tok/s ({resident_host['tok_s']:.1f} host-planned)")
+        r["resident"], r["resident_eager"], r["resident_host_planned"] = resident, resident_eager, resident_host
+        log(f"{routing} resident: {resident['tok_s']:.1f} tok/s (graphs {resident['graphs']}; eager "
+            f"{resident_eager['tok_s']:.1f}, host-planned {resident_host['tok_s']:.1f})")
         runs = r["decode"] = {}
         flush()
         for gib in args.budgets:
@@ -238,12 +250,14 @@ def stage_e2e(args, prof: dict, out: dict, flush, plan, log=print) -> dict:
                     r.setdefault("skipped", []).append(f"{key}: not enough time left")
                     continue
                 pin = {"pin_host_bytes": 0} if mode.endswith("-staged") else {}  # A/B: no page-locked banks
-                res = run(OffloadConfig(mode=mode.removesuffix("-staged"), num_slots=sc["num_slots"], **pin,
-                                        **common))
+                base = mode.removesuffix("-eager").removesuffix("-staged")  # -eager: A/B without CUDA graphs
+                res = run(OffloadConfig(mode=base, num_slots=sc["num_slots"], **pin, **common),
+                          graphs=not mode.endswith("-eager"))
                 res["budget"] = sc
                 res["bound"] = bound(res, resident_ms=resident["ms_per_token"],
                                      host_planned_ms=resident_host["ms_per_token"], num_experts=E,
-                                     payload=layout.payload_bytes, b_pcie=b_p, b_cpu=b_c)
+                                     payload=layout.payload_bytes, b_pcie=b_p, b_cpu=b_c,
+                                     eager_ms=resident_eager["ms_per_token"])
                 runs[key] = res
                 flush()
                 log(f"{routing} {key}: {res['tok_s']:.1f} tok/s, hit {res['stats']['hit_rate']:.2f}, "
@@ -260,7 +274,7 @@ def stage_e2e(args, prof: dict, out: dict, flush, plan, log=print) -> dict:
                 flush()
                 log(f"{routing} static@{gib:g}GiB ({len(cpu_layers)} CPU layers): {res['tok_s']:.1f} tok/s")
         ref_tokens = resident["tokens"]  # offloaded decode runs the same device-planned kernel
-        for res in (resident, resident_host, *runs.values()):  # static decodes after a shorter prompt: no reference
+        for res in (resident, resident_eager, resident_host, *runs.values()):  # static decodes after a shorter prompt: no reference
             same = res["prompt_tokens"] == resident["prompt_tokens"]
             res["greedy_equal_to_resident"] = sum(a == b for a, b in zip(res["tokens"], ref_tokens)) if same else None
             res["greedy_prefix_equal"] = next((i for i, (a, b) in enumerate(zip(res["tokens"], ref_tokens)) if a != b),

@@ -25,7 +25,10 @@ def print_summary(results: dict) -> None:
                   f"device busy {p['device_busy_ms_per_token']:.2f}) tags ms {tags} syncs {p['syncs_per_token']}")
     for routing, r in results.get("e2e", {}).get("routings", {}).items():
         host = r.get("resident_host_planned", {})
+        eager = r.get("resident_eager", {})
         print(routing, "logits", r.get("logits_vs_cpu"), "resident", round(r.get("resident", {}).get("tok_s", 0), 1),
+              "graphs", r.get("resident", {}).get("graphs"), "eager", round(eager.get("tok_s", 0), 1),
+              f"(greedy {eager.get('greedy_prefix_equal')}/{eager.get('greedy_len')})",
               "host-planned", round(host.get("tok_s", 0), 1), "greedy host-planned vs resident",
               f"{host.get('greedy_prefix_equal')}/{host.get('greedy_len')}")
         for key, d in r.get("decode", {}).items():
@@ -37,7 +40,8 @@ def print_summary(results: dict) -> None:
                   f"mapped {d.get('mapped_mb_per_token', 0):6.1f} MB/t "
                   f"bound {b.get('bound_tok_s', 0):7.1f} frac {b.get('fraction_of_bound', 0):.2f} {vs} "
                   f"direct {d['stats'].get('uploads_direct')}/{d['stats'].get('uploads')} "
-                  f"greedy {d.get('greedy_prefix_equal')}/{d.get('greedy_len')}")
+                  f"greedy {d.get('greedy_prefix_equal')}/{d.get('greedy_len')} "
+                  f"replays {(d.get('graphs') or {}).get('replays')}")
             if b.get("gap_ms"):
                 print(f"  {'':20s} ms/token {d['ms_per_token']:.2f} = bound {b['bound_ms']:.2f} + "
                       + " + ".join(f"{k} {v:.2f}" for k, v in b["gap_ms"].items()))

@@ -38,19 +38,18 @@ def uses_device_plan(ex, layer: int, num_tokens: int) -> bool:
             and o.mode in ("resident", "static") and 0 < num_tokens * ex.k <= MAX_DEVICE_PAIRS)
 
 
-def count_call(ex, topk_ids: torch.Tensor) -> None:
+def count_call(ex, num_tokens: int) -> None:
     """What a call whose routing stays on the device counts at once (calls, tokens, pairs); advances the clock."""
-    T, k = topk_ids.shape
     c = ex.counters
     c["calls"] += 1
-    c["tokens"] += T
-    c["pairs"] += T * k
+    c["tokens"] += num_tokens
+    c["pairs"] += num_tokens * ex.k
     ex.cache.tick()
 
 
 def device_call(ex, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     """The device-planned call -> fp32 [T, H]. The caller checked `uses_device_plan`."""
-    count_call(ex, topk_ids)
+    count_call(ex, topk_ids.shape[0])
     return device_kernel(ex, layer, x, topk_ids, topk_weights)
 
 

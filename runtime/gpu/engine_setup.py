@@ -47,8 +47,9 @@ def _weight_bytes(model) -> int:
 
 def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, memory_ratio: float,
                    offload: OffloadConfig | None, kv_reserve_tokens: int, max_running_requests: int,
-                   dense_weights: str | None = None, mode: str | None = None):
-    """-> (model, GpuExperts with its slot pool allocated; `experts.vram_plan` says how the budget was spent)."""
+                   dense_weights: str | None = None, mode: str | None = None, cuda_graphs: bool = True):
+    """-> (model, GpuExperts with its slot pool allocated; `experts.vram_plan` says how the budget was spent). On
+    CUDA with `cuda_graphs`, the model replays sync-free one-token decode steps from CUDA graphs (`graphs.py`)."""
     from ft.runtime.gpu.benchbw import load_profile
     from ft.runtime.model import load_model
 
@@ -89,6 +90,10 @@ def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, m
         experts.opts = dataclasses.replace(opts, mode="resident")  # everything fits: no miss handling at all
     experts.allocate(num_slots=num_slots)
     experts.vram_plan = plan
+    if cuda and cuda_graphs:
+        from .graphs import DecodeGraphs
+
+        model.graphs = DecodeGraphs(model, experts)
     if plan is not None:
         gib = 1 << 30
         log.info("VRAM budget %.2f GiB: dense %.2f (%s), KV %.2f, prefill buffers %.2f, reserve %.2f, expert slots "

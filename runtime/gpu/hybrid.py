@@ -39,6 +39,7 @@ from ft.formats import FtwReader
 from .cpu_nvfp4 import CpuMoe
 from .device_path import device_call, device_kernel, uses_device_kernel, uses_device_plan
 from .expert_cache import ExpertCache, plan_num_slots
+from .graphs import graph_call
 from .mapped_path import MappedDecode, uses_mapped
 from .hybrid_stats import experts_stats, reset_experts_stats
 from .moe_reference import moe_ref
@@ -82,6 +83,7 @@ class GpuExperts:
         self.prefetch_max = opts.prefetch_max if opts.prefetch_max is not None else self.k  # experts per call
         self.cache: ExpertCache | None = None
         self.mapped: MappedDecode | None = None  # mode mapped: the sync-free decode path's state, made by allocate
+        self.graph_calls = False  # set while a decode step is captured in a CUDA graph (graphs.py)
         self._prefill_done: list = [None, None]  # per prefill buffer: event after the last kernel reading it
         self.trace: list[tuple[int, np.ndarray]] = []
         self.counters = dict.fromkeys(("calls", "tokens", "pairs", "hits", "misses", "fetched", "cpu_experts",
@@ -148,6 +150,8 @@ class GpuExperts:
         T, k = topk_ids.shape
         if T == 0:
             return torch.zeros_like(x)
+        if self.graph_calls:  # inside a captured step: kernels only, bookkeeping after the replay
+            return graph_call(self, layer, x, topk_ids, topk_weights).to(x.dtype)
         if uses_device_plan(self, layer, T):  # no host sync: routing stays on the device
             return device_call(self, layer, x, topk_ids, topk_weights).to(x.dtype)
         if uses_mapped(self, layer, T):  # no host sync: misses read from the mapped bank, bookkeeping a step later

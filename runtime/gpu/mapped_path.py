@@ -32,6 +32,7 @@ import torch
 from .device_path import MAX_DEVICE_PAIRS, count_call
 from .pinning import bank_range, verify_bank
 
+GRAPH_BLOCKS = 8  # replays whose routing is in flight (graphs.py); when all are, the oldest is waited for
 RING = 64  # routing records in flight; when all are, the oldest is waited for (bounds the bookkeeping lag)
 ADMIT_MARGIN = 1.25  # a miss replaces a resident expert only when routed this many times as often
 
@@ -52,6 +53,14 @@ class MappedDecode:
         cuda = ex.device.type == "cuda"
         self.ring = [torch.empty(2, MAX_DEVICE_PAIRS, dtype=torch.int32, pin_memory=cuda) for _ in range(RING)]
         self.next = 0
+        # CUDA-graph decode (graphs.py): the captured calls write their routing and slots here, int32 [L, 2, P];
+        # after each replay one copy moves all layers' into the next page-locked block, read back like ring entries
+        self.graph_buf = torch.zeros(ex.L, 2, MAX_DEVICE_PAIRS, dtype=torch.int32, device=ex.device)
+        self.blocks = [torch.empty(ex.L, 2, MAX_DEVICE_PAIRS, dtype=torch.int32, pin_memory=cuda)
+                       for _ in range(GRAPH_BLOCKS)]
+        self.block_copied: list = [None] * GRAPH_BLOCKS  # event after each block's last copy
+        self.next_block = 0
+        self.graph_layers: list[int] = []  # the MoE layers the captured graph runs through this path
         self.checked = not cuda  # the first CUDA call is compared with the reference once (`_kernel`)
 
     def ready(self, layer: int) -> bool:
@@ -77,7 +86,7 @@ class MappedDecode:
         ex = self.ex
         self.poll()
         T, k = topk_ids.shape
-        count_call(ex, topk_ids)
+        count_call(ex, T)
         row = self.table.row(layer)
         y = self._kernel(layer, x, topk_ids, row, topk_weights)
         ids = topk_ids.reshape(-1)
@@ -89,6 +98,33 @@ class MappedDecode:
         entry[1, :T * k].copy_(row[ids.long()], non_blocking=True)  # the slots this kernel read (-1: host memory)
         self.records.append((ex._record_compute(), layer, T, entry))
         return y
+
+    def graph_call(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """A call inside a CUDA graph capture (or its warm-up): the kernel, and the routing + slots into `graph_buf`;
+        no host work (the table was synced before; `after_replay` does the bookkeeping)."""
+        T, k = topk_ids.shape
+        row = self.table.tensor[layer]
+        y = self._kernel(layer, x, topk_ids, row, topk_weights)
+        ids = topk_ids.reshape(-1)
+        self.graph_buf[layer, 0, :T * k].copy_(ids)
+        self.graph_buf[layer, 1, :T * k].copy_(row[ids.long()])
+        if layer not in self.graph_layers:
+            self.graph_layers.append(layer)
+        return y
+
+    def after_replay(self, num_tokens: int) -> None:
+        """After a replay was queued: one async copy of every captured layer's routing into a page-locked block, read
+        back by later polls like ring entries (in layer order)."""
+        i = self.next_block
+        self.next_block = (i + 1) % GRAPH_BLOCKS
+        if self.block_copied[i] is not None:  # the block may still be unread: wait for its copy
+            self.block_copied[i].synchronize()
+        self.poll()  # reads back every completed record, the block's included
+        block = self.blocks[i]
+        block.copy_(self.graph_buf, non_blocking=True)
+        ev = self.block_copied[i] = self.ex._record_compute()
+        for layer in self.graph_layers:
+            self.records.append((ev, layer, num_tokens, block[layer]))
 
     def _kernel(self, layer, x, topk_ids, row, topk_weights) -> torch.Tensor:
         ex = self.ex

@@ -3,10 +3,13 @@
 Fused projection rows `[q (nq·hd) | k (nkv·hd) | v (nkv·hd) | gate (nq·hd), only if gated]`, optional bias.
 Per head: optional RMSNorm of q and k over head_dim (before RoPE), then (partial) RoPE. Each segment writes its k/v
 rows into its cache at positions `[past, past + T)` and its queries attend to cache rows `[0, past + T)`, query i
-seeing keys up to `past + i`. Gated attention multiplies the attention output by `sigmoid(gate)` before `o_proj`.
+seeing keys up to `past + i`. A static batch (decode captured in a CUDA graph, see `ForwardBatch.static`) writes each
+one-token segment's k/v at its device-side position and attends over the whole buffer under a mask. Gated attention multiplies the attention output by `sigmoid(gate)` before `o_proj`.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -50,7 +53,13 @@ class Attention(Op):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
         out = torch.empty_like(q)                                   # [N, nq, hd]
-        for seg in batch.segments:
+        for seg in batch.segments if batch.static else ():
+            k_cache, v_cache = seg.state.kv[self._layer]            # [capacity, nkv, hd] each
+            pos = batch.positions[seg.rows]                         # [1] on the device
+            k_cache.index_copy_(0, pos, k[seg.rows])
+            v_cache.index_copy_(0, pos, v[seg.rows])
+            out[seg.rows] = masked_decode_attention(q[seg.rows], k_cache, v_cache, pos)
+        for seg in batch.segments if not batch.static else ():
             k_cache, v_cache = seg.state.kv[self._layer]            # [max_tokens, nkv, hd] each
             end = seg.past + seg.num_tokens
             k_cache[seg.past:end] = k[seg.rows]
@@ -73,6 +82,21 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: in
         with sdpa_kernel(_BACKENDS):
             return _sdpa(q, k, v, past)
     return _sdpa(q, k, v, past)
+
+
+def masked_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """One query token: q [1, nq, hd]; k, v [capacity, nkv, hd]; pos [1] (device) -> [1, nq, hd], attending to
+    rows 0..pos. Shapes never depend on pos (graph-capturable). The r = nq / nkv query heads of a KV group are laid out
+    as r query rows of that group, so GQA needs no copy of k / v."""
+    cap, nkv, hd = k.shape
+    r = q.shape[1] // nkv
+    qh = q[0].reshape(nkv, r, hd).unsqueeze(0)                          # [1, nkv, r, hd]: head g*r + j -> group g
+    kh, vh = (a.transpose(0, 1).unsqueeze(0) for a in (k, v))           # [1, nkv, cap, hd], strided views
+    mask = (torch.arange(cap, device=q.device) <= pos).view(1, 1, 1, cap)
+    ctx = sdpa_kernel(_BACKENDS[1:]) if q.is_cuda else contextlib.nullcontext()  # flash takes no mask
+    with ctx:
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=hd ** -0.5)
+    return o[0].reshape(1, nkv * r, hd)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:

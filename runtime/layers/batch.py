@@ -3,6 +3,10 @@
 A forward runs N tokens that belong to several segments (a prefill chunk or one decode token each), concatenated in
 order. Token-wise work (projections, norms, MoE) runs once over all N rows; sequence mixing (attention, DeltaNet)
 runs per segment on its rows `[start, start + num_tokens)`, continuing the segment's state at position `past`.
+
+`static` (a decode step captured in a CUDA graph, `ft.runtime.gpu.graphs`): every segment is one token, and its
+position is read from `positions` on the device at replay time, never from `past` (a Python int frozen at capture);
+attention then covers the whole KV buffer with a mask instead of slicing it to the current length.
 """
 
 from __future__ import annotations
@@ -30,3 +34,4 @@ class ForwardBatch:
     segments: list[SegmentRows]
     positions: torch.Tensor                       # [N] int64 absolute positions
     rope: dict[str, torch.Tensor] = field(default_factory=dict)   # cos/sin [N, rotary_dim], set by the model
+    static: bool = False                          # see the module docstring

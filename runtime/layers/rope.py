@@ -19,10 +19,14 @@ class Rotary:
         self.rotary_dim = rotary_dim
         # Same expression and dtype as the reference implementation, so the angles are bit-identical.
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+        self._on: dict[torch.device, torch.Tensor] = {}  # inv_freq per device: no host copy per call (CUDA graphs)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [N] int64 -> cos, sin [N, rotary_dim] in `dtype`."""
-        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
+        inv = self._on.get(positions.device)
+        if inv is None:
+            inv = self._on[positions.device] = self.inv_freq.to(positions.device)
+        freqs = positions.float()[:, None] * inv[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 

@@ -40,7 +40,8 @@ def load_engine(settings: ServeSettings) -> Any:
     if settings.device.startswith("cuda"):
         if "memory_ratio" in inspect.signature(Engine).parameters:
             kwargs.update(memory_ratio=settings.memory_ratio, vram_budget=settings.vram_budget,
-                          dense_weights=settings.dense_weights, offload_mode=settings.offload_mode)
+                          dense_weights=settings.dense_weights, offload_mode=settings.offload_mode,
+                          cuda_graphs=settings.cuda_graphs)
         else:
             log.warning("this engine does not size its CUDA budget by --memory-ratio; the flag has no effect")
     t0 = time.perf_counter()

@@ -33,6 +33,7 @@ class ServeSettings:
     vram_budget: int | None = None  # CUDA only: bytes for everything the engine allocates (overrides memory_ratio)
     dense_weights: str = "dequantized"  # CUDA only: quantized dense linears dequantized at load or kept as stored
     offload_mode: str = "mapped"  # CUDA only: how expert-cache misses are served (OffloadConfig modes)
+    cuda_graphs: bool = True  # CUDA only: replay sync-free one-token decode steps from captured graphs
     keepalive_s: float = 15.0  # silence before an SSE keep-alive (OpenAI comment / Anthropic ping)
 
     def __post_init__(self) -> None:
