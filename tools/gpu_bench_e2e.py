@@ -249,10 +249,13 @@ def stage_e2e(args, prof: dict, out: dict, flush, plan, log=print) -> dict:
                 if time.time() + per_run > deadline:
                     r.setdefault("skipped", []).append(f"{key}: not enough time left")
                     continue
-                pin = {"pin_host_bytes": 0} if mode.endswith("-staged") else {}  # A/B: no page-locked banks
-                base = mode.removesuffix("-eager").removesuffix("-staged")  # -eager: A/B without CUDA graphs
-                res = run(OffloadConfig(mode=base, num_slots=sc["num_slots"], **pin, **common),
-                          graphs=not mode.endswith("-eager"))
+                # mode[-staged|-eager][+aN]: A/B without page-locked banks / without CUDA graphs; admit_max N
+                name, _, admit = mode.partition("+a")
+                pin = {"pin_host_bytes": 0} if name.endswith("-staged") else {}
+                extra = {"admit_max": int(admit)} if admit else {}
+                res = run(OffloadConfig(mode=name.removesuffix("-eager").removesuffix("-staged"),
+                                        num_slots=sc["num_slots"], **pin, **extra, **common),
+                          graphs=not name.endswith("-eager"))
                 res["budget"] = sc
                 res["bound"] = bound(res, resident_ms=resident["ms_per_token"],
                                      host_planned_ms=resident_host["ms_per_token"], num_experts=E,

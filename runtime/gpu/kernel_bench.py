@@ -8,7 +8,8 @@ compares against the PyTorch reference on fresh random records and inputs.
 "device/<combine>" the device-planned kernels of `nvfp4_decode.py` with routing and slot table on the device, per
 block config; "device/pairs+graph" the same call captured in a CUDA graph and replayed (checked bit-equal to eager);
 "device/mapped" the same kernel with no expert in VRAM, every record read from page-locked host memory over the bus
-(mode mapped's miss path: its GB/s is the rate at which the kernel pulls records across PCIe).
+(the kernel pulls records across PCIe itself); "device/gather+compute" mode mapped's miss path: the misses copied by
+`gather_missing` into staging rows, then the resident kernel; "device/gather" the copy alone (its GB/s: the link).
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ def bench_decode_device(*, hidden: int = 2048, inter: int = 512, num_experts: in
                         device: str = "cuda") -> list[dict]:
     """Decode shapes (T * top_k <= 64): host-planned call with its routing sync vs the device-planned kernels.
     `device="cpu"` (Triton interpreter, tiny shapes, `_time_ms` replaced) only exercises this code in tests."""
-    from .nvfp4_decode import moe_nvfp4_device
+    from .nvfp4_decode import gather_missing, moe_nvfp4_device
     from .nvfp4_triton import moe_nvfp4
 
     dev = torch.device(device)
@@ -194,6 +195,18 @@ def bench_decode_device(*, hidden: int = 2048, inter: int = 512, num_experts: in
         if bank_addr:
             rows.append(row("device/mapped", lambda: moe_nvfp4_device(pool, layout, xd, ids, unmapped, wd,
                                                                       host_base=bank_addr, host_stride=layout.stride)))
+            staged = torch.cat([pool, torch.zeros(ids.numel(), layout.stride, dtype=torch.uint8, device=dev)])
+            pairs = torch.arange(ids.numel(), dtype=torch.int32, device=dev).view(ids.shape)
+
+            def gather():
+                return gather_missing(staged, layout, ids, unmapped, bank_addr, layout.stride, num_experts)
+
+            def gathered():  # mode mapped's decode call: misses gathered into staging rows, then the resident kernel
+                return moe_nvfp4_device(staged, layout, xd, pairs, gather(), wd)
+
+            rows.append(row("device/gather+compute", gathered))
+            ms = _time_ms(gather)
+            rows.append({"path": "device/gather", **base, "ms": ms, "gbs": ids.numel() * layout.payload_bytes / ms / 1e6})
         if dev.type != "cuda":
             continue
         try:

@@ -2,10 +2,14 @@
 
 The host-planned path (`hybrid.py`) brings every decode call's routing to the host before its kernel can start, one
 host sync per MoE layer: the GPU idles while Python plans, and the launches of the next layer's attention are no
-longer hidden behind GPU work. Here a decode call (T * k <= MAX_DEVICE_PAIRS) instead runs the device-planned kernel
-with the layer's bank mapped into the GPU's address space (`moe_nvfp4_device(host_base=...)`): a routed expert with
-a VRAM slot is read from the pool, any other straight from the page-locked bank in host memory, its bytes crossing
-the bus once, as a fetch would move them. Nothing waits for the host.
+longer hidden behind GPU work. Here a decode call (T * k <= MAX_DEVICE_PAIRS) instead runs device-planned kernels
+with the layer's bank mapped into the GPU's address space: a routed expert with a VRAM slot is read from the pool;
+any other is first copied by `gather_missing` from the page-locked bank in host memory into row num_slots + p of
+the pool (the prefill buffers, idle in decode; prefill uploads into them wait for the call's event), then the
+resident kernel runs over the pairs' slots. Its bytes cross the bus once, as a fetch would move them, and the copy's
+many independent wide reads keep the link busy, which reading records inside the GEMV kernel did not (run L: ~17
+GB/s). A call with more pairs than the prefill buffers have rows reads records in place inside the kernel
+(`moe_nvfp4_device(host_base=...)`). Nothing waits for the host, so decode steps can be CUDA graphs (`graphs.py`).
 
 The cache is refilled a step later. After the kernel, the call copies its routing and the slots its kernel used
 (int32 [2, P]) into a page-locked ring entry, asynchronously, with an event. Each later call first reads back the
@@ -61,6 +65,7 @@ class MappedDecode:
         self.block_copied: list = [None] * GRAPH_BLOCKS  # event after each block's last copy
         self.next_block = 0
         self.graph_layers: list[int] = []  # the MoE layers the captured graph runs through this path
+        self._arange: dict[int, torch.Tensor] = {}
         self.checked = not cuda  # the first CUDA call is compared with the reference once (`_kernel`)
 
     def ready(self, layer: int) -> bool:
@@ -96,7 +101,9 @@ class MappedDecode:
         self.next = (self.next + 1) % RING
         entry[0, :T * k].copy_(ids, non_blocking=True)
         entry[1, :T * k].copy_(row[ids.long()], non_blocking=True)  # the slots this kernel read (-1: host memory)
-        self.records.append((ex._record_compute(), layer, T, entry))
+        ev = ex._record_compute()
+        self.records.append((ev, layer, T, entry))
+        ex._prefill_done[:] = [ev, ev]  # the gather wrote prefill-buffer rows: prefill uploads wait for this call
         return y
 
     def graph_call(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -123,6 +130,7 @@ class MappedDecode:
         block = self.blocks[i]
         block.copy_(self.graph_buf, non_blocking=True)
         ev = self.block_copied[i] = self.ex._record_compute()
+        self.ex._prefill_done[:] = [ev, ev]  # as in __call__
         for layer in self.graph_layers:
             self.records.append((ev, layer, num_tokens, block[layer]))
 
@@ -131,10 +139,16 @@ class MappedDecode:
         bank = ex.banks[layer]
         if ex.device.type != "cuda" and not ex.interpret:
             return _reference(ex, bank, x, topk_ids, row, topk_weights)
-        from .nvfp4_decode import moe_nvfp4_device
+        from .nvfp4_decode import gather_missing, moe_nvfp4_device
 
-        got = moe_nvfp4_device(ex.pool, ex.layout, x, topk_ids, row, topk_weights, host_base=self.base[layer],
-                               host_stride=bank.stride)
+        P = topk_ids.numel()
+        if P <= 2 * ex.opts.prefill_slots:  # misses gathered into the prefill buffers' rows first (module docstring)
+            pair_slot = gather_missing(ex.pool, ex.layout, topk_ids, row, self.base[layer], bank.stride, ex.num_slots)
+            got = moe_nvfp4_device(ex.pool, ex.layout, x, self._pairs(P).view(topk_ids.shape), pair_slot,
+                                   topk_weights)
+        else:
+            got = moe_nvfp4_device(ex.pool, ex.layout, x, topk_ids, row, topk_weights, host_base=self.base[layer],
+                                   host_stride=bank.stride)
         if not self.checked:  # once: a GPU that misread mapped host memory would compute garbage silently
             want = _reference(ex, bank, x, topk_ids, row, topk_weights)
             err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
@@ -143,6 +157,12 @@ class MappedDecode:
                                    "use mode offload")
             self.checked = True
         return got
+
+    def _pairs(self, n: int) -> torch.Tensor:
+        """int32 [n] = 0 .. n-1 on the device (made once per n, so none is made during a graph capture)."""
+        if n not in self._arange:
+            self._arange[n] = torch.arange(n, dtype=torch.int32, device=self.ex.device)
+        return self._arange[n]
 
     def poll(self) -> None:
         """Publish landed uploads, then read back every routing record whose copy has completed (no waiting)."""
