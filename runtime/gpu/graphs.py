@@ -9,9 +9,9 @@ from a device buffer, attention covers the whole KV buffer under a mask) and `lo
 `SequenceState`. Outside the graph, per step:
   * the embedding gather (`embed_tokens`: its table may stay in host memory), copied into the static input `h`;
   * the position, written into the static input `pos`;
-  * the experts' host bookkeeping: `before_replay` (mode mapped reads back routing that has arrived and admits
-    experts, then the device slot table is uploaded if it changed) and `after_replay` (call counters; mode mapped
-    queues this replay's routing read-back).
+  * the experts' host bookkeeping: `before_replay` (the device slot table is uploaded if admits changed it) and
+    `after_replay`, which runs while the GPU replays (call counters; mode mapped queues this replay's routing
+    read-back, then reads back the previous steps' and admits experts, which the step after next can hit).
 The graph reads the state's buffers at their capture-time addresses (KV [capacity, nkv, hd]; DeltaNet conv and
 recurrent states, updated in place). So a graph belongs to one state at one capacity: another state, or one whose KV
 buffers grew (`ensure_capacity` reallocates), is captured anew (`MAX_GRAPHS` are kept, the oldest is dropped).
@@ -61,15 +61,18 @@ def graph_call(ex, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_wei
 
 def before_replay(ex) -> None:
     if ex.mapped is not None:
-        ex.mapped.poll()
+        ex.mapped.publish()
     ex.cache.device_table(ex.device).sync()  # admits / publications since the last step, before the replay reads it
 
 
 def after_replay(ex, num_tokens: int) -> None:
+    """Right after the replay was queued, so this host work overlaps the GPU running it: counters; mode mapped
+    queues the replay's routing read-back, then reads back what has arrived (the previous steps') and admits."""
     for _ in ex.moe_layers:
         count_call(ex, num_tokens)
     if ex.mapped is not None:
         ex.mapped.after_replay(num_tokens)
+        ex.mapped.poll()
 
 
 # ---- the model's side --------------------------------------------------------------------------------------------
@@ -103,14 +106,17 @@ class DecodeGraphs:
         self.model, self.ex = model, experts
         self.capture = model.device.type == "cuda" if capture is None else capture
         self._graphs: OrderedDict[int, _Captured] = OrderedDict()
+        self._ready = False
         self.counters = {"replays": 0, "captures": 0, "capture_s": 0.0, "eager_steps": 0}
 
     def step(self, input_ids: torch.Tensor, state) -> torch.Tensor | None:
         """One decode token of `state` (input_ids [1], validated by the model) -> fp32 logits [1, V], or None when the
         step cannot be replayed (the caller runs it eagerly). Does not advance `state.length` (the model does)."""
-        if not graph_ready(self.ex, 1):
-            self.counters["eager_steps"] += 1
-            return None
+        if not self._ready:
+            self._ready = graph_ready(self.ex, 1)  # once true it stays so (pinning done, paths checked at capture)
+            if not self._ready:
+                self.counters["eager_steps"] += 1
+                return None
         h = self.model.embed_tokens(input_ids)
         g = self._graphs.get(id(state))
         if g is None or not g.valid(state):
@@ -159,6 +165,7 @@ class DecodeGraphs:
             for t, s in zip((*state.conv.values(), *state.recurrent.values()), saved):
                 t.copy_(s)
             if not graph_ready(self.ex, 1):  # a first-call check turned a path off
+                self._ready = False
                 return None
             graph = torch.cuda.CUDAGraph()
             # thread_local: the uploader's staging thread may issue copies while this thread captures

@@ -15,7 +15,7 @@ The cache is refilled a step later. After the kernel, the call copies its routin
 (int32 [2, P]) into a page-locked ring entry, asynchronously, with an event. Each later call first reads back the
 entries whose event has completed (`poll`, never blocking unless the ring is full): hits / misses / the trace are
 counted from them, and up to `admit_max` of the missed experts, most frequently routed first, are admitted when
-their routing frequency beats that of the slot's current owner (`ExpertCache` scores; an empty slot always takes
+their routing frequency beats `admit_margin` x that of the slot's current owner (`ExpertCache` scores; an empty slot always takes
 them). An admitted expert's upload is queued after every kernel queued so far (`after_compute`: the evicted expert
 may still be read), and its device table entry stays hidden (-1: read from host memory) until the upload's event
 has completed, so no kernel ever reads a slot in flight. The evicted expert's entry goes to -1 at once.
@@ -38,7 +38,6 @@ from .pinning import bank_range, verify_bank
 
 GRAPH_BLOCKS = 8  # replays whose routing is in flight (graphs.py); when all are, the oldest is waited for
 RING = 64  # routing records in flight; when all are, the oldest is waited for (bounds the bookkeeping lag)
-ADMIT_MARGIN = 1.25  # a miss replaces a resident expert only when routed this many times as often
 
 
 def uses_mapped(ex, layer: int, num_tokens: int) -> bool:
@@ -166,11 +165,15 @@ class MappedDecode:
 
     def poll(self) -> None:
         """Publish landed uploads, then read back every routing record whose copy has completed (no waiting)."""
+        self.publish()
+        while self.records and (self.records[0][0] is None or self.records[0][0].query()):
+            self._pop(wait=False)
+
+    def publish(self) -> None:
+        """Show the table entries of every admitted expert whose upload has landed (the next `sync` uploads them)."""
         while self.landing and (self.landing[0][0] is None or self.landing[0][0].query()):
             _, layer, experts = self.landing.popleft()
             self.table.show(layer, experts)
-        while self.records and (self.records[0][0] is None or self.records[0][0].query()):
-            self._pop(wait=False)
 
     def release(self) -> None:
         """Before a host-planned call reads the host table, or counters are read: read back every record, make later
@@ -214,7 +217,7 @@ class MappedDecode:
         victims = cache.victims(n)
         owners = cache.owner[victims]
         # candidates most frequent first, victims easiest first: admit up to the first that does not pay
-        pays = (owners < 0) | (freq[order[:len(victims)]] > ADMIT_MARGIN * cache.frequency(np.maximum(owners, 0)))
+        pays = (owners < 0) | (freq[order[:len(victims)]] > ex.opts.admit_margin * cache.frequency(np.maximum(owners, 0)))
         keep = len(pays) if pays.all() else int(np.argmin(pays))
         if keep == 0:
             return

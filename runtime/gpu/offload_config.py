@@ -40,6 +40,7 @@ class OffloadConfig:
     prefetch: bool = True
     prefetch_max: int | None = None  # experts per layer and step; None = top-k
     admit_max: int = 2  # mode mapped: experts admitted into the cache per layer call at most
+    admit_margin: float = 1.25  # mode mapped: a miss replaces a resident expert routed this many times less often
     prefill_tokens: int = 64  # calls with at least this many tokens stream their misses (prefill path)
     prefill_slots: int = 32  # slots per prefill buffer (two buffers)
     num_staging: int = 8  # pinned staging records
@@ -64,5 +65,7 @@ class OffloadConfig:
             raise ValueError(f"pin_host_bytes must be >= 0 (0 = no pinning), got {self.pin_host_bytes}")
         if self.admit_max < 0:
             raise ValueError(f"admit_max must be >= 0, got {self.admit_max}")
+        if not self.admit_margin >= 0:
+            raise ValueError(f"admit_margin must be >= 0, got {self.admit_margin}")
         if self.prefill_slots < 1 or self.num_staging < 1:
             raise ValueError("prefill_slots and num_staging must be >= 1")

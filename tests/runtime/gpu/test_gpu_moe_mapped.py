@@ -82,7 +82,7 @@ def test_mapped_falls_back_to_the_host_path_for_prefill_and_publishes_hidden_ent
 
 def test_admission_needs_a_more_frequent_candidate(reader):
     """A full cache under uniform routing does not churn: a miss evicts a resident expert only when routed more
-    often (by ADMIT_MARGIN)."""
+    often (by OffloadConfig.admit_margin)."""
     ex = GpuExperts(reader, OffloadConfig(mode="mapped", num_slots=2, prefetch=False, admit_max=2), device="cpu",
                     device_plan=True)
     ids = torch.tensor([[0, 1]])
