@@ -29,6 +29,7 @@ which sync) with the state's DeltaNet buffers saved and restored around it, then
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 
@@ -38,6 +39,8 @@ from ft.runtime.layers.batch import ForwardBatch, SegmentRows
 
 from .device_path import count_call, device_kernel, uses_device_plan
 from .mapped_path import uses_mapped
+
+log = logging.getLogger("ft.gpu")
 
 MAX_GRAPHS = 2  # captured states kept (a server mostly decodes one sequence; a second covers a switch)
 
@@ -107,21 +110,29 @@ class DecodeGraphs:
         self.capture = model.device.type == "cuda" if capture is None else capture
         self._graphs: OrderedDict[int, _Captured] = OrderedDict()
         self._ready = False
+        self.failed: str | None = None  # why a capture failed; graphs stay off for this model after one
         self.counters = {"replays": 0, "captures": 0, "capture_s": 0.0, "eager_steps": 0}
 
     def step(self, input_ids: torch.Tensor, state) -> torch.Tensor | None:
         """One decode token of `state` (input_ids [1], validated by the model) -> fp32 logits [1, V], or None when the
         step cannot be replayed (the caller runs it eagerly). Does not advance `state.length` (the model does)."""
         if not self._ready:
-            self._ready = graph_ready(self.ex, 1)  # once true it stays so (pinning done, paths checked at capture)
+            # once true it stays so (pinning done; the paths' first-call checks ran at capture)
+            self._ready = self.failed is None and graph_ready(self.ex, 1)
             if not self._ready:
                 self.counters["eager_steps"] += 1
                 return None
         h = self.model.embed_tokens(input_ids)
         g = self._graphs.get(id(state))
         if g is None or not g.valid(state):
-            g = self._capture(state, h)
+            try:
+                g = self._capture(state, h)
+            except Exception as e:  # noqa: BLE001 - decode on eagerly rather than fail the request
+                log.warning("CUDA graph capture failed, decoding eagerly from now on: %s: %s", type(e).__name__, e)
+                self.failed = self.counters["capture_error"] = f"{type(e).__name__}: {e}"[:500]
+                g = None
             if g is None:
+                self._ready = False
                 self.counters["eager_steps"] += 1
                 return None
         before_replay(self.ex)
@@ -156,16 +167,18 @@ class DecodeGraphs:
             before_replay(self.ex)
             g.h.copy_(h)
             g.pos.fill_(state.length)
-            saved = [t.clone() for t in (*state.conv.values(), *state.recurrent.values())]
+            live = [*state.conv.values(), *state.recurrent.values()]
+            saved = [t.clone() for t in live]
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # compiles, first-call checks (sync); the state is restored below
-                self._body(g)
-            torch.cuda.current_stream().wait_stream(side)
-            for t, s in zip((*state.conv.values(), *state.recurrent.values()), saved):
-                t.copy_(s)
+            try:
+                with torch.cuda.stream(side):  # compiles, first-call checks (sync); the state is restored below
+                    self._body(g)
+            finally:
+                torch.cuda.current_stream().wait_stream(side)
+                for t, s in zip(live, saved):
+                    t.copy_(s)
             if not graph_ready(self.ex, 1):  # a first-call check turned a path off
-                self._ready = False
                 return None
             graph = torch.cuda.CUDAGraph()
             # thread_local: the uploader's staging thread may issue copies while this thread captures

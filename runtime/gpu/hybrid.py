@@ -18,8 +18,8 @@ Uploads run on the uploader's staging thread; page-locked banks (`pin_host_bytes
 after `allocate`: `wait_pinned`) skip the staging copy.
 
 Host syncs. Decode calls (T * k <= 64) of fully resident layers (mode "resident", the GPU layers of "static") take
-the device-planned path (`device_path.py`: routing, slot lookup and grid stay on the device; `is_sync_free` is the
-contract for capturing decode in a CUDA graph), and so do mode "mapped"'s offloaded layers once their banks are
+the device-planned path (`device_path.py`: routing, slot lookup and grid stay on the device; `graphs.graph_ready` is
+the contract for capturing decode in a CUDA graph), and so do mode "mapped"'s offloaded layers once their banks are
 page-locked and verified (`mapped_path.py`: misses read in place from host memory, cache refilled a step later).
 Every other call brings the routing to the host, one sync per MoE layer call (cache lookup, split, LRU bookkeeping,
 and the next layer's prediction riding along with the same copy): modes hybrid / offload / cpu, static's
@@ -218,15 +218,6 @@ class GpuExperts:
     def uses_device_plan(self, layer: int, num_tokens: int) -> bool:
         """Whether a call of `num_tokens` tokens at `layer` keeps its routing on the device (any device)."""
         return uses_device_plan(self, layer, num_tokens)
-
-    def is_sync_free(self, layer: int, num_tokens: int) -> bool:
-        """True when a call of `num_tokens` tokens at `layer` on the CUDA device issues no host sync and no host ->
-        device copy: the pool is allocated and the call takes the device-planned path with a clean slot table. Such
-        a call may be captured in a CUDA graph (after one warm-up call has compiled the kernels); the pool and table
-        keep their addresses, and the table stays clean: resident / static layers never admit or evict after
-        `allocate`."""
-        return (self.device.type == "cuda" and self.cache is not None and uses_device_plan(self, layer, num_tokens)
-                and not self.cache.device_table(self.device).dirty)
 
     # ---- pieces ------------------------------------------------------------------------------------------
     def _split(self, layer: int, misses: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -25,10 +25,10 @@ def ftw(ftw_for):
     return ftw_for("qwen3_5_moe", "nvfp4")  # full attention + DeltaNet + MoE with a shared expert
 
 
-def _model(ftw, opts, device="cpu", graphs=False, capture=None):
+def _model(ftw, opts, device="cpu", graphs=False, capture=None, keep_quantized=False):
     reader = FtwReader(ftw)
     ex = GpuExperts(reader, opts, device=device, device_plan=True)
-    model = load_model(reader, device=device, experts=ex)
+    model = load_model(reader, device=device, experts=ex, keep_quantized=keep_quantized)
     if graphs:
         model.graphs = DecodeGraphs(model, ex, capture=capture)
     return model, ex
@@ -91,6 +91,24 @@ def test_a_grown_state_is_captured_again(ftw):
         e.close()
 
 
+def test_a_failed_capture_falls_back_to_eager_decoding(ftw, monkeypatch):
+    model, ex = _model(ftw, OffloadConfig(mode="resident", prefetch=False), graphs=True, capture=False)
+    eager, ex0 = _model(ftw, OffloadConfig(mode="resident", prefetch=False))
+
+    def broken(*a, **kw):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(model.graphs, "_capture", broken)
+    toks, got = _decode(model, 4)
+    want_toks, want = _decode(eager, 4)
+    assert toks == want_toks
+    _close(got, want)
+    c = model.graphs.counters
+    assert c["replays"] == 0 and c["eager_steps"] == 4 and "stream is capturing" in c["capture_error"]
+    for e in (ex, ex0):
+        e.close()
+
+
 def test_host_planned_modes_decode_eagerly(ftw):
     model, ex = _model(ftw, OffloadConfig(mode="hybrid", num_slots=3, prefetch=False, b_pcie=1e9, b_cpu=1e9),
                        graphs=True, capture=False)
@@ -100,14 +118,27 @@ def test_host_planned_modes_decode_eagerly(ftw):
     ex.close()
 
 
+def test_quantized_dense_linears_decode_statically(ftw):
+    assert FtwReader(ftw).quant.get("linears")  # the case is only meaningful with quantized dense linears
+    opts = OffloadConfig(mode="resident", prefetch=False)
+    eager, ex0 = _model(ftw, opts, keep_quantized=True)
+    want_toks, want = _decode(eager, 6)
+    model, ex = _model(ftw, opts, graphs=True, capture=False, keep_quantized=True)
+    got_toks, got = _decode(model, 6)
+    assert got_toks == want_toks and model.graphs.counters["replays"] == 6
+    _close(got, want)
+    for e in (ex, ex0):
+        e.close()
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("mode", ["resident", "mapped"])
-def test_cuda_graph_decode_matches_eager(ftw, mode):
+@pytest.mark.parametrize("mode,keep_quantized", [("resident", False), ("mapped", False), ("mapped", True)])
+def test_cuda_graph_decode_matches_eager(ftw, mode, keep_quantized):
     opts = OffloadConfig(mode=mode, num_slots=None if mode == "resident" else 3, prefetch=False)
-    eager, ex0 = _model(ftw, opts, device="cuda")
+    eager, ex0 = _model(ftw, opts, device="cuda", keep_quantized=keep_quantized)
     ex0.wait_pinned()
     want_toks, want = _decode(eager, 16)
-    model, ex = _model(ftw, opts, device="cuda", graphs=True)
+    model, ex = _model(ftw, opts, device="cuda", graphs=True, keep_quantized=keep_quantized)
     ex.wait_pinned()
     got_toks, got = _decode(model, 16, poison=True)
     assert got_toks == want_toks

@@ -15,6 +15,7 @@ triton = pytest.importorskip("triton")
 from ft.formats import FtwReader  # noqa: E402
 from ft.runtime.gpu.device_path import MAX_DEVICE_PAIRS, moe_device_ref  # noqa: E402
 from ft.runtime.gpu.expert_cache import ExpertCache  # noqa: E402
+from ft.runtime.gpu.graphs import graph_ready  # noqa: E402
 from ft.runtime.gpu.hybrid import GpuExperts  # noqa: E402
 from ft.runtime.gpu.moe_reference import moe_ref  # noqa: E402
 from ft.runtime.gpu.nvfp4_decode import check_resident, moe_nvfp4_device  # noqa: E402
@@ -167,7 +168,6 @@ def test_resident_device_path_equals_host_path(reader, mode):
         planned = new.uses_device_plan(layer, x.shape[0])
         assert planned == (x.shape[0] * K <= MAX_DEVICE_PAIRS and not (mode == "static" and layer == 0))
         assert not old.uses_device_plan(layer, x.shape[0])
-        assert not new.is_sync_free(layer, x.shape[0])  # a CPU device never is
         y_new, y_old = new(layer, x, ids, w), old(layer, x, ids, w)
         assert y_new.dtype == x.dtype
         if planned:  # the same reference on the same slots, gathered on the device vs looked up on the host
@@ -290,7 +290,7 @@ def test_cuda_resident_call_is_sync_free_and_capturable(reader):
     ex.allocate()
     layer, x, ids, w = next(_calls((2,), seed=9))
     x, ids, w = x.cuda(), ids.cuda(), w.cuda()
-    assert ex.is_sync_free(layer, 2) and not ex.is_sync_free(layer, MAX_DEVICE_PAIRS)
+    assert graph_ready(ex, 2) and not graph_ready(ex, MAX_DEVICE_PAIRS)
     eager = ex(layer, x, ids, w)  # warm-up: compiles the kernels
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
