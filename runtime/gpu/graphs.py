@@ -64,7 +64,7 @@ def graph_call(ex, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_wei
 
 def before_replay(ex) -> None:
     if ex.mapped is not None:
-        ex.mapped.publish()
+        ex.mapped.before_replay()
     ex.cache.device_table(ex.device).sync()  # admits / publications since the last step, before the replay reads it
 
 
@@ -75,7 +75,6 @@ def after_replay(ex, num_tokens: int) -> None:
         count_call(ex, num_tokens)
     if ex.mapped is not None:
         ex.mapped.after_replay(num_tokens)
-        ex.mapped.poll()
 
 
 # ---- the model's side --------------------------------------------------------------------------------------------
@@ -178,6 +177,8 @@ class DecodeGraphs:
                 torch.cuda.current_stream().wait_stream(side)
                 for t, s in zip(live, saved):
                     t.copy_(s)
+                if self.ex.mapped is not None and self.ex.mapped.graph_layers:
+                    self.ex.mapped.record_step(1)  # its fills are real: the host must mirror them
             if not graph_ready(self.ex, 1):  # a first-call check turned a path off
                 return None
             graph = torch.cuda.CUDAGraph()

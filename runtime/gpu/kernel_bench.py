@@ -149,7 +149,8 @@ def bench_decode_device(*, hidden: int = 2048, inter: int = 512, num_experts: in
                         device: str = "cuda") -> list[dict]:
     """Decode shapes (T * top_k <= 64): host-planned call with its routing sync vs the device-planned kernels.
     `device="cpu"` (Triton interpreter, tiny shapes, `_time_ms` replaced) only exercises this code in tests."""
-    from .nvfp4_decode import gather_missing, moe_nvfp4_device
+    from .gather import gather_missing
+    from .nvfp4_decode import moe_nvfp4_device
     from .nvfp4_triton import moe_nvfp4
 
     dev = torch.device(device)
@@ -199,7 +200,8 @@ def bench_decode_device(*, hidden: int = 2048, inter: int = 512, num_experts: in
             pairs = torch.arange(ids.numel(), dtype=torch.int32, device=dev).view(ids.shape)
 
             def gather():
-                return gather_missing(staged, layout, ids, unmapped, bank_addr, layout.stride, num_experts)
+                return gather_missing(staged, layout, ids, unmapped[None], 0, bank_addr, layout.stride,
+                                      num_experts)[0]
 
             def gathered():  # mode mapped's decode call: misses gathered into staging rows, then the resident kernel
                 return moe_nvfp4_device(staged, layout, xd, pairs, gather(), wd)

@@ -1,29 +1,30 @@
 """Mode "mapped": offloaded decode calls that never wait for the host.
 
 The host-planned path (`hybrid.py`) brings every decode call's routing to the host before its kernel can start, one
-host sync per MoE layer: the GPU idles while Python plans, and the launches of the next layer's attention are no
-longer hidden behind GPU work. Here a decode call (T * k <= MAX_DEVICE_PAIRS) instead runs device-planned kernels
-with the layer's bank mapped into the GPU's address space: a routed expert with a VRAM slot is read from the pool;
-any other is first copied by `gather_missing` from the page-locked bank in host memory into row num_slots + p of
-the pool (the prefill buffers, idle in decode; prefill uploads into them wait for the call's event), then the
-resident kernel runs over the pairs' slots. Its bytes cross the bus once, as a fetch would move them, and the copy's
-many independent wide reads keep the link busy, which reading records inside the GEMV kernel did not (run L: ~17
-GB/s). A call with more pairs than the prefill buffers have rows reads records in place inside the kernel
-(`moe_nvfp4_device(host_base=...)`). Nothing waits for the host, so decode steps can be CUDA graphs (`graphs.py`).
+host sync per MoE layer: the GPU idles while Python plans. Here a decode call (T * k <= MAX_DEVICE_PAIRS) runs device
+kernels only, with the layer's bank page-locked and mapped into the GPU's address space (`gather.py`): a routed expert
+with a VRAM slot is read from the pool; any other is copied from host memory by the GPU itself, into a *fill
+candidate* slot when one is usable (it becomes a cache entry on the device at once) or else into a staging row of the
+(idle in decode) prefill buffers, and the resident kernel runs over the pairs' slots. Each miss crosses the bus once.
+Nothing waits for the host, so decode steps can be CUDA graphs (`graphs.py`). A call with more pairs than the
+prefill buffers have rows reads records in place inside the kernel (`moe_nvfp4_device(host_base=...)`).
 
-The cache is refilled a step later. After the kernel, the call copies its routing and the slots its kernel used
-(int32 [2, P]) into a page-locked ring entry, asynchronously, with an event. Each later call first reads back the
+The host follows a step later. After the kernels, the call copies its routing, the rows its pairs read and which
+were copied (int32 [3, P]) into a page-locked ring entry, asynchronously, with an event; later calls read back the
 entries whose event has completed (`poll`, never blocking unless the ring is full): hits / misses / the trace are
-counted from them, and up to `admit_max` of the missed experts, most frequently routed first, are admitted when
-their routing frequency beats `admit_margin` x that of the slot's current owner (`ExpertCache` scores; an empty slot always takes
-them). An admitted expert's upload is queued after every kernel queued so far (`after_compute`: the evicted expert
-may still be read), and its device table entry stays hidden (-1: read from host memory) until the upload's event
-has completed, so no kernel ever reads a slot in flight. The evicted expert's entry goes to -1 at once.
+counted, and every fill is mirrored in the host table (`ExpertCache.adopt`). Candidates are the cache's next victims
+(`ExpertCache.victims`, eviction scores of the host's view), R = k per layer, refreshed after every read-back and
+uploaded for the next call; those offered to calls still in flight are not offered again, and the device skips any
+whose owner changed since (`gather.py`). So the host never uploads the table while a fill it has not seen is in
+flight (it only uploads after its own changes, which happen after `release` has read everything back).
+
+`fill=False` (OffloadConfig) keeps the earlier policy: misses are only staged, and up to `admit_max` of them per call,
+most frequently routed first, are uploaded into victim slots when their routing frequency beats `admit_margin` x that
+of the slot's owner; their table entries stay hidden (-1) until the upload lands.
 
 Records are read by the GPU without the reader's lazy checksum, so a bank takes this path only after the pinner has
 verified all its records (`pin_banks(verify=True)`); other layers (and every layer before the pinner is done) take
-the host-planned path, as mode offload. Host-planned calls in between publish every hidden entry after their fence
-(`release`), since they read the host table.
+the host-planned path. Host-planned calls in between first read everything back (`release`).
 """
 
 from __future__ import annotations
@@ -34,10 +35,12 @@ import numpy as np
 import torch
 
 from .device_path import MAX_DEVICE_PAIRS, count_call
+from .mapped_readback import read_back
 from .pinning import bank_range, verify_bank
 
 GRAPH_BLOCKS = 8  # replays whose routing is in flight (graphs.py); when all are, the oldest is waited for
 RING = 64  # routing records in flight; when all are, the oldest is waited for (bounds the bookkeeping lag)
+CAND_BUFFERS = 4  # page-locked copies of the candidate table, used in turn
 
 
 def uses_mapped(ex, layer: int, num_tokens: int) -> bool:
@@ -50,20 +53,30 @@ class MappedDecode:
     def __init__(self, ex):
         self.ex = ex
         self.table = ex.cache.device_table(ex.device)
+        self.fill = ex.opts.fill and ex.cache.S > 0
         self.base: dict[int, int] | None = None  # layer -> device address of its verified, mapped bank
-        self.records: deque = deque()  # (event, layer, T, ring entry int32 [2, P]) not yet read back
-        self.landing: deque = deque()  # (event, layer, experts): uploads whose table entries are hidden
+        self.records: deque = deque()  # (event, layer, T, entry int32 [3, P]: ids, rows read, copied) not read back
+        self.landing: deque = deque()  # fill=False: (event, layer, experts), uploads whose table entries are hidden
         cuda = ex.device.type == "cuda"
-        self.ring = [torch.empty(2, MAX_DEVICE_PAIRS, dtype=torch.int32, pin_memory=cuda) for _ in range(RING)]
+        self.ring = [torch.empty(3, MAX_DEVICE_PAIRS, dtype=torch.int32, pin_memory=cuda) for _ in range(RING)]
         self.next = 0
-        # CUDA-graph decode (graphs.py): the captured calls write their routing and slots here, int32 [L, 2, P];
-        # after each replay one copy moves all layers' into the next page-locked block, read back like ring entries
-        self.graph_buf = torch.zeros(ex.L, 2, MAX_DEVICE_PAIRS, dtype=torch.int32, device=ex.device)
-        self.blocks = [torch.empty(ex.L, 2, MAX_DEVICE_PAIRS, dtype=torch.int32, pin_memory=cuda)
+        # CUDA-graph decode (graphs.py): the captured calls write their entries here, int32 [L, 3, P]; after each
+        # replay one copy moves all layers' into the next page-locked block, read back like ring entries
+        self.graph_buf = torch.zeros(ex.L, 3, MAX_DEVICE_PAIRS, dtype=torch.int32, device=ex.device)
+        self.blocks = [torch.empty(ex.L, 3, MAX_DEVICE_PAIRS, dtype=torch.int32, pin_memory=cuda)
                        for _ in range(GRAPH_BLOCKS)]
         self.block_copied: list = [None] * GRAPH_BLOCKS  # event after each block's last copy
         self.next_block = 0
         self.graph_layers: list[int] = []  # the MoE layers the captured graph runs through this path
+        # fill candidates per layer, int32 [L, 2, R] (slots; owners the host believes they hold), -1 = none
+        self.R = ex.k
+        self.cand = torch.full((ex.L, 2, self.R), -1, dtype=torch.int32, device=ex.device)
+        self._cand_host = [torch.full((ex.L, 2, self.R), -1, dtype=torch.int32, pin_memory=cuda)
+                           for _ in range(CAND_BUFFERS)]
+        self._cand_copied: list = [None] * CAND_BUFFERS
+        self._cand_next = 0
+        self.offered = np.empty(0, np.int64)  # candidates of the last refresh (maybe taken by a call in flight)
+        self._refreshed = False
         self._arange: dict[int, torch.Tensor] = {}
         self.checked = not cuda  # the first CUDA call is compared with the reference once (`_kernel`)
 
@@ -89,38 +102,48 @@ class MappedDecode:
     def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         ex = self.ex
         self.poll()
+        self.refresh()
         T, k = topk_ids.shape
         count_call(ex, T)
-        row = self.table.row(layer)
-        y = self._kernel(layer, x, topk_ids, row, topk_weights)
-        ids = topk_ids.reshape(-1)
+        self.table.sync()
+        y, pair_slot, pair_copy = self._kernel(layer, x, topk_ids, topk_weights)
         if len(self.records) == RING:  # this call reuses the oldest entry: read it back first
             self._pop(wait=True)
         entry = self.ring[self.next]
         self.next = (self.next + 1) % RING
-        entry[0, :T * k].copy_(ids, non_blocking=True)
-        entry[1, :T * k].copy_(row[ids.long()], non_blocking=True)  # the slots this kernel read (-1: host memory)
+        for i, t in enumerate((topk_ids.reshape(-1), pair_slot, pair_copy)):
+            entry[i, :T * k].copy_(t, non_blocking=True)
         ev = ex._record_compute()
         self.records.append((ev, layer, T, entry))
-        ex._prefill_done[:] = [ev, ev]  # the gather wrote prefill-buffer rows: prefill uploads wait for this call
+        ex._prefill_done[:] = [ev, ev]  # staging wrote prefill-buffer rows: prefill uploads wait for this call
         return y
 
     def graph_call(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """A call inside a CUDA graph capture (or its warm-up): the kernel, and the routing + slots into `graph_buf`;
-        no host work (the table was synced before; `after_replay` does the bookkeeping)."""
-        T, k = topk_ids.shape
-        row = self.table.tensor[layer]
-        y = self._kernel(layer, x, topk_ids, row, topk_weights)
-        ids = topk_ids.reshape(-1)
-        self.graph_buf[layer, 0, :T * k].copy_(ids)
-        self.graph_buf[layer, 1, :T * k].copy_(row[ids.long()])
+        """A call inside a CUDA graph capture (or its warm-up): the kernels, and the entry into `graph_buf`; no host
+        work (table and candidates were uploaded before; `after_replay` does the bookkeeping)."""
+        y, pair_slot, pair_copy = self._kernel(layer, x, topk_ids, topk_weights)
+        P = topk_ids.numel()
+        for i, t in enumerate((topk_ids.reshape(-1), pair_slot, pair_copy)):
+            self.graph_buf[layer, i, :P].copy_(t)
         if layer not in self.graph_layers:
             self.graph_layers.append(layer)
         return y
 
+    def before_replay(self) -> None:
+        self.publish()
+        if self.fill and not self._refreshed:  # the first step: no candidates uploaded yet
+            self.refresh()
+
     def after_replay(self, num_tokens: int) -> None:
-        """After a replay was queued: one async copy of every captured layer's routing into a page-locked block, read
-        back by later polls like ring entries (in layer order)."""
+        """After a replay was queued: queue its entries' read-back, read back what has arrived and refresh the
+        candidates for the next step (this runs while the GPU replays)."""
+        self.record_step(num_tokens)
+        self.poll()
+        self.refresh()
+
+    def record_step(self, num_tokens: int) -> None:
+        """One async copy of every captured layer's entry (queued so far: a replay, or the capture's warm-up, whose
+        fills are real) into a page-locked block, read back by later polls like ring entries (in layer order)."""
         i = self.next_block
         self.next_block = (i + 1) % GRAPH_BLOCKS
         if self.block_copied[i] is not None:  # the block may still be unread: wait for its copy
@@ -133,23 +156,68 @@ class MappedDecode:
         for layer in self.graph_layers:
             self.records.append((ev, layer, num_tokens, block[layer]))
 
-    def _kernel(self, layer, x, topk_ids, row, topk_weights) -> torch.Tensor:
-        ex = self.ex
-        bank = ex.banks[layer]
-        if ex.device.type != "cuda" and not ex.interpret:
-            return _reference(ex, bank, x, topk_ids, row, topk_weights)
-        from .nvfp4_decode import gather_missing, moe_nvfp4_device
+    def refresh(self) -> None:
+        """Choose the next call's fill candidates (R per MoE layer, the cache's next victims, none offered by the last
+        refresh) and queue their upload."""
+        if not self.fill:
+            return
+        ex, cache = self.ex, self.ex.cache
+        layers = [i for i in ex.moe_layers if i in (self.base or ())]
+        victims = cache.victims(len(layers) * self.R, exclude=self.offered)
+        i = self._cand_next
+        self._cand_next = (i + 1) % CAND_BUFFERS
+        if self._cand_copied[i] is not None:
+            self._cand_copied[i].synchronize()  # its last upload has long left (CAND_BUFFERS refreshes ago)
+        host = self._cand_host[i]
+        arr = host.numpy()
+        arr.fill(-1)
+        for j, layer in enumerate(layers):
+            s = victims[j * self.R:(j + 1) * self.R]
+            arr[layer, 0, :len(s)] = s
+            arr[layer, 1, :len(s)] = cache.owner[s]
+        self.cand.copy_(host, non_blocking=ex.device.type == "cuda")
+        self._cand_copied[i] = ex._record_compute()
+        self.offered = victims
+        self._refreshed = True
 
-        P = topk_ids.numel()
-        if P <= 2 * ex.opts.prefill_slots:  # misses gathered into the prefill buffers' rows first (module docstring)
-            pair_slot = gather_missing(ex.pool, ex.layout, topk_ids, row, self.base[layer], bank.stride, ex.num_slots)
-            got = moe_nvfp4_device(ex.pool, ex.layout, x, self._pairs(P).view(topk_ids.shape), pair_slot,
-                                   topk_weights)
-        else:
-            got = moe_nvfp4_device(ex.pool, ex.layout, x, topk_ids, row, topk_weights, host_base=self.base[layer],
-                                   host_stride=bank.stride)
+    def _kernel(self, layer, x, topk_ids, topk_weights):
+        """-> (fp32 [T, H], pair rows int32 [P], copied int32 [P]) of one call (see the module docstring)."""
+        ex = self.ex
+        bank, P = ex.banks[layer], topk_ids.numel()
+        row = self.table.tensor[layer]
+        owner, cand = (self.table.owner, self.cand[layer]) if self.fill else (None, None)
+        if P > 2 * ex.opts.prefill_slots:  # no staging rows for every pair: records read in place (CUDA only)
+            pair_slot = row[topk_ids.reshape(-1).long()]
+            copied = (pair_slot < 0).to(torch.int32)
+            if ex.device.type != "cuda":
+                return _bank_reference(ex, bank, x, topk_ids, topk_weights), pair_slot, copied
+            from .nvfp4_decode import moe_nvfp4_device
+
+            y = moe_nvfp4_device(ex.pool, ex.layout, x, topk_ids, row, topk_weights, host_base=self.base[layer],
+                                 host_stride=bank.stride)
+            return self._check(y, bank, x, topk_ids, topk_weights), pair_slot, copied
+        pairs = self._pairs(P).view(topk_ids.shape)
+        if ex.device.type != "cuda" and not ex.interpret:  # CPU emulation: plan and copy in PyTorch
+            from .gather import plan_reference
+            from .moe_reference import moe_ref
+
+            pair_slot, copied = plan_reference(topk_ids, self.table.tensor, layer, ex.num_slots, owner=owner,
+                                               candidates=cand)
+            ids = topk_ids.reshape(-1).tolist()
+            for p in torch.nonzero(copied).flatten().tolist():
+                ex.pool[int(pair_slot[p])] = bank.record(ids[p])
+            return moe_ref(ex.pool, ex.layout, x, pair_slot.long().view(topk_ids.shape), topk_weights), pair_slot, copied
+        from .gather import gather_missing
+        from .nvfp4_decode import moe_nvfp4_device
+
+        pair_slot, copied = gather_missing(ex.pool, ex.layout, topk_ids, self.table.tensor, layer, self.base[layer],
+                                           bank.stride, ex.num_slots, owner=owner, candidates=cand)
+        y = moe_nvfp4_device(ex.pool, ex.layout, x, pairs, pair_slot, topk_weights)
+        return self._check(y, bank, x, topk_ids, topk_weights), pair_slot, copied
+
+    def _check(self, got, bank, x, topk_ids, topk_weights) -> torch.Tensor:
         if not self.checked:  # once: a GPU that misread mapped host memory would compute garbage silently
-            want = _reference(ex, bank, x, topk_ids, row, topk_weights)
+            want = _bank_reference(self.ex, bank, x, topk_ids, topk_weights)
             err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
             if not err <= 1e-2:
                 raise RuntimeError(f"mapped expert reads disagree with the reference (relative error {err:.2e}); "
@@ -170,7 +238,7 @@ class MappedDecode:
             self._pop(wait=False)
 
     def publish(self) -> None:
-        """Show the table entries of every admitted expert whose upload has landed (the next `sync` uploads them)."""
+        """fill=False: show the table entries of admitted experts whose upload has landed (the next `sync` uploads)."""
         while self.landing and (self.landing[0][0] is None or self.landing[0][0].query()):
             _, layer, experts = self.landing.popleft()
             self.table.show(layer, experts)
@@ -180,70 +248,27 @@ class MappedDecode:
         kernels wait for every upload queued so far, and publish every hidden entry."""
         while self.records:
             self._pop(wait=True)
+        self.offered = np.empty(0, np.int64)  # nothing in flight any more
         if self.landing:
             self.ex._wait(self.ex.uploader.fence())
             self.landing.clear()
             self.table.show()
 
     def _pop(self, *, wait: bool) -> None:
-        """Bookkeeping of the oldest record: counters, trace, recency, then admits (uploads queued, entries hidden)."""
         ev, layer, T, entry = self.records.popleft()
         if wait and ev is not None:
             ev.synchronize()
-        ex, cache = self.ex, self.ex.cache
-        P = T * ex.k
-        ids, seen = entry[0, :P].numpy().astype(np.int64), entry[1, :P].numpy()
-        cache.observe(layer, ids, T)
-        uniq, first = np.unique(ids, return_index=True)
-        hits = int((seen[first] >= 0).sum())
-        c = ex.counters
-        c["hits"] += hits
-        c["misses"] += len(uniq) - hits
-        c["bytes_mapped"] += (len(uniq) - hits) * ex.layout.payload_bytes
-        ex.per_layer[:2, layer] += (hits, len(uniq) - hits)
-        if len(ex.trace) < ex.opts.trace_limit:
-            ex.trace.append((layer, uniq))
-        slots = cache.lookup(layer, uniq)
-        cache.touch(slots[slots >= 0])
-        self._admit(layer, uniq[slots < 0])
-
-    def _admit(self, layer: int, missed: np.ndarray) -> None:
-        ex, cache = self.ex, self.ex.cache
-        n = min(len(missed), ex.opts.admit_max)
-        if n == 0 or cache.S == 0:
-            return
-        freq = cache.frequency(layer * ex.E + missed)
-        order = np.argsort(-freq, kind="stable")[:n]
-        victims = cache.victims(n)
-        owners = cache.owner[victims]
-        # candidates most frequent first, victims easiest first: admit up to the first that does not pay
-        pays = (owners < 0) | (freq[order[:len(victims)]] > ex.opts.admit_margin * cache.frequency(np.maximum(owners, 0)))
-        keep = len(pays) if pays.all() else int(np.argmin(pays))
-        if keep == 0:
-            return
-        experts = missed[order[:keep]]
-        ex.uploader.after_compute(ex._record_compute())  # the evicted experts may still be read by queued kernels
-        slots, _ = cache.admit_many(layer, experts, victims[:len(experts)])
-        admitted = experts[slots >= 0]
-        self.table.hide(layer, admitted)
-        for e, s in zip(admitted.tolist(), slots[slots >= 0].tolist()):
-            ex.uploader.upload(s, ex.banks[layer].record(e))
-        ex.counters["fetched"] += len(admitted)
-        ex.counters["bytes_h2d"] += len(admitted) * ex.layout.stride
-        ex.per_layer[2, layer] += len(admitted)
-        self.landing.append((ex.uploader.fence(), layer, admitted))
+        read_back(self, layer, T, entry)
 
 
-def _reference(ex, bank, x, topk_ids, row, topk_weights) -> torch.Tensor:
-    """The mapped call's result from the reference on the host: a resident expert's record from its pool slot, any
-    other from the bank (a sync; the first CUDA call and the CPU emulation only)."""
+def _bank_reference(ex, bank, x, topk_ids, topk_weights) -> torch.Tensor:
+    """The call's result with every record read from the bank on the host (a sync: the first CUDA call's check, and
+    the CPU emulation of in-place reads)."""
     from .moe_reference import moe_ref
 
     ids = topk_ids.reshape(-1).long().cpu()
-    slots = row.long().cpu()[ids]
     uniq = torch.unique(ids).tolist()
-    where = dict(zip(ids.tolist(), slots.tolist()))
-    records = torch.stack([ex.pool[where[e]].cpu() if where[e] >= 0 else bank.record(e) for e in uniq])
+    records = torch.stack([bank.record(e) for e in uniq])
     index = {e: i for i, e in enumerate(uniq)}
     pair_slots = torch.tensor([index[e] for e in ids.tolist()]).view(topk_ids.shape)
     return moe_ref(records, ex.layout, x.cpu(), pair_slots, topk_weights.cpu()).to(x.device)

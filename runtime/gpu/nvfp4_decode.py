@@ -139,50 +139,6 @@ def _down_tokens_kernel(
     tl.store(out + t.to(tl.int64) * H + n, total, mask=n_mask)
 
 
-@triton.jit
-def _gather_kernel(pool, slot_stride, host_base, host_stride, topk_ids, slot_row, pair_slot, staging0, words,
-                   CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    # program (p, c): pair p's slot -> pair_slot[p] (its staging row staging0 + p when not resident); if not
-    # resident, copy 8-byte words [c * CHUNK, (c + 1) * CHUNK) of its record from the mapped bank into that row.
-    # Many independent programs with straight-line wide loads keep enough reads in flight to fill the link.
-    p = tl.program_id(0)
-    c = tl.program_id(1)
-    e = tl.load(topk_ids + p).to(tl.int64)
-    slot = tl.load(slot_row + e)
-    if c == 0:
-        tl.store(pair_slot + p, tl.where(slot >= 0, slot, staging0 + p))
-    if slot < 0:
-        src = (host_base.to(tl.int64) + e * host_stride).to(tl.pointer_type(tl.int64))
-        dst = (pool + (staging0 + p).to(tl.int64) * slot_stride).to(tl.pointer_type(tl.int64))
-        offs = tl.arange(0, BLOCK)
-        for w0 in tl.static_range(0, CHUNK, BLOCK):
-            w = c * CHUNK + w0 + offs
-            tl.store(dst + w, tl.load(src + w, mask=w < words), mask=w < words)
-
-
-GATHER_CHUNK, GATHER_BLOCK = 4096, 512  # words per program (32 KiB) and per load (4 KiB)
-
-
-def gather_missing(pool: torch.Tensor, layout: RecordLayout, topk_ids: torch.Tensor, slot_row: torch.Tensor,
-                   host_base: int, host_stride: int, staging0: int) -> torch.Tensor:
-    """Copy every routed pair's record that has no slot from the mapped bank (device address `host_base`, as in
-    `moe_nvfp4_device`) into pool row staging0 + p, on the device, without the host. Returns int32 [P] pair slots
-    (the resident slot, or the staging row), to run the resident kernel with `topk_ids` = arange(P). Rows
-    staging0 .. staging0 + P - 1 must be free for this call's kernels."""
-    P = topk_ids.numel()
-    extent = max(getattr(layout, "off_" + c) + layout.nbytes(c) for c in COMPONENTS)
-    words = -(-extent // 8)
-    if host_base <= 0 or host_base % 16 or host_stride % 16 or host_stride < extent:
-        raise ValueError(f"gather needs a 16-byte aligned mapped bank address and stride >= {extent}")
-    if staging0 < 0 or staging0 + P > pool.shape[0]:
-        raise ValueError(f"staging rows {staging0}..{staging0 + P - 1} are outside the pool of {pool.shape[0]} rows")
-    pair_slot = torch.empty(P, dtype=torch.int32, device=pool.device)
-    _gather_kernel[(P, triton.cdiv(words, GATHER_CHUNK))](
-        pool, layout.stride, host_base, host_stride, topk_ids.reshape(-1), slot_row, pair_slot, staging0, words,
-        CHUNK=GATHER_CHUNK, BLOCK=GATHER_BLOCK, num_warps=4)
-    return pair_slot
-
-
 def _fit_block_k(block_k: int, *dims: int) -> int:
     # largest power of two <= block_k (and >= 32) dividing every reduction dim; H and I are multiples of 32
     while block_k > 32 and any(d % block_k for d in dims):

@@ -39,7 +39,8 @@ class OffloadConfig:
     cpu_layers: tuple[int, ...] = ()
     prefetch: bool = True
     prefetch_max: int | None = None  # experts per layer and step; None = top-k
-    admit_max: int = 2  # mode mapped: experts admitted into the cache per layer call at most
+    fill: bool = True  # mode mapped: misses the GPU copies become cache entries on the device (mapped_path.py)
+    admit_max: int = 2  # mode mapped without fill: experts uploaded into the cache per layer call at most
     admit_margin: float = 1.25  # mode mapped: a miss replaces a resident expert routed this many times less often
     prefill_tokens: int = 64  # calls with at least this many tokens stream their misses (prefill path)
     prefill_slots: int = 32  # slots per prefill buffer (two buffers)

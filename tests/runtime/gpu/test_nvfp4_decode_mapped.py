@@ -11,7 +11,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from ft.runtime.gpu.moe_reference import moe_ref  # noqa: E402
-from ft.runtime.gpu.nvfp4_decode import gather_missing, moe_nvfp4_device  # noqa: E402
+from ft.runtime.gpu.nvfp4_decode import moe_nvfp4_device  # noqa: E402
 from ft.runtime.gpu.record_layout import RecordLayout  # noqa: E402
 
 from .gpu_fixtures import random_records, rel_err  # noqa: E402
@@ -110,30 +110,3 @@ def test_bad_host_base_or_stride_refused():
             _run(layout, pool, table, x, ids, w, host_base=hb, host_stride=hs)
     _run(layout, pool, table, x, ids, w, host_base=base, host_stride=(extent + 15) // 16 * 16)  # the minimum: fine
 
-
-@pytest.mark.parametrize("T,k,H,I", [(1, 4, 64, 32), (2, 3, 96, 64)])
-def test_gather_copies_missing_records_into_staging_rows(T, k, H, I):
-    layout, recs, bank, pool, table, x, ids, w = _bank_case(H, I, T, k, 40 + T, pad=32)
-    S, P = pool.shape[0], T * k
-    staged = torch.cat([pool, torch.full((P + 1, layout.stride), 0xAB, dtype=torch.uint8)]).to(DEV)
-    before = staged.cpu().clone()
-    slot = gather_missing(staged, layout, ids.to(DEV), table.to(DEV), _host_base(bank), bank.stride(0), S).cpu()
-    flat = ids.reshape(-1)
-    resident = table.long()[flat]
-    assert torch.equal(slot.long(), torch.where(resident >= 0, resident, S + torch.arange(P)))
-    after = staged.cpu()
-    extent = layout.off_down_scale_2 + layout.nbytes("down_scale_2")
-    for p in range(P):
-        row = after[S + p]
-        if resident[p] < 0:  # the record, byte for byte
-            assert torch.equal(row[:extent], recs[flat[p], :extent])
-        else:  # a resident pair's staging row is not touched
-            assert torch.equal(row, before[S + p])
-    assert torch.equal(after[:S], before[:S]) and torch.equal(after[S + P], before[S + P])
-    got = moe_nvfp4_device(staged, layout, x.to(DEV), torch.arange(P, dtype=torch.int32, device=DEV).view(T, k),
-                           slot.to(DEV), w.to(DEV)).cpu()
-    assert rel_err(got, moe_ref(recs, layout, x, ids, w)) < TOL
-    with pytest.raises(ValueError, match="staging rows"):
-        gather_missing(staged, layout, ids.to(DEV), table.to(DEV), _host_base(bank), bank.stride(0), S + 2)
-    with pytest.raises(ValueError, match="aligned"):
-        gather_missing(staged, layout, ids.to(DEV), table.to(DEV), _host_base(bank) + 8, bank.stride(0), S)
