@@ -39,7 +39,7 @@ def _plan_kernel(ids, table, owner, cand, pair_slot, pair_copy, layer, E, P, R, 
                  BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr):
     rp = tl.arange(0, BLOCK_P)
     rr = tl.arange(0, BLOCK_R)
-    row = table + layer.to(tl.int64) * E
+    row = table + layer * E  # no .to() on scalar arguments: Triton turns an argument equal to 1 into a constant
     e_all = tl.load(ids + rp, mask=rp < P, other=0).to(tl.int64)
     s_all = tl.load(row + e_all, mask=rp < P, other=-1)
     cs = tl.load(cand + rr, mask=rr < R, other=-1)
