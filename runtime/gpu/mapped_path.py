@@ -55,10 +55,12 @@ class MappedDecode:
         self.table = ex.cache.device_table(ex.device)
         self.fill = ex.opts.fill and ex.cache.S > 0
         self.base: dict[int, int] | None = None  # layer -> device address of its verified, mapped bank
-        self.records: deque = deque()  # (event, layer, T, entry int32 [3, P]: ids, rows read, copied) not read back
+        # (event, layer, T, entry int32 [3, P]: ids, rows read, copied; ring index or -1) not read back yet
+        self.records: deque = deque()
         self.landing: deque = deque()  # fill=False: (event, layer, experts), uploads whose table entries are hidden
         cuda = ex.device.type == "cuda"
         self.ring = [torch.empty(3, MAX_DEVICE_PAIRS, dtype=torch.int32, pin_memory=cuda) for _ in range(RING)]
+        self._ring_busy = [False] * RING
         self.next = 0
         # CUDA-graph decode (graphs.py): the captured calls write their entries here, int32 [L, 3, P]; after each
         # replay one copy moves all layers' into the next page-locked block, read back like ring entries
@@ -107,14 +109,16 @@ class MappedDecode:
         count_call(ex, T)
         self.table.sync()
         y, pair_slot, pair_copy = self._kernel(layer, x, topk_ids, topk_weights)
-        if len(self.records) == RING:  # this call reuses the oldest entry: read it back first
-            self._pop(wait=True)
-        entry = self.ring[self.next]
-        self.next = (self.next + 1) % RING
-        for i, t in enumerate((topk_ids.reshape(-1), pair_slot, pair_copy)):
-            entry[i, :T * k].copy_(t, non_blocking=True)
+        r = self.next
+        while self._ring_busy[r]:  # the entry is still to be read back (with graph blocks in between, the oldest
+            self._pop(wait=True)   # record need not be this entry's): read back up to it
+        entry = self.ring[r]
+        self.next = (r + 1) % RING
+        self._ring_busy[r] = True
+        for row, t in enumerate((topk_ids.reshape(-1), pair_slot, pair_copy)):
+            entry[row, :T * k].copy_(t, non_blocking=True)
         ev = ex._record_compute()
-        self.records.append((ev, layer, T, entry))
+        self.records.append((ev, layer, T, entry, r))
         ex._prefill_done[:] = [ev, ev]  # staging wrote prefill-buffer rows: prefill uploads wait for this call
         return y
 
@@ -154,7 +158,7 @@ class MappedDecode:
         ev = self.block_copied[i] = self.ex._record_compute()
         self.ex._prefill_done[:] = [ev, ev]  # as in __call__
         for layer in self.graph_layers:
-            self.records.append((ev, layer, num_tokens, block[layer]))
+            self.records.append((ev, layer, num_tokens, block[layer], -1))
 
     def refresh(self) -> None:
         """Choose the next call's fill candidates (R per MoE layer, the cache's next victims, none offered by the last
@@ -255,10 +259,12 @@ class MappedDecode:
             self.table.show()
 
     def _pop(self, *, wait: bool) -> None:
-        ev, layer, T, entry = self.records.popleft()
+        ev, layer, T, entry, ring_index = self.records.popleft()
         if wait and ev is not None:
             ev.synchronize()
         read_back(self, layer, T, entry)
+        if ring_index >= 0:
+            self._ring_busy[ring_index] = False
 
 
 def _bank_reference(ex, bank, x, topk_ids, topk_weights) -> torch.Tensor:

@@ -39,7 +39,7 @@ class OffloadConfig:
     cpu_layers: tuple[int, ...] = ()
     prefetch: bool = True
     prefetch_max: int | None = None  # experts per layer and step; None = top-k
-    fill: bool = True  # mode mapped: misses the GPU copies become cache entries on the device (mapped_path.py)
+    fill: bool = False  # mode mapped, experimental: misses the GPU copies become cache entries on the device
     admit_max: int = 2  # mode mapped without fill: experts uploaded into the cache per layer call at most
     admit_margin: float = 1.25  # mode mapped: a miss replaces a resident expert routed this many times less often
     prefill_tokens: int = 64  # calls with at least this many tokens stream their misses (prefill path)

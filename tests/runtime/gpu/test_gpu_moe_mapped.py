@@ -184,3 +184,34 @@ def test_banks_not_pinned_or_not_verified_take_the_host_path(reader):
     assert s["per_layer"]["cpu_experts"][1] == 0
     ex.pinner = None
     ex.close()
+
+
+def test_ring_entries_are_not_reused_before_they_are_read_back(reader):
+    """Routing read-back lags behind the GPU; with graph blocks queued in between, the oldest record is not always
+    the ring entry a call is about to reuse. Every call's routing must reach the trace unchanged, in order."""
+    from ft.runtime.gpu import mapped_path
+
+    class Pending:  # an event that completes only when waited for: the GPU is far behind the host
+        def query(self):
+            return False
+
+        def synchronize(self):
+            pass
+
+    ex = GpuExperts(reader, OffloadConfig(mode="mapped", num_slots=3, prefetch=False), device="cpu", device_plan=True)
+    ex.allocate()
+    ex._record_compute = Pending
+    md = ex.mapped
+    routed = []
+    g = torch.Generator().manual_seed(4)
+    for i in range(mapped_path.RING + 9):
+        ids = torch.randperm(E, generator=g)[:K][None]
+        ex(1, torch.randn(1, H, generator=g).to(torch.bfloat16), ids, torch.ones(1, K))
+        routed.append(sorted(ids[0].tolist()))
+        if i % 7 == 3:  # a graph step's block record (layer 0) lands between ring entries
+            md.graph_layers = [0]
+            md.graph_buf[0, :, :K] = torch.tensor([[0, 1], [-1, -1], [1, 1]], dtype=torch.int32)[:, :K]
+            md.record_step(1)
+    ex.settle()
+    assert [u.tolist() for layer, u in ex.trace if layer == 1] == routed
+    ex.close()
