@@ -3,24 +3,26 @@
 The host-planned path (`hybrid.py`) brings every decode call's routing to the host before its kernel can start, one
 host sync per MoE layer: the GPU idles while Python plans. Here a decode call (T * k <= MAX_DEVICE_PAIRS) runs device
 kernels only, with the layer's bank page-locked and mapped into the GPU's address space (`gather.py`): a routed expert
-with a VRAM slot is read from the pool; any other is copied from host memory by the GPU itself, into a *fill
-candidate* slot when one is usable (it becomes a cache entry on the device at once) or else into a staging row of the
-(idle in decode) prefill buffers, and the resident kernel runs over the pairs' slots. Each miss crosses the bus once.
-Nothing waits for the host, so decode steps can be CUDA graphs (`graphs.py`). A call with more pairs than the
+with a VRAM slot is read from the pool; any other is copied from host memory by the GPU itself into a staging row of
+the (idle in decode) prefill buffers, and the resident kernel runs over the pairs' rows. Each miss crosses the bus
+once. Nothing waits for the host, so decode steps can be CUDA graphs (`graphs.py`). A call with more pairs than the
 prefill buffers have rows reads records in place inside the kernel (`moe_nvfp4_device(host_base=...)`).
 
 The host follows a step later. After the kernels, the call copies its routing, the rows its pairs read and which
 were copied (int32 [3, P]) into a page-locked ring entry, asynchronously, with an event; later calls read back the
-entries whose event has completed (`poll`, never blocking unless the ring is full): hits / misses / the trace are
-counted, and every fill is mirrored in the host table (`ExpertCache.adopt`). Candidates are the cache's next victims
-(`ExpertCache.victims`, eviction scores of the host's view), R = k per layer, refreshed after every read-back and
-uploaded for the next call; those offered to calls still in flight are not offered again, and the device skips any
-whose owner changed since (`gather.py`). So the host never uploads the table while a fill it has not seen is in
-flight (it only uploads after its own changes, which happen after `release` has read everything back).
+entries whose event has completed (`poll`, never blocking unless the ring entry is needed again): hits / misses /
+the trace are counted (`mapped_readback.py`), and up to `admit_max` of the missed experts per call, most frequently
+routed first, are uploaded into victim slots when their routing frequency beats `admit_margin` x that of the slot's
+owner; their table entries stay hidden (-1) until the upload lands, so no kernel reads a slot in flight.
 
-`fill=False` (OffloadConfig) keeps the earlier policy: misses are only staged, and up to `admit_max` of them per call,
-most frequently routed first, are uploaded into victim slots when their routing frequency beats `admit_margin` x that
-of the slot's owner; their table entries stay hidden (-1) until the upload lands.
+`fill=True` (OffloadConfig, experimental): a miss may instead be copied straight into a *fill candidate* slot, where
+it becomes a cache entry on the device at once (admission without a second transfer). Candidates are the cache's next
+victims (`ExpertCache.victims` on the host's view), R = k per layer, refreshed after every read-back and uploaded for
+the next call; those offered to calls still in flight are not offered again, and the device skips any whose owner
+changed since. The host mirrors every fill from the read-back (`ExpertCache.adopt`), so it never uploads the table
+over a device change it has not seen (it uploads only its own changes, made after `release` read everything back).
+Run O: faster than the default at 8 GiB, but one CUDA engine test (8-token prefill chunks through this path) decoded
+other tokens than the resident engine, which its CPU emulation does not reproduce: off until that is understood.
 
 Records are read by the GPU without the reader's lazy checksum, so a bank takes this path only after the pinner has
 verified all its records (`pin_banks(verify=True)`); other layers (and every layer before the pinner is done) take
