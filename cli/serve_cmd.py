@@ -50,7 +50,7 @@ def serve(
                                                 "work per step."),
     offload_mode: str = typer.Option("mapped", "--offload-mode",
                                      help="CUDA only: how expert-cache misses are served. hybrid: split between "
-                                          "PCIe fetches and CPU compute; mapped: the GPU reads them from page-locked "
+                                          "PCIe fetches and CPU compute; mapped: the GPU copies them from page-locked "
                                           "host memory without waiting for the host; offload: every miss fetched; "
                                           "cpu: every miss on the CPU."),
     enforce_eager: bool = typer.Option(False, "--enforce-eager",

@@ -20,7 +20,7 @@ after `allocate`: `wait_pinned`) skip the staging copy.
 Host syncs. Decode calls (T * k <= 64) of fully resident layers (mode "resident", the GPU layers of "static") take
 the device-planned path (`device_path.py`: routing, slot lookup and grid stay on the device; `graphs.graph_ready` is
 the contract for capturing decode in a CUDA graph), and so do mode "mapped"'s offloaded layers once their banks are
-page-locked and verified (`mapped_path.py`: misses read in place from host memory, cache refilled a step later).
+page-locked and verified (`mapped_path.py`: the GPU copies misses from host memory, cache refilled a step later).
 Every other call brings the routing to the host, one sync per MoE layer call (cache lookup, split, LRU bookkeeping,
 and the next layer's prediction riding along with the same copy): modes hybrid / offload / cpu, static's
 `cpu_layers`, prefill (T * k > 64: `plan_blocks`) and `device_plan=False` (the default on device "cpu"). Their GPU
