@@ -9,6 +9,8 @@ from typing import Optional
 
 import typer
 
+from ft.cli.gpu_options import DENSE_WEIGHTS, ENFORCE_EAGER, OFFLOAD_MODE
+
 
 def register(app: typer.Typer) -> None:
     app.command("generate")(generate_command)
@@ -35,20 +37,9 @@ def generate_command(
     memory_ratio: float = typer.Option(0.9, "--memory-ratio",
                                        help="CUDA only: share of free GPU memory to use when --vram-budget is not "
                                             "given, in (0, 1]."),
-    dense_weights: str = typer.Option("dequantized", "--dense-weights",
-                                      help="CUDA only: quantized dense linears (FP8 / NVFP4 in ModelOpt checkpoints) "
-                                                "dequantized to bf16 at load, or kept as stored and dequantized per "
-                                                "call: 2-4x less VRAM for them, left to the expert cache, for extra "
-                                                "work per step."),
-    offload_mode: str = typer.Option("mapped", "--offload-mode",
-                                     help="CUDA only: how expert-cache misses are served. hybrid: split between "
-                                          "PCIe fetches and CPU compute; mapped: the GPU copies them from page-locked "
-                                          "host memory without waiting for the host; offload: every miss fetched; "
-                                          "cpu: every miss on the CPU."),
-    enforce_eager: bool = typer.Option(False, "--enforce-eager",
-                                       help="CUDA only: never replay decode steps from CUDA graphs (by default a "
-                                            "one-token step is captured once per sequence and replayed when every "
-                                            "MoE layer is sync-free: modes mapped and resident)."),
+    dense_weights: str = DENSE_WEIGHTS,
+    offload_mode: str = OFFLOAD_MODE,
+    enforce_eager: bool = ENFORCE_EAGER,
     verify: bool = typer.Option(False, "--verify", help="Check every checksum of the FTW before loading."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object: token ids, text, finish reason, "
                                                         "timings."),

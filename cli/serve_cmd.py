@@ -7,6 +7,8 @@ from typing import Optional
 
 import typer
 
+from ft.cli.gpu_options import DENSE_WEIGHTS, ENFORCE_EAGER, OFFLOAD_MODE
+
 
 def register(app: typer.Typer) -> None:
     app.command("serve")(serve)
@@ -43,20 +45,9 @@ def serve(
                                               help="CUDA only: VRAM for everything the engine allocates (dense "
                                                    "weights, KV, expert cache), e.g. 8GiB or 12e9; overrides "
                                                    "--memory-ratio."),
-    dense_weights: str = typer.Option("dequantized", "--dense-weights",
-                                      help="CUDA only: quantized dense linears (FP8 / NVFP4 in ModelOpt checkpoints) "
-                                                "dequantized to bf16 at load, or kept as stored and dequantized per "
-                                                "call: 2-4x less VRAM for them, left to the expert cache, for extra "
-                                                "work per step."),
-    offload_mode: str = typer.Option("mapped", "--offload-mode",
-                                     help="CUDA only: how expert-cache misses are served. hybrid: split between "
-                                          "PCIe fetches and CPU compute; mapped: the GPU copies them from page-locked "
-                                          "host memory without waiting for the host; offload: every miss fetched; "
-                                          "cpu: every miss on the CPU."),
-    enforce_eager: bool = typer.Option(False, "--enforce-eager",
-                                       help="CUDA only: never replay decode steps from CUDA graphs (by default a "
-                                            "one-token step is captured once per sequence and replayed when every "
-                                            "MoE layer is sync-free: modes mapped and resident)."),
+    dense_weights: str = DENSE_WEIGHTS,
+    offload_mode: str = OFFLOAD_MODE,
+    enforce_eager: bool = ENFORCE_EAGER,
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
 ) -> None:
     """Serve an FTW with OpenAI (/v1/chat/completions, /v1/completions, /v1/responses) and Anthropic
