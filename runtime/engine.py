@@ -287,7 +287,8 @@ class Engine:
     def stats(self) -> dict:
         """Counters since start. decode_tok_s covers decode-only steps; prefill_tok_s the steps with a prefill chunk
         (those may also carry decodes). TTFT is measured from add_request over the last 1024 requests. "moe" holds
-        the experts implementation's own counters when it has any, "cuda_graphs" the decode graphs'. `preemptions`: states dropped for KV (recompute)."""
+        the experts implementation's own counters when it has any, "cuda_graphs" the decode graphs'. `preemptions`:
+        states dropped for KV (recompute)."""
         c = self._counters
         ttfts = sorted(self._ttfts)
         out = {

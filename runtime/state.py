@@ -42,7 +42,8 @@ class SequenceState:
         rec_shape = (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
         for i, kind in enumerate(config.layer_types):
             if kind == "full_attention":
-                # Rows past `length` are never read, so the KV buffers need no initialisation.
+                # Rows past `length` are never read eagerly, so the KV buffers need no initialisation (a CUDA-graph
+                # decode step reads them under a mask: runtime/gpu/graphs.py zeroes them at capture).
                 self.kv[i] = (torch.empty(kv_shape, dtype=dtype, device=device),
                               torch.empty(kv_shape, dtype=dtype, device=device))
             else:

@@ -279,7 +279,8 @@ def stage_e2e(args, prof: dict, out: dict, flush, plan, log=print) -> dict:
                 flush()
                 log(f"{routing} static@{gib:g}GiB ({len(cpu_layers)} CPU layers): {res['tok_s']:.1f} tok/s")
         ref_tokens = resident["tokens"]  # offloaded decode runs the same device-planned kernel
-        for res in (resident, resident_eager, resident_host, *runs.values()):  # static decodes after a shorter prompt: no reference
+        # static decodes after a shorter prompt: no reference
+        for res in (resident, resident_eager, resident_host, *runs.values()):
             same = res["prompt_tokens"] == resident["prompt_tokens"]
             res["greedy_equal_to_resident"] = sum(a == b for a, b in zip(res["tokens"], ref_tokens)) if same else None
             res["greedy_prefix_equal"] = next((i for i, (a, b) in enumerate(zip(res["tokens"], ref_tokens)) if a != b),

@@ -129,7 +129,6 @@ class ExpertCache:
             return np.empty(0, np.int64)
         empty = self.owner < 0
         if exclude is not None and len(exclude):
-            empty = empty.copy()
             empty[exclude] = False
         free = np.flatnonzero(empty)  # empty slots score +inf (never protected): they go first, in order
         if len(free) >= n:

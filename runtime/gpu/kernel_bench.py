@@ -208,7 +208,8 @@ def bench_decode_device(*, hidden: int = 2048, inter: int = 512, num_experts: in
 
             rows.append(row("device/gather+compute", gathered))
             ms = _time_ms(gather)
-            rows.append({"path": "device/gather", **base, "ms": ms, "gbs": ids.numel() * layout.payload_bytes / ms / 1e6})
+            moved = ids.numel() * layout.payload_bytes
+            rows.append({"path": "device/gather", **base, "ms": ms, "gbs": moved / ms / 1e6})
         if dev.type != "cuda":
             continue
         try:

@@ -124,7 +124,8 @@ class MappedDecode:
         ex._prefill_done[:] = [ev, ev]  # staging wrote prefill-buffer rows: prefill uploads wait for this call
         return y
 
-    def graph_call(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    def graph_call(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                   topk_weights: torch.Tensor) -> torch.Tensor:
         """A call inside a CUDA graph capture (or its warm-up): the kernels, and the entry into `graph_buf`; no host
         work (table and candidates were uploaded before; `after_replay` does the bookkeeping)."""
         y, pair_slot, pair_copy = self._kernel(layer, x, topk_ids, topk_weights)
@@ -212,7 +213,8 @@ class MappedDecode:
             ids = topk_ids.reshape(-1).tolist()
             for p in torch.nonzero(copied).flatten().tolist():
                 ex.pool[int(pair_slot[p])] = bank.record(ids[p])
-            return moe_ref(ex.pool, ex.layout, x, pair_slot.long().view(topk_ids.shape), topk_weights), pair_slot, copied
+            y = moe_ref(ex.pool, ex.layout, x, pair_slot.long().view(topk_ids.shape), topk_weights)
+            return y, pair_slot, copied
         from .gather import gather_missing
         from .nvfp4_decode import moe_nvfp4_device
 

@@ -2,7 +2,8 @@
 
 `DeviceSlotTable.tensor` is int32 [num_layers, num_experts] on the device, -1 = not resident; row `layer` is what the
 device-planned kernel (`nvfp4_decode.py`) reads. `owner` int32 [S] mirrors `ExpertCache.owner` (mode mapped's fills
-check it on the device, `gather.py`); both live in one buffer `flat` and upload together. The host table `ExpertCache.slot_of` stays the source of truth;
+check it on the device, `gather.py`); both live in one buffer `flat` and upload together. The host table
+`ExpertCache.slot_of` stays the source of truth;
 `ExpertCache.version` counts its changes and `sync()` re-uploads the whole table when the count moved since the last
 upload (a few KiB to a few hundred KiB: 4 * L * E bytes), else does nothing. So:
 

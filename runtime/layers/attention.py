@@ -4,7 +4,8 @@ Fused projection rows `[q (nq·hd) | k (nkv·hd) | v (nkv·hd) | gate (nq·hd), 
 Per head: optional RMSNorm of q and k over head_dim (before RoPE), then (partial) RoPE. Each segment writes its k/v
 rows into its cache at positions `[past, past + T)` and its queries attend to cache rows `[0, past + T)`, query i
 seeing keys up to `past + i`. A static batch (decode captured in a CUDA graph, see `ForwardBatch.static`) writes each
-one-token segment's k/v at its device-side position and attends over the whole buffer under a mask. Gated attention multiplies the attention output by `sigmoid(gate)` before `o_proj`.
+one-token segment's k/v at its device-side position and attends over the whole buffer under a mask. Gated attention
+multiplies the attention output by `sigmoid(gate)` before `o_proj`.
 """
 
 from __future__ import annotations
@@ -53,14 +54,14 @@ class Attention(Op):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
         out = torch.empty_like(q)                                   # [N, nq, hd]
-        for seg in batch.segments if batch.static else ():
+        for seg in batch.segments:
             k_cache, v_cache = seg.state.kv[self._layer]            # [capacity, nkv, hd] each
-            pos = batch.positions[seg.rows]                         # [1] on the device
-            k_cache.index_copy_(0, pos, k[seg.rows])
-            v_cache.index_copy_(0, pos, v[seg.rows])
-            out[seg.rows] = masked_decode_attention(q[seg.rows], k_cache, v_cache, pos)
-        for seg in batch.segments if not batch.static else ():
-            k_cache, v_cache = seg.state.kv[self._layer]            # [max_tokens, nkv, hd] each
+            if batch.static:                                        # one token, its position on the device
+                pos = batch.positions[seg.rows]
+                k_cache.index_copy_(0, pos, k[seg.rows])
+                v_cache.index_copy_(0, pos, v[seg.rows])
+                out[seg.rows] = masked_decode_attention(q[seg.rows], k_cache, v_cache, pos)
+                continue
             end = seg.past + seg.num_tokens
             k_cache[seg.past:end] = k[seg.rows]
             v_cache[seg.past:end] = v[seg.rows]

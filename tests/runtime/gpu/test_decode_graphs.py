@@ -76,7 +76,8 @@ def test_static_decode_matches_eager(ftw, mode, fill):
         assert s["hits"] + s["misses"] > 0 and s["bytes_mapped"] > 0 and s["filled" if fill else "fetched"] > 0
         assert s["hits"] + s["misses"] == sum(len(np.unique(u)) for _, u in ex.trace)
         t = ex.cache.device_table(ex.device)  # the host mirrored every fill the device made
-        assert not fill or np.array_equal(t.tensor.numpy(), ex.cache.slot_of) and np.array_equal(t.owner.numpy(), ex.cache.owner)
+        assert not fill or (np.array_equal(t.tensor.numpy(), ex.cache.slot_of)
+                            and np.array_equal(t.owner.numpy(), ex.cache.owner))
     for e in (ex, ex0):
         e.close()
 
