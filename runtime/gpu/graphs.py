@@ -96,11 +96,9 @@ class _Captured:
 
 
 def _buffers(state) -> tuple:
-    return tuple(t.data_ptr() for t in _state_tensors(state))
-
-
-def _state_tensors(state) -> list[torch.Tensor]:
-    return [t for pair in state.kv.values() for t in pair] + [*state.conv.values(), *state.recurrent.values()]
+    """Addresses of every state buffer a captured graph reads (KV, conv, recurrent)."""
+    tensors = [t for pair in state.kv.values() for t in pair] + [*state.conv.values(), *state.recurrent.values()]
+    return tuple(t.data_ptr() for t in tensors)
 
 
 class DecodeGraphs:
@@ -190,7 +188,3 @@ class DecodeGraphs:
         self.counters["captures"] += 1
         self.counters["capture_s"] += time.perf_counter() - t0
         return g
-
-    def reset(self) -> None:
-        """Drop every captured graph (e.g. when the experts object is replaced)."""
-        self._graphs.clear()

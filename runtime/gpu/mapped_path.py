@@ -203,7 +203,6 @@ class MappedDecode:
             y = moe_nvfp4_device(ex.pool, ex.layout, x, topk_ids, row, topk_weights, host_base=self.base[layer],
                                  host_stride=bank.stride)
             return self._check(y, bank, x, topk_ids, topk_weights), pair_slot, copied
-        pairs = self._pairs(P).view(topk_ids.shape)
         if ex.device.type != "cuda" and not ex.interpret:  # CPU emulation: plan and copy in PyTorch
             from .gather import plan_reference
             from .moe_reference import moe_ref
@@ -220,7 +219,7 @@ class MappedDecode:
 
         pair_slot, copied = gather_missing(ex.pool, ex.layout, topk_ids, self.table.tensor, layer, self.base[layer],
                                            bank.stride, ex.num_slots, owner=owner, candidates=cand)
-        y = moe_nvfp4_device(ex.pool, ex.layout, x, pairs, pair_slot, topk_weights)
+        y = moe_nvfp4_device(ex.pool, ex.layout, x, self._pairs(P).view(topk_ids.shape), pair_slot, topk_weights)
         return self._check(y, bank, x, topk_ids, topk_weights), pair_slot, copied
 
     def _check(self, got, bank, x, topk_ids, topk_weights) -> torch.Tensor:
