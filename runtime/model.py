@@ -95,7 +95,7 @@ class CausalLM(Op):
         self._rotary = Rotary(config.rotary_dim, config.rope_theta) if config.rotary_dim else None
         self._dtype = torch.float32
         self._device = torch.device("cpu")
-        self.graphs = None  # CUDA: a `DecodeGraphs` (ft.runtime.gpu.graphs) that replays one-token decode steps
+        self.graphs = None  # CUDA: a `DecodeGraphs` (ft.runtime.gpu.graphs) that replays decode steps
 
     @property
     def config(self) -> ModelConfig:
@@ -113,8 +113,10 @@ class CausalLM(Op):
         """A state for up to `max_tokens` tokens; KV buffers start at `capacity` (default: all) and grow on demand."""
         return SequenceState(self._config, max_tokens, dtype=self._dtype, device=self._device, capacity=capacity)
 
-    def logits_head(self, h: torch.Tensor) -> torch.Tensor:
-        h = self.norm(h)
+    def logits_head(self, h: torch.Tensor, delta: torch.Tensor | None = None) -> torch.Tensor:
+        """Final norm and LM head of the hidden states h + delta ([N, H] each; delta None: h alone; see
+        `layers_pending`) -> fp32 logits [N, V]."""
+        _, h = self.norm.add(h, delta)
         if self._config.tie_word_embeddings:
             return F.linear(h, self.embed_tokens.weight).float()
         return self.lm_head(h).float()
@@ -123,35 +125,46 @@ class CausalLM(Op):
     def forward(self, input_ids: torch.Tensor, segments: list[Segment]) -> list[torch.Tensor]:
         """input_ids [N] (all segments' tokens concatenated in order) -> per segment logits (see `Segment`).
         Each segment continues its state at `state.length`; the states advance by `num_tokens` on success."""
-        if self.graphs is not None and len(segments) == 1 and segments[0].num_tokens == 1 \
-                and segments[0].logits == "last":
+        decode = all(seg.num_tokens == 1 and seg.logits == "last" for seg in segments)
+        if self.graphs is not None and decode:
             self._plan(input_ids, segments, on_device=False)  # validates
-            logits = self.graphs.step(input_ids, segments[0].state)  # None: this step cannot be replayed
+            logits = self.graphs.step(input_ids, [seg.state for seg in segments])  # None: not replayable
             if logits is not None:
-                segments[0].state.length += 1
-                return [logits]
-        batch = self._plan(input_ids, segments)
-        h = self.layers_forward(self.embed_tokens(input_ids), batch)
+                for seg in segments:
+                    seg.state.length += 1
+                return list(logits.split(1))
+        batch = self._plan(input_ids, segments, tables=decode and self._fused)
+        h, delta = self.layers_pending(self.embed_tokens(input_ids), batch)
         rows = []
         for seg, sr in zip(segments, batch.segments):
             rows.append(torch.arange(sr.start, sr.start + sr.num_tokens) if seg.logits == "all"
                         else torch.tensor([sr.start + sr.num_tokens - 1]))
         picked = _to_device(torch.cat(rows), self._device)
-        logits = self.logits_head(h[picked]).split([len(r) for r in rows])
+        logits = self.logits_head(h[picked], delta[picked]).split([len(r) for r in rows])
         for seg in segments:
             seg.state.length += seg.num_tokens
         return list(logits)
 
     def layers_forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """h [N, H] embeddings -> [N, H] hidden states after the last layer (before the final norm). For a static
-        batch this is the part of a decode step that a CUDA graph captures."""
+        """h [N, H] embeddings -> [N, H] hidden states after the last layer (before the final norm)."""
+        h, delta = self.layers_pending(h, batch)
+        return h + delta
+
+    def layers_pending(self, h: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """`layers_forward` with the last residual add left pending: (h, delta) [N, H] each, whose sum is its result.
+        `logits_head(h, delta)` adds them inside the final norm (one fused launch); between layers the same pair is
+        handed on, so every residual add runs inside the next layer's input norm (`DecoderLayer.step`)."""
         if self._rotary is not None:
             batch.rope["cos"], batch.rope["sin"] = self._rotary.cos_sin(batch.positions, self._dtype)
+        delta = None
         for layer in self.layers:
-            h = layer(h, batch)
-        return h
+            h, delta = layer.step(h, delta, batch)
+        return h, delta
 
-    def _plan(self, input_ids: torch.Tensor, segments: list[Segment], *, on_device: bool = True) -> ForwardBatch:
+    def _plan(self, input_ids: torch.Tensor, segments: list[Segment], *, on_device: bool = True,
+              tables: bool = False) -> ForwardBatch:
+        """Validate the segments -> the batch. `tables`: a decode batch (every segment one token), whose layers find
+        the states' buffers through device-side tables (`ForwardBatch.tables`)."""
         if input_ids.dim() != 1 or input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"input_ids must be a 1-D integer tensor, got {input_ids.dtype} {tuple(input_ids.shape)}")
         if not segments:
@@ -180,7 +193,14 @@ class CausalLM(Op):
         if int(input_ids.min()) < 0 or int(input_ids.max()) >= self._config.vocab_size:
             raise ValueError(f"token ids must be in [0, {self._config.vocab_size})")
         positions = torch.cat(positions)
-        return ForwardBatch(rows, _to_device(positions, self._device) if on_device else positions)
+        if not on_device:
+            return ForwardBatch(rows, positions)
+        if tables:  # positions and tables in one host buffer: one copy
+            both = torch.cat([positions, torch.stack([seg.state.addresses() for seg in segments], -1).reshape(-1)])
+            both = _to_device(both, self._device)
+            n = len(segments)
+            return ForwardBatch(rows, both[:n], tables=both[n:].view(self._config.num_layers, 2, n))
+        return ForwardBatch(rows, _to_device(positions, self._device))
 
     # -- loading ----------------------------------------------------------------------------------------------
     def bind(self, reader: FtwReader, experts: ExpertsFn) -> None:
@@ -220,7 +240,13 @@ class CausalLM(Op):
         if host:
             self.embed_tokens.keep_on_host(device)
         self._dtype, self._device = dtype, device
+        self.set_fused(device.type == "cuda")
         self._check_shapes()
+
+    def set_fused(self, on: bool) -> None:
+        """Every op runs its fused kernels (`Op._fused`) or the PyTorch reference ops."""
+        for _, op in self.named_ops():
+            op._fused = on
 
     def _check_shapes(self) -> None:
         cfg = self._config

@@ -19,6 +19,7 @@ from typing import Literal
 import torch
 
 from ft.formats.config import ModelConfig
+from ft.runtime.layers.batch import state_addresses
 
 
 class SequenceState:
@@ -41,15 +42,21 @@ class SequenceState:
             config.linear_num_value_heads * config.linear_value_head_dim
         rec_shape = (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
         for i, kind in enumerate(config.layer_types):
-            if kind == "full_attention":
-                # Rows past `length` are never read eagerly, so the KV buffers need no initialisation (a CUDA-graph
-                # decode step reads them under a mask: runtime/gpu/graphs.py zeroes them at capture).
+            if kind == "full_attention":  # rows past `length` are never read: no initialisation
                 self.kv[i] = (torch.empty(kv_shape, dtype=dtype, device=device),
                               torch.empty(kv_shape, dtype=dtype, device=device))
             else:
                 self.conv[i] = torch.zeros(conv_dim, config.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
                 self.recurrent[i] = torch.zeros(rec_shape, dtype=torch.float32, device=device)
         self._freed = False
+        self._addresses: torch.Tensor | None = None
+
+    def addresses(self) -> torch.Tensor:
+        """int64 [L, 2]: this state's buffer addresses per layer, a decode batch's `tables` column (see
+        `ft.runtime.layers.batch`); they change only when the KV buffers grow."""
+        if self._addresses is None:
+            self._addresses = state_addresses(self, self.config.num_layers)
+        return self._addresses
 
     @property
     def freed(self) -> bool:
@@ -80,6 +87,7 @@ class SequenceState:
                 grown.append(buf)
             self.kv[i] = (grown[0], grown[1])
         self._capacity = new
+        self._addresses = None
 
     @property
     def nbytes(self) -> int:
@@ -90,6 +98,7 @@ class SequenceState:
         """Drop the buffers; the state cannot be used afterwards."""
         self.kv, self.conv, self.recurrent = {}, {}, {}
         self._freed = True
+        self._addresses = None
 
     def __repr__(self) -> str:
         status = "freed" if self._freed else f"{self.length}/{self._capacity}/{self.max_tokens} tokens"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Run tools/gpu_bench.py on a bare GPU machine that has torch/triton/transformers but cannot reach PyPI:
+# Run a GPU benchmark script on a bare GPU machine that has torch/triton/transformers but cannot reach PyPI:
 # wheels carried in .whl/ go to /tmp/site, and the repo's folders are exposed under the `ft` namespace
-# (the same mapping pyproject.toml installs). All arguments go to gpu_bench.py.
+# (the same mapping pyproject.toml installs).
+#   bash tools/gpu_run.sh [tools/SCRIPT.py] ARGS...   (default script: tools/gpu_full.py, the full-model benchmark)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SITE=/tmp/ft-site
@@ -11,4 +12,6 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 for pkg in cli formats compiler runtime; do ln -sfn "$PWD/$pkg" "$SITE/ft/$pkg"; done
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-exec python3 tools/gpu_bench.py "$@"
+SCRIPT=tools/gpu_full.py
+case "${1:-}" in *.py) SCRIPT=$1; shift ;; esac
+exec python3 "$SCRIPT" "$@"

@@ -49,7 +49,8 @@ def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, m
                    offload: OffloadConfig | None, kv_reserve_tokens: int, max_running_requests: int,
                    dense_weights: str | None = None, mode: str | None = None, cuda_graphs: bool = True):
     """-> (model, GpuExperts with its slot pool allocated; `experts.vram_plan` says how the budget was spent). On
-    CUDA with `cuda_graphs`, the model replays sync-free one-token decode steps from CUDA graphs (`graphs.py`)."""
+    CUDA with `cuda_graphs`, the model replays sync-free decode steps of up to `max_running_requests` sequences from
+    CUDA graphs (`graphs.py`), captured here."""
     from ft.runtime.gpu.benchbw import load_profile
     from ft.runtime.model import load_model
 
@@ -91,9 +92,10 @@ def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, m
     experts.allocate(num_slots=num_slots)
     experts.vram_plan = plan
     if cuda and cuda_graphs:
-        from .graphs import DecodeGraphs
+        from .graphs import DecodeGraphs, bucket_sizes
 
-        model.graphs = DecodeGraphs(model, experts)
+        model.graphs = DecodeGraphs(model, experts, batch_sizes=bucket_sizes(max_running_requests))
+        model.graphs.warm()  # every batch size captured now, where the experts allow replays already
     if plan is not None:
         gib = 1 << 30
         log.info("VRAM budget %.2f GiB: dense %.2f (%s), KV %.2f, prefill buffers %.2f, reserve %.2f, expert slots "

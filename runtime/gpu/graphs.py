@@ -1,37 +1,36 @@
-"""CUDA-graph decode: a sequence's one-token steps replay one captured forward.
+"""CUDA-graph decode: one captured forward per batch size serves every decode step.
 
-Eager decode at batch 1 is bound by the host, not the GPU: every layer issues dozens of small kernels from Python (the
-profile of run I: 9.7 ms of host time per token for 4 layers, DeltaNet 5.8 of it, while the GPU is mostly idle). A
+Eager decode at batch 1 is bound by the host, not the GPU: every layer issues dozens of small kernels from Python. A
 replay issues the whole step at once.
 
-What is captured: `CausalLM.layers_forward` on a static batch (`ForwardBatch.static`: the token's position is read
-from a device buffer, attention covers the whole KV buffer under a mask) and `logits_head`, for one token of one
-`SequenceState`. Outside the graph, per step:
-  * the embedding gather (`embed_tokens`: its table may stay in host memory), copied into the static input `h`;
-  * the position, written into the static input `pos`;
-  * the experts' host bookkeeping: `before_replay` (the device slot table is uploaded if admits changed it) and
-    `after_replay`, which runs while the GPU replays (call counters; mode mapped queues this replay's routing
-    read-back, then reads back the previous steps' and admits experts, which the step after next can hit).
-The graph reads the state's buffers at their capture-time addresses (KV [capacity, nkv, hd]; DeltaNet conv and
-recurrent states, updated in place). So a graph belongs to one state at one capacity: another state, or one whose KV
-buffers grew (`ensure_capacity` reallocates), is captured anew (`MAX_GRAPHS` are kept, the oldest is dropped).
-Rows of the KV buffers past the state's length are zeroed at capture: the mask gives them weight 0, and
-0 * (garbage that happens to be NaN) would still be NaN.
+What is captured, once per batch size G in `batch_sizes` (1, 2, 4, 8 ... up to the engine's max running requests):
+`CausalLM.layers_pending` + `logits_head` on a decode batch of G rows (`ForwardBatch.tables`, see
+`ft.runtime.layers.batch`). The sequence-mixing layers find each row's buffers through the static `tables`
+[L, 2, G] and its position through the static `positions` [G]; nothing in the graph depends on which sequences
+run or how long they are. So a graph is never captured again: not when a sequence grows (its KV buffers are
+reallocated: the next step's tables hold the new addresses), not when another sequence joins.
+Per step, outside the graph: the embedding gather (`embed_tokens`: its table may stay in host memory) into the static
+input rows; positions and tables, written into one page-locked host buffer and copied with one non-blocking copy;
+the experts' host bookkeeping (`before_replay`: the device slot table is uploaded if admits changed it;
+`after_replay`, which runs while the GPU replays: call counters; mode mapped queues this replay's routing read-back,
+reads back the previous steps' and admits experts).
+B sequences replay the smallest captured G >= B; rows B..G-1 are padding: zero embeddings, position 0, buffers of a
+scratch state of one token. Zero inputs keep every value they produce finite (norms of 0 are 0, uniform routing), so
+padding can never poison anything; their outputs are dropped.
 
-A step is not replayed (`step` returns None and the model runs eagerly) unless every MoE layer's one-token call is
+A step is not replayed (`step` returns None and the model runs eagerly) unless every MoE layer's call of G tokens is
 sync-free (`graph_ready`): mode resident, static's GPU layers, mode mapped once its banks are pinned and verified.
 Hybrid / offload / cpu bring the routing to the host mid-step, which a graph cannot do.
 
-Capture: the body runs once eagerly on a side stream (it compiles kernels and makes the paths' first-call checks,
-which sync) with the state's DeltaNet buffers saved and restored around it, then once under capture.
-`capture=False` runs the same static body eagerly instead of replaying (CPU tests of everything but the capture).
+Capture: the body runs once eagerly on a side stream on the scratch rows (compiles kernels, makes the paths'
+first-call checks, which sync), then once under capture. `capture=False` runs the same decode batch eagerly instead
+of replaying (CPU tests of everything but the capture itself).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 
 import torch
 
@@ -41,8 +40,6 @@ from .device_path import count_call, device_kernel, uses_device_plan
 from .mapped_path import uses_mapped
 
 log = logging.getLogger("ft.gpu")
-
-MAX_GRAPHS = 2  # captured states kept (a server mostly decodes one sequence; a second covers a switch)
 
 
 # ---- the experts' side (GpuExperts) ----------------------------------------------------------------------------
@@ -78,113 +75,134 @@ def after_replay(ex, num_tokens: int) -> None:
 
 
 # ---- the model's side --------------------------------------------------------------------------------------------
+def bucket_sizes(max_batch: int) -> tuple[int, ...]:
+    """1, 2, 4 ... up to the first power of two >= max_batch."""
+    sizes = [1]
+    while sizes[-1] < max_batch:
+        sizes.append(2 * sizes[-1])
+    return tuple(sizes)
+
+
 class _Captured:
-    """One state's static inputs, batch and (CUDA) graph."""
+    """The static inputs and outputs of the graph of batch size G."""
 
-    def __init__(self, model, state) -> None:
-        dev = model.device
-        self.state = state
-        self.buffers = _buffers(state)
-        self.h = torch.zeros(1, model.config.hidden_size, dtype=model.dtype, device=dev)   # the token's embedding
-        self.pos = torch.zeros(1, dtype=torch.int64, device=dev)                           # its position
-        self.batch = ForwardBatch([SegmentRows(0, 1, -1, state)], self.pos, static=True)
+    def __init__(self, model, size: int, scratch) -> None:
+        dev, L = model.device, model.config.num_layers
+        self.size = size
+        self.h = torch.zeros(size, model.config.hidden_size, dtype=model.dtype, device=dev)  # embeddings
+        # positions [G] and tables [L, 2, G] in one buffer, so one copy moves both
+        self.inputs = torch.zeros(size + 2 * L * size, dtype=torch.int64, device=dev)
+        pin = dev.type == "cuda"
+        self.staging = torch.zeros(self.inputs.shape, dtype=torch.int64, pin_memory=pin)
+        self.copied = torch.cuda.Event() if pin else None
+        self.pos, self.tables = self.inputs[:size], self.inputs[size:].view(L, 2, size)
+        self.scratch_addresses = scratch.addresses()
+        self.batch = ForwardBatch([SegmentRows(i, 1, 0, scratch) for i in range(size)], self.pos, tables=self.tables)
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.logits: torch.Tensor | None = None   # fp32 [1, V], the graph's output buffer
+        self.logits: torch.Tensor | None = None  # fp32 [G, V], the graph's output buffer
 
-    def valid(self, state) -> bool:
-        return state is self.state and not state.freed and _buffers(state) == self.buffers
-
-
-def _buffers(state) -> tuple:
-    """Addresses of every state buffer a captured graph reads (KV, conv, recurrent)."""
-    tensors = [t for pair in state.kv.values() for t in pair] + [*state.conv.values(), *state.recurrent.values()]
-    return tuple(t.data_ptr() for t in tensors)
+    def load(self, h: torch.Tensor, states: list) -> None:
+        """Write the step's inputs: embeddings of the B live rows (zeros after them), positions, tables."""
+        b, size = h.shape[0], self.size
+        self.h[:b].copy_(h)
+        if b < size:
+            self.h[b:].zero_()
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous step's copy has left the staging buffer
+        pos, tables = self.staging[:size], self.staging[size:].view(-1, 2, size)
+        pos.zero_()
+        for i, st in enumerate(states):
+            pos[i] = st.length
+            tables[:, :, i] = st.addresses()
+        tables[:, :, len(states):] = self.scratch_addresses[:, :, None]
+        self.inputs.copy_(self.staging, non_blocking=self.copied is not None)
+        if self.copied is not None:
+            self.copied.record()
 
 
 class DecodeGraphs:
-    def __init__(self, model, experts, *, capture: bool | None = None) -> None:
+    def __init__(self, model, experts, *, batch_sizes: tuple[int, ...] = (1,), capture: bool | None = None) -> None:
         self.model, self.ex = model, experts
         self.capture = model.device.type == "cuda" if capture is None else capture
-        self._graphs: OrderedDict[int, _Captured] = OrderedDict()
-        self._ready = False
+        self.batch_sizes = tuple(sorted(batch_sizes))
+        self._graphs: dict[int, _Captured] = {}
+        self._scratch = model.new_state(1)  # buffers of the padding rows
         self.failed: str | None = None  # why a capture failed; graphs stay off for this model after one
         self.counters = {"replays": 0, "captures": 0, "capture_s": 0.0, "eager_steps": 0}
 
-    def step(self, input_ids: torch.Tensor, state) -> torch.Tensor | None:
-        """One decode token of `state` (input_ids [1], validated by the model) -> fp32 logits [1, V], or None when the
-        step cannot be replayed (the caller runs it eagerly). Does not advance `state.length` (the model does)."""
-        if not self._ready:
-            # once true it stays so (pinning done; the paths' first-call checks ran at capture)
-            self._ready = self.failed is None and graph_ready(self.ex, 1)
-            if not self._ready:
-                self.counters["eager_steps"] += 1
-                return None
-        h = self.model.embed_tokens(input_ids)
-        g = self._graphs.get(id(state))
-        if g is None or not g.valid(state):
-            try:
-                g = self._capture(state, h)
-            except Exception as e:  # noqa: BLE001 - decode on eagerly rather than fail the request
-                log.warning("CUDA graph capture failed, decoding eagerly from now on: %s: %s", type(e).__name__, e)
-                self.failed = self.counters["capture_error"] = f"{type(e).__name__}: {e}"[:500]
-                g = None
-            if g is None:
-                self._ready = False
-                self.counters["eager_steps"] += 1
-                return None
+    def size_for(self, batch: int) -> int | None:
+        return next((g for g in self.batch_sizes if g >= batch), None)
+
+    def warm(self) -> None:
+        """Capture every batch size now (at start), if the experts allow replays yet; later sizes are lazy."""
+        for size in self.batch_sizes:
+            if self.failed is None and graph_ready(self.ex, size) and size not in self._graphs:
+                self._try_capture(size)
+
+    def step(self, input_ids: torch.Tensor, states: list) -> torch.Tensor | None:
+        """One decode token for each of `states` (input_ids [B], validated by the model) -> fp32 logits [B, V], or
+        None when the step cannot be replayed (the caller runs it eagerly). Does not advance the states' lengths."""
+        size = self.size_for(len(states))
+        if size is None or self.failed is not None or not graph_ready(self.ex, size):
+            self.counters["eager_steps"] += 1
+            return None
+        g = self._graphs.get(size) or self._try_capture(size)
+        if g is None:
+            self.counters["eager_steps"] += 1
+            return None
         before_replay(self.ex)
-        g.h.copy_(h)
-        g.pos.fill_(state.length)
+        g.load(self.model.embed_tokens(input_ids), states)
         if g.graph is not None:
             g.graph.replay()
-        else:
-            g.logits = self._body(g)
-        after_replay(self.ex, 1)
+        else:  # capture=False: the same decode batch, eagerly, over the live states' rows
+            rows = [SegmentRows(i, 1, st.length, st) for i, st in enumerate(states)]
+            rows += g.batch.segments[len(states):]
+            g.logits = self._body(g.h, ForwardBatch(rows, g.pos, tables=g.tables))
+        # the live rows' routing only (padding would bias admission), unless device-side fills must be mirrored
+        mapped = self.ex.mapped
+        after_replay(self.ex, size if mapped is not None and mapped.fill else len(states))
         self.counters["replays"] += 1
-        return g.logits.clone()  # the next replay overwrites the graph's buffer
+        return g.logits[:len(states)].clone()  # the next replay overwrites the graph's buffer
 
-    def _body(self, g: _Captured) -> torch.Tensor:
+    def _body(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         ex = self.ex
         ex.graph_calls = True
         try:
-            return self.model.logits_head(self.model.layers_forward(g.h, g.batch))
+            return self.model.logits_head(*self.model.layers_pending(h, batch))
         finally:
             ex.graph_calls = False
 
-    def _capture(self, state, h: torch.Tensor) -> _Captured | None:
-        self._graphs.pop(id(state), None)
-        while len(self._graphs) >= MAX_GRAPHS:
-            self._graphs.popitem(last=False)
+    def _try_capture(self, size: int) -> _Captured | None:
+        try:
+            return self._capture(size)
+        except Exception as e:  # noqa: BLE001 - decode on eagerly rather than fail the request
+            log.warning("CUDA graph capture failed, decoding eagerly from now on: %s: %s", type(e).__name__, e)
+            self.failed = self.counters["capture_error"] = f"{type(e).__name__}: {e}"[:500]
+            return None
+
+    def _capture(self, size: int) -> _Captured | None:
         t0 = time.perf_counter()
-        for k, v in state.kv.values():  # see the module docstring: masked rows must hold finite values
-            k[state.length:].zero_()
-            v[state.length:].zero_()
-        g = _Captured(self.model, state)
+        g = _Captured(self.model, size, self._scratch)
+        g.load(g.h[:0], [])  # every row a padding row: the warm-up touches only the scratch state
         if self.capture:
             before_replay(self.ex)
-            g.h.copy_(h)
-            g.pos.fill_(state.length)
-            live = [*state.conv.values(), *state.recurrent.values()]
-            saved = [t.clone() for t in live]
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             try:
-                with torch.cuda.stream(side):  # compiles, first-call checks (sync); the state is restored below
-                    self._body(g)
+                with torch.cuda.stream(side):  # compiles, first-call checks (sync)
+                    self._body(g.h, g.batch)
             finally:
                 torch.cuda.current_stream().wait_stream(side)
-                for t, s in zip(live, saved):
-                    t.copy_(s)
                 if self.ex.mapped is not None and self.ex.mapped.graph_layers:
-                    self.ex.mapped.record_step(1)  # its fills are real: the host must mirror them
-            if not graph_ready(self.ex, 1):  # a first-call check turned a path off
+                    self.ex.mapped.record_step(size)  # its fills are real: the host must mirror them
+            if not graph_ready(self.ex, size):  # a first-call check turned a path off
                 return None
             graph = torch.cuda.CUDAGraph()
             # thread_local: the uploader's staging thread may issue copies while this thread captures
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                g.logits = self._body(g)
+                g.logits = self._body(g.h, g.batch)
             g.graph = graph
-        self._graphs[id(state)] = g
+        self._graphs[size] = g
         self.counters["captures"] += 1
         self.counters["capture_s"] += time.perf_counter() - t0
         return g

@@ -3,14 +3,15 @@
 Fused projection rows `[q (nq·hd) | k (nkv·hd) | v (nkv·hd) | gate (nq·hd), only if gated]`, optional bias.
 Per head: optional RMSNorm of q and k over head_dim (before RoPE), then (partial) RoPE. Each segment writes its k/v
 rows into its cache at positions `[past, past + T)` and its queries attend to cache rows `[0, past + T)`, query i
-seeing keys up to `past + i`. A static batch (decode captured in a CUDA graph, see `ForwardBatch.static`) writes each
-one-token segment's k/v at its device-side position and attends over the whole buffer under a mask. Gated attention
-multiplies the attention output by `sigmoid(gate)` before `o_proj`.
+seeing keys up to `past + i`. Gated attention multiplies the attention output by `sigmoid(gate)` before `o_proj`.
+
+Decode batches (`batch.decode`, one token per segment, `past` taken from `batch.positions`): with `_fused` set, two
+Triton kernels (`ft.runtime.gpu.decode_attention`) do norm + RoPE + the KV write, then split-K attention over each
+sequence's live rows only, finding buffers through `batch.tables` and lengths through `batch.positions` on the
+device (CUDA-graph replayable). Without `_fused` (CPU), the eager per-segment path below is the reference.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,7 @@ class Attention(Op):
             self.q_norm = RMSNorm(cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.rms_norm_eps)
         self._layer = layer
+        self._eps = cfg.rms_norm_eps
         self._nq, self._nkv, self._hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self._gated = cfg.attn_output_gate
         q_rows, kv_rows = self._nq * self._hd, self._nkv * self._hd
@@ -44,7 +46,10 @@ class Attention(Op):
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         n = x.shape[0]                                              # x [N, H]
-        parts = self.qkv_proj(x).split(self._split, dim=-1)
+        qkv = self.qkv_proj(x)                                      # [N, rows]
+        if batch.decode and self._fused:
+            return self.o_proj(self._fused_decode(qkv, batch))
+        parts = qkv.split(self._split, dim=-1)
         q = parts[0].reshape(n, self._nq, self._hd)
         k = parts[1].reshape(n, self._nkv, self._hd)
         v = parts[2].reshape(n, self._nkv, self._hd)
@@ -54,22 +59,30 @@ class Attention(Op):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
         out = torch.empty_like(q)                                   # [N, nq, hd]
+        pasts = batch.positions.tolist() if batch.decode else None  # reference decode: positions on the host
         for seg in batch.segments:
             k_cache, v_cache = seg.state.kv[self._layer]            # [capacity, nkv, hd] each
-            if batch.static:                                        # one token, its position on the device
-                pos = batch.positions[seg.rows]
-                k_cache.index_copy_(0, pos, k[seg.rows])
-                v_cache.index_copy_(0, pos, v[seg.rows])
-                out[seg.rows] = masked_decode_attention(q[seg.rows], k_cache, v_cache, pos)
-                continue
-            end = seg.past + seg.num_tokens
-            k_cache[seg.past:end] = k[seg.rows]
-            v_cache[seg.past:end] = v[seg.rows]
-            out[seg.rows] = causal_attention(q[seg.rows], k_cache[:end], v_cache[:end], seg.past)
+            past = pasts[seg.start] if batch.decode else seg.past
+            end = past + seg.num_tokens
+            k_cache[past:end] = k[seg.rows]
+            v_cache[past:end] = v[seg.rows]
+            out[seg.rows] = causal_attention(q[seg.rows], k_cache[:end], v_cache[:end], past)
         out = out.reshape(n, self._nq * self._hd)
         if self._gated:
             out = out * torch.sigmoid(parts[3])
         return self.o_proj(out)
+
+    def _fused_decode(self, qkv: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """qkv [B, rows] of a decode batch -> attention output [B, nq·hd] (gated), via the two decode kernels."""
+        from ft.runtime.gpu.decode_attention import decode_attention, prep_decode
+
+        tables = batch.tables[self._layer]                          # [2, B]: k / v buffer addresses
+        norm = hasattr(self, "q_norm")
+        q = prep_decode(qkv, self.q_norm.weight if norm else None, self.k_norm.weight if norm else None, self._eps,
+                        batch.rope["cos"], batch.rope["sin"], tables, batch.positions,
+                        nq=self._nq, nkv=self._nkv, hd=self._hd)
+        gate = qkv[:, -self._nq * self._hd:] if self._gated else None
+        return decode_attention(q, tables, batch.positions, nkv=self._nkv, scale=self._hd ** -0.5, gate=gate)
 
 
 # Not cuDNN: its SDPA builds an execution plan per new key length, i.e. at every decode step (63 ms of host time per
@@ -83,21 +96,6 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: in
         with sdpa_kernel(_BACKENDS):
             return _sdpa(q, k, v, past)
     return _sdpa(q, k, v, past)
-
-
-def masked_decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """One query token: q [1, nq, hd]; k, v [capacity, nkv, hd]; pos [1] (device) -> [1, nq, hd], attending to
-    rows 0..pos. Shapes never depend on pos (graph-capturable). The r = nq / nkv query heads of a KV group are laid out
-    as r query rows of that group, so GQA needs no copy of k / v."""
-    cap, nkv, hd = k.shape
-    r = q.shape[1] // nkv
-    qh = q[0].reshape(nkv, r, hd).unsqueeze(0)                          # [1, nkv, r, hd]: head g*r + j -> group g
-    kh, vh = (a.transpose(0, 1).unsqueeze(0) for a in (k, v))           # [1, nkv, cap, hd], strided views
-    mask = (torch.arange(cap, device=q.device) <= pos).view(1, 1, 1, cap)
-    ctx = sdpa_kernel(_BACKENDS[1:]) if q.is_cuda else contextlib.nullcontext()  # flash takes no mask
-    with ctx:
-        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=hd ** -0.5)
-    return o[0].reshape(1, nkv * r, hd)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:

@@ -40,6 +40,9 @@ class Op:
 
     optional: tuple[str, ...] = ()
     banks: tuple[str, ...] = ()
+    # Fused Triton kernels instead of the PyTorch ops (decided once at load: `CausalLM.prepare` sets it on every op
+    # of a model on CUDA; tests set it on CPU under TRITON_INTERPRET=1). The PyTorch ops stay the reference.
+    _fused: bool = False
 
     def __init__(self) -> None:
         for name in self.optional:

@@ -4,9 +4,22 @@ A forward runs N tokens that belong to several segments (a prefill chunk or one 
 order. Token-wise work (projections, norms, MoE) runs once over all N rows; sequence mixing (attention, DeltaNet)
 runs per segment on its rows `[start, start + num_tokens)`, continuing the segment's state at position `past`.
 
-`static` (a decode step captured in a CUDA graph, `ft.runtime.gpu.graphs`): every segment is one token, and its
-position is read from `positions` on the device at replay time, never from `past` (a Python int frozen at capture);
-attention then covers the whole KV buffer with a mask instead of slicing it to the current length.
+Decode batches (`tables` set; CUDA, or the Triton interpreter in tests): every segment is one token, B = N rows, and
+the sequence-mixing layers run fused decode kernels that find each sequence's buffers through `tables` and its
+position through `positions`, both on the device. Nothing they launch depends on host values (lengths, addresses), so
+one captured CUDA graph per batch size serves every set of sequences at every length (`ft.runtime.gpu.graphs`): the
+host only rewrites the tables and positions before a replay.
+
+    tables int64 [L, 2, B] (L = the model's layer count; row i belongs to layer i):
+      full-attention layer i:   tables[i, 0, b] = k buffer address, tables[i, 1, b] = v buffer address of sequence b
+                                (each buffer [capacity, nkv, hd] contiguous, compute dtype; row p at + p * nkv * hd)
+      linear-attention layer i: tables[i, 0, b] = conv state address ([conv_dim, K-1], compute dtype),
+                                tables[i, 1, b] = recurrent state address ([Hv, dk, dv] fp32)
+    positions int64 [B]: the token's position (tokens already in its sequence); the layer writes the token's k/v /
+      state there and attends over rows 0..position inclusive.
+Padded rows (a graph of batch 8 replayed for 5 sequences) point at a scratch state and position 0: their outputs are
+computed and ignored. A captured graph's segments name the states of its capture (the scratch state): kernels on the
+decode path must read `tables` and `positions` only, never `SegmentRows.state` or `past`.
 """
 
 from __future__ import annotations
@@ -34,4 +47,19 @@ class ForwardBatch:
     segments: list[SegmentRows]
     positions: torch.Tensor                       # [N] int64 absolute positions
     rope: dict[str, torch.Tensor] = field(default_factory=dict)   # cos/sin [N, rotary_dim], set by the model
-    static: bool = False                          # see the module docstring
+    tables: torch.Tensor | None = None            # decode batch: int64 [L, 2, N] buffer addresses (module docstring)
+
+    @property
+    def decode(self) -> bool:
+        return self.tables is not None
+
+
+def state_addresses(state: Any, num_layers: int) -> torch.Tensor:
+    """int64 [L, 2]: the (k, v) or (conv, recurrent) buffer addresses of one SequenceState, per layer (0 for a layer
+    without either). A decode batch's `tables` is these, stacked over its sequences along the last dim."""
+    out = torch.zeros(num_layers, 2, dtype=torch.int64)
+    for i, (k, v) in state.kv.items():
+        out[i, 0], out[i, 1] = k.data_ptr(), v.data_ptr()
+    for i, conv in state.conv.items():
+        out[i, 0], out[i, 1] = conv.data_ptr(), state.recurrent[i].data_ptr()
+    return out

@@ -5,6 +5,10 @@ Router (all first-wave families): `p = softmax(x · gateᵀ)` in fp32, top-k ove
 implements `experts(layer, x [T, H], topk_ids [T, k] int64, topk_weights [T, k] f32) -> [T, H]`
 (CPU from the mmapped bank by default, a GPU cache/offload scheduler otherwise). Shared expert (qwen2_moe, qwen3_next,
 qwen3_5_moe): `y += sigmoid(shared_expert_gate · x) · shared_expert(x)`.
+
+With `_fused` set (CUDA) the routing (softmax, top-k, renorm) and the shared expert's gated add are one Triton launch
+each (`ft.runtime.gpu.fused_ops.route_topk`, `sigmoid_gate_add`); `route` and the torch expression are the
+reference. Ties among probabilities may select different ids of equal weight (see `route_topk`).
 """
 
 from __future__ import annotations
@@ -56,8 +60,15 @@ class SparseMoe(Op):
         self._top_k, self._renorm = cfg.num_experts_per_tok, cfg.norm_topk_prob
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = route(self.gate(x), self._top_k, self._renorm)     # x [T, H]
+        if self._fused:
+            from ft.runtime.gpu import fused_ops
+            ids, weights = fused_ops.route_topk(self.gate(x), self._top_k, self._renorm)   # x [T, H]
+        else:
+            ids, weights = route(self.gate(x), self._top_k, self._renorm)
         y = self.experts(x, ids, weights)
         if hasattr(self, "shared_expert"):
-            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            gate, shared = self.shared_expert_gate(x), self.shared_expert(x)              # [T, 1], [T, H]
+            if self._fused:
+                return fused_ops.sigmoid_gate_add(y, gate, shared)
+            y = y + torch.sigmoid(gate) * shared
         return y

@@ -1,8 +1,8 @@
-"""CUDA-graph decode (`graphs.py`): one-token steps replay a captured static forward.
+"""CUDA-graph decode (`graphs.py`): decode steps replay one captured forward per batch size.
 
-On the CPU the static body runs eagerly (`capture=False`): the masked full-buffer attention, device-side positions,
-the experts' graph calls and their bookkeeping after each step are all checked against plain eager decoding; the
-capture itself is checked on CUDA."""
+On the CPU the decode batch runs eagerly (`capture=False`): device-side positions and tables, padding rows, the
+experts' graph calls and their bookkeeping after each step are all checked against plain eager decoding; the capture
+itself is checked on CUDA."""
 
 from __future__ import annotations
 
@@ -25,12 +25,12 @@ def ftw(ftw_for):
     return ftw_for("qwen3_5_moe", "nvfp4")  # full attention + DeltaNet + MoE with a shared expert
 
 
-def _model(ftw, opts, device="cpu", graphs=False, capture=None, keep_quantized=False):
+def _model(ftw, opts, device="cpu", graphs=False, capture=None, keep_quantized=False, sizes=(1,)):
     reader = FtwReader(ftw)
     ex = GpuExperts(reader, opts, device=device, device_plan=True)
     model = load_model(reader, device=device, experts=ex, keep_quantized=keep_quantized)
     if graphs:
-        model.graphs = DecodeGraphs(model, ex, capture=capture)
+        model.graphs = DecodeGraphs(model, ex, capture=capture, batch_sizes=sizes)
     return model, ex
 
 
@@ -82,14 +82,46 @@ def test_static_decode_matches_eager(ftw, mode, fill):
         e.close()
 
 
-def test_a_grown_state_is_captured_again(ftw):
+def test_a_grown_state_replays_the_same_graph(ftw):
     model, ex = _model(ftw, OffloadConfig(mode="resident", prefetch=False), graphs=True, capture=False)
     eager, ex0 = _model(ftw, OffloadConfig(mode="resident", prefetch=False))
     toks, got = _decode(model, 12, capacity=len(PROMPT) + 1)  # KV buffers reallocated while decoding
     want_toks, want = _decode(eager, 12, capacity=len(PROMPT) + 1)
     assert toks == want_toks
     _close(got, want)
-    assert model.graphs.counters["captures"] >= 2 and model.graphs.counters["replays"] == 12
+    assert model.graphs.counters["captures"] == 1 and model.graphs.counters["replays"] == 12
+    for e in (ex, ex0):
+        e.close()
+
+
+def _decode_together(model, prompts, n):
+    """Prefill each prompt alone, then n steps decoding all sequences in one forward -> tokens per sequence."""
+    states, toks = [], []
+    for p in prompts:
+        st = model.new_state(len(p) + n + 2)
+        states.append(st)
+        toks.append([int(model.forward(torch.tensor(p), [Segment(st, len(p))])[0][-1].argmax())])
+    for _ in range(n):
+        out = model.forward(torch.tensor([t[-1] for t in toks]), [Segment(st, 1) for st in states])
+        for t, lg in zip(toks, out):
+            assert lg.shape[0] == 1 and torch.isfinite(lg).all()
+            t.append(int(lg[-1].argmax()))
+    return toks
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if CUDA else []))
+def test_batched_decode_replays_padded_graphs(ftw, device):
+    """Three sequences of different lengths decode together through the graph of batch 4 (one padding row) and get
+    the tokens each gets decoding alone; two sequences take the graph of batch 2; one graph per size, no more."""
+    prompts = [PROMPT, PROMPT[:4], PROMPT[2:] + PROMPT]
+    opts = OffloadConfig(mode="resident", prefetch=False)
+    eager, ex0 = _model(ftw, opts, device=device)
+    want = [_decode_together(eager, [p], 6)[0] for p in prompts]
+    model, ex = _model(ftw, opts, device=device, graphs=True, sizes=(1, 2, 4))
+    assert _decode_together(model, prompts, 6) == want
+    assert _decode_together(model, prompts[:2], 6) == want[:2]
+    c = model.graphs.counters
+    assert c["replays"] == 12 and c["captures"] == 2 and c["eager_steps"] == 0
     for e in (ex, ex0):
         e.close()
 

@@ -1,0 +1,148 @@
+"""Full-model GPU benchmark: the whole 40-layer models, resident, as a user runs them, against llama.cpp and the HBM
+bound. One command on the GPU machine (see tools/gpu_full.sh):
+
+    python tools/gpu_full.py --out DIR [--models qwen3moe-35b-geom,qwen3.6-35b-a3b] [--routing uniform]
+                             [--stages kernels,tests,models] [--deadline-s 560]
+
+Stages:
+  kernels  the kernel benchmarks (tools/bench_*.py): each kernel's us per call and GB/s or TFLOP/s vs the peak
+  tests    the GPU-runtime tests (tests/runtime/gpu: the real kernels on the GPU)
+  models   per model: synth (NVFP4, full size) -> ft checkpoint -> load resident (CUDA graphs for batch 1..8) ->
+           decode batch 1 at a short and an 8k context, batch 4 and 8 aggregate, prefill of 512 / 4k / 16k tokens
+           (4k chunks); graphed vs eager greedy tokens, fused kernels vs the PyTorch reference ops (max |dlogit|)
+Each decode row carries its bound: bytes read per token (dense weights, routed experts' records, KV or DeltaNet state)
+over the HBM read rate measured in the same run, and the ratio to llama.cpp's number for the same placement
+(qwen3moe-35b-geom only: same geometry as llama.cpp's table).
+Results: DIR/gpu_full.json and DIR/gpu_full.log.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+GIB = 1 << 30
+ARCH = {"qwen3moe-35b-geom": "qwen3_moe", "qwen3.6-35b-a3b": "qwen3_5_moe"}
+# llama.cpp on the same H200, same geometry (qwen3moe, Q4_0 experts), all experts on the GPU:
+# tg128, pp512, pp4096 (-ub 4096); ../shared reference table "llama.cpp on our GPU test machine"
+LLAMA_CPP = {"decode_b1": 360.0, "prefill_512": 7443.0, "prefill_4096": 11924.0}
+KERNEL_BENCHES = ("bench_moe_decode", "bench_attention", "bench_fused_ops", "bench_deltanet", "bench_moe_prefill")
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
+
+
+def hbm_read_gbs() -> float:
+    """GB/s of a large bf16 reduction (reads 4 GiB once per call), median of 5."""
+    x = torch.ones(2 * GIB, dtype=torch.bfloat16, device="cuda")
+    times = []
+    for _ in range(6):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        x.sum(dtype=torch.float32)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    del x
+    return 4 * GIB / sorted(times[1:])[2] / 1e9
+
+
+def run_script(name: str, out: Path, timeout: float) -> dict:
+    t = time.perf_counter()
+    cmd = [sys.executable, f"tools/{name}.py", "--out", str(out)] if name != "pytest" else \
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/runtime/gpu"]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        text, rc = res.stdout + res.stderr, res.returncode
+    except subprocess.TimeoutExpired as e:
+        text, rc = f"{e.stdout or ''}{e.stderr or ''}\ntimed out after {timeout:.0f} s", None
+    text = text if isinstance(text, str) else text.decode(errors="replace")
+    (out / f"{name}.log").write_text(text)
+    tail = text.strip().splitlines()[-12:]
+    log(f"{name}: rc {rc} in {time.perf_counter() - t:.0f} s\n    " + "\n    ".join(tail))
+    row = {"returncode": rc, "seconds": time.perf_counter() - t, "tail": tail}
+    result = out / f"{name}.json"
+    if result.exists():
+        row["result"] = json.loads(result.read_text())
+    return row
+
+
+def build(work: Path, preset: str, routing: str) -> Path:
+    from ft.compiler import compile_checkpoint
+    from ft.compiler.synth import synth
+
+    ftw, hf = work / f"{preset}-{routing}.ftw", work / f"{preset}-{routing}-hf"
+    if ftw.is_dir() and any(ftw.iterdir()):
+        return ftw
+    t = time.perf_counter()
+    overrides = {"vision": dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2,
+                                num_position_embeddings=16, patch_size=16)} if ARCH[preset] == "qwen3_5_moe" else None
+    synth(ARCH[preset], preset, hf, quant="nvfp4", routing=routing, force=True, overrides=overrides, twin=False)
+    t_synth = time.perf_counter() - t
+    compile_checkpoint(hf, ftw)
+    log(f"{preset} {routing}: synth {t_synth:.0f} s, compile {time.perf_counter() - t - t_synth:.0f} s")
+    shutil.rmtree(hf, ignore_errors=True)
+    return ftw
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--work", type=Path, default=Path("/tmp/ft-full"))
+    ap.add_argument("--models", default="qwen3moe-35b-geom,qwen3.6-35b-a3b")
+    ap.add_argument("--routing", default="uniform")
+    ap.add_argument("--stages", default="kernels,tests,models")
+    ap.add_argument("--deadline-s", type=float, default=560.0)
+    args = ap.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    stages = args.stages.split(",")
+    res: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
+                 "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    import triton
+
+    res["triton"] = triton.__version__
+    res["hbm_read_gbs"] = hbm_read_gbs()
+    log(f"HBM read {res['hbm_read_gbs']:.0f} GB/s")
+
+    def flush() -> None:
+        (args.out / "gpu_full.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
+
+    flush()
+    if "kernels" in stages:
+        res["kernels"] = {name: run_script(name, args.out, 60) for name in KERNEL_BENCHES
+                          if Path(f"tools/{name}.py").exists()}
+        flush()
+    if "tests" in stages:
+        res["tests"] = run_script("pytest", args.out, 240)
+        flush()
+    if "models" in stages:
+        from gpu_full_models import bench_model
+
+        res["models"] = {}
+        for preset in args.models.split(","):
+            left = args.deadline_s - (time.perf_counter() - T0)
+            if left < 150:
+                log(f"{preset}: skipped, {left:.0f} s left")
+                res["models"][preset] = {"skipped": f"{left:.0f} s left before the deadline"}
+                continue
+            ftw = build(args.work, preset, args.routing)
+            res["models"][preset] = bench_model(ftw, preset, hbm_gbs=res["hbm_read_gbs"], log=log,
+                                                llama=LLAMA_CPP if preset == "qwen3moe-35b-geom" else None,
+                                                deadline=T0 + args.deadline_s)
+            flush()
+            shutil.rmtree(ftw, ignore_errors=True)  # the disk holds one full-size FTW at a time
+    flush()
+    log("done")
+
+
+if __name__ == "__main__":
+    main()
