@@ -2,9 +2,9 @@
 bound. One command on the GPU machine (see tools/gpu_full.sh):
 
     python tools/gpu_full.py --out DIR [--models qwen3moe-35b-geom,qwen3.6-35b-a3b] [--routing uniform]
-                             [--stages kernels,tests,models] [--deadline-s 560]
+                             [--stages tests,models,kernels] [--deadline-s 560] [--quick]
 
-Stages:
+Stages (run in the order given):
   kernels  the kernel benchmarks (tools/bench_*.py): each kernel's us per call and GB/s or TFLOP/s vs the peak
   tests    the GPU-runtime tests (tests/runtime/gpu: the real kernels on the GPU)
   models   per model: synth (NVFP4, full size) -> ft checkpoint -> load resident (CUDA graphs for batch 1..8) ->
@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -55,10 +56,12 @@ def hbm_read_gbs() -> float:
     return 4 * GIB / sorted(times[1:])[2] / 1e9
 
 
-def run_script(name: str, out: Path, timeout: float) -> dict:
+def run_script(name: str, out: Path, timeout: float, quick: bool = False) -> dict:
     t = time.perf_counter()
     cmd = [sys.executable, f"tools/{name}.py", "--out", str(out)] if name != "pytest" else \
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/runtime/gpu"]
+    if quick and "--quick" in Path(f"tools/{name}.py").read_text():
+        cmd.append("--quick")
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         text, rc = res.stdout + res.stderr, res.returncode
@@ -99,8 +102,10 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=Path("/tmp/ft-full"))
     ap.add_argument("--models", default="qwen3moe-35b-geom,qwen3.6-35b-a3b")
     ap.add_argument("--routing", default="uniform")
-    ap.add_argument("--stages", default="kernels,tests,models")
+    ap.add_argument("--stages", default="tests,models,kernels")
     ap.add_argument("--deadline-s", type=float, default=560.0)
+    ap.add_argument("--kernel-timeout-s", type=float, default=90.0)
+    ap.add_argument("--quick", action="store_true", help="kernel benchmarks without their config sweeps")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -117,29 +122,42 @@ def main() -> None:
         (args.out / "gpu_full.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
 
     flush()
-    if "kernels" in stages:
-        res["kernels"] = {name: run_script(name, args.out, 60) for name in KERNEL_BENCHES
-                          if Path(f"tools/{name}.py").exists()}
-        flush()
-    if "tests" in stages:
-        res["tests"] = run_script("pytest", args.out, 240)
-        flush()
-    if "models" in stages:
-        from gpu_full_models import bench_model
+    for stage in stages:  # in the order given
+        left = args.deadline_s - (time.perf_counter() - T0)
+        if stage == "kernels":
+            res["kernels"] = {}
+            for name in KERNEL_BENCHES:
+                left = args.deadline_s - (time.perf_counter() - T0)
+                if Path(f"tools/{name}.py").exists() and left > 30:
+                    res["kernels"][name] = run_script(name, args.out, min(args.kernel_timeout_s, left - 20), args.quick)
+                    flush()
+        elif stage == "tests":
+            res["tests"] = run_script("pytest", args.out, min(240.0, left - 30))
+        elif stage == "models":
+            from gpu_full_models import bench_model
 
-        res["models"] = {}
-        for preset in args.models.split(","):
-            left = args.deadline_s - (time.perf_counter() - T0)
-            if left < 150:
-                log(f"{preset}: skipped, {left:.0f} s left")
-                res["models"][preset] = {"skipped": f"{left:.0f} s left before the deadline"}
-                continue
-            ftw = build(args.work, preset, args.routing)
-            res["models"][preset] = bench_model(ftw, preset, hbm_gbs=res["hbm_read_gbs"], log=log,
-                                                llama=LLAMA_CPP if preset == "qwen3moe-35b-geom" else None,
-                                                deadline=T0 + args.deadline_s)
-            flush()
-            shutil.rmtree(ftw, ignore_errors=True)  # the disk holds one full-size FTW at a time
+            res["models"] = {}
+            for preset in args.models.split(","):
+                left = args.deadline_s - (time.perf_counter() - T0)
+                if left < 150:
+                    log(f"{preset}: skipped, {left:.0f} s left")
+                    res["models"][preset] = {"skipped": f"{left:.0f} s left before the deadline"}
+                    continue
+                ftw = None
+                try:
+                    ftw = build(args.work, preset, args.routing)
+                    res["models"][preset] = bench_model(ftw, preset, hbm_gbs=res["hbm_read_gbs"], log=log,
+                                                        llama=LLAMA_CPP if preset == "qwen3moe-35b-geom" else None,
+                                                        deadline=T0 + args.deadline_s)
+                except Exception:  # noqa: BLE001 - the next model and stage still run
+                    res["models"][preset] = {"error": traceback.format_exc()[-3000:]}
+                    log(f"{preset} failed:\n{res['models'][preset]['error']}")
+                flush()
+                if ftw is not None:
+                    shutil.rmtree(ftw, ignore_errors=True)  # the disk holds one full-size FTW at a time
+        else:
+            raise SystemExit(f"unknown stage {stage!r}")
+        flush()
     flush()
     log("done")
 

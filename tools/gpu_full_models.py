@@ -10,6 +10,7 @@ routing, E * (1 - (1 - k/E)^B)), the KV rows attended to and the DeltaNet states
 from __future__ import annotations
 
 import time
+import traceback
 
 import torch
 
@@ -140,7 +141,12 @@ def bench_model(ftw, preset: str, *, hbm_gbs: float, log, llama: dict | None, de
     for batch, context, steps in ((1, 32, 128), (1, 8192, 64), (4, 32, 64), (8, 32, 64)):
         if time.perf_counter() > deadline - 40:
             break
-        r = decode(model, batch, context, steps)
+        try:
+            r = decode(model, batch, context, steps)
+        except Exception:  # noqa: BLE001 - keep the other rows
+            rows.append({"batch": batch, "context": context, "error": traceback.format_exc()[-2000:]})
+            log(f"{preset}: decode B={batch} ctx={context} failed:\n{rows[-1]['error']}")
+            continue
         b = step_bytes(model, ex, batch, context)
         r["bytes_per_step"] = b
         r["bound_ms"] = 1e3 * b["total"] / (hbm_gbs * 1e9)
@@ -159,7 +165,12 @@ def bench_model(ftw, preset: str, *, hbm_gbs: float, log, llama: dict | None, de
     for tokens in (512, 4096, 16384):
         if time.perf_counter() > deadline - 40:
             break
-        r = prefill(model, tokens)
+        try:
+            r = prefill(model, tokens)
+        except Exception:  # noqa: BLE001
+            pre.append({"tokens": tokens, "error": traceback.format_exc()[-2000:]})
+            log(f"{preset}: prefill {tokens} failed:\n{pre[-1]['error']}")
+            continue
         if llama and f"prefill_{tokens}" in llama:
             r["vs_llama_cpp"] = r["tok_s"] / llama[f"prefill_{tokens}"]
         pre.append(r)
@@ -167,7 +178,10 @@ def bench_model(ftw, preset: str, *, hbm_gbs: float, log, llama: dict | None, de
             (f" ({r['vs_llama_cpp']:.2f}x llama.cpp)" if "vs_llama_cpp" in r else ""))
     res["prefill"] = pre
     if time.perf_counter() < deadline - 60:
-        res["agreement"] = agreement(model)
+        try:
+            res["agreement"] = agreement(model)
+        except Exception:  # noqa: BLE001
+            res["agreement"] = {"error": traceback.format_exc()[-2000:]}
         log(f"{preset}: agreement {res['agreement']}")
     ex.close()
     del model, ex

@@ -11,6 +11,9 @@ Per token, after the projections (`in_proj_qkvz` rows `[q (Hk·dk) | k (Hk·dk) 
 4. `o` goes through RMSNormGated with z (per value head), then `out_proj`.
 Step 3 runs token by token for decode (`recurrent_gated_delta_rule`) and in chunks of 64 for prefill
 (`chunk_gated_delta_rule`, the UT-transform form); both compute the same recurrence.
+With `_fused` (CUDA; the torch code here stays the reference and the CPU path), a decode batch runs steps 1-4 in the
+two Triton kernels of `ft.runtime.gpu.deltanet_decode` (states found through `ForwardBatch.tables`), and a segment of
+more than one token runs step 3 in the Triton chunked kernels of `ft.runtime.gpu.deltanet_prefill`.
 """
 
 from __future__ import annotations
@@ -122,6 +125,12 @@ class GatedDeltaNet(Op):
         n = x.shape[0]                                                          # x [N, H]
         mixed, z = self.in_proj_qkvz(x).split([self.conv_dim, self._value_dim], dim=-1)
         b, a = self.in_proj_ba(x).split([self._hv, self._hv], dim=-1)
+        if batch.decode and self._fused:      # one token per sequence, states found through the tables on the device
+            from ft.runtime.gpu.deltanet_decode import gdn_decode
+            core = gdn_decode(mixed, z, b, a, self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight,
+                              self.norm._eps, batch.tables[self._layer], hk=self._hk, hv=self._hv, dk=self._dk,
+                              dv=self._dv)
+            return self.out_proj(core)
         beta = torch.sigmoid(b).float()                                         # [N, Hv]
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)    # [N, Hv]
 
@@ -134,13 +143,17 @@ class GatedDeltaNet(Op):
             t = seg.num_tokens
             q = l2_normalize(q.reshape(t, self._hk, self._dk)) * self._dk ** -0.5
             k = l2_normalize(k.reshape(t, self._hk, self._dk))
-            r = self._hv // self._hk
-            if r > 1:
-                q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
             v = v.reshape(t, self._hv, self._dv)
-            rule = chunk_gated_delta_rule if t > 1 else recurrent_gated_delta_rule
-            o, new_state = rule(q, k, v, g[seg.rows], beta[seg.rows], rec_state)
-            rec_state.copy_(new_state)
+            if self._fused and t > 1:   # Triton chunked rule (key heads not repeated), rec_state updated in place
+                from ft.runtime.gpu.deltanet_prefill import gdn_chunk_prefill
+                o = gdn_chunk_prefill(q, k, v, g[seg.rows], beta[seg.rows], rec_state)
+            else:
+                r = self._hv // self._hk
+                if r > 1:
+                    q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
+                rule = chunk_gated_delta_rule if t > 1 else recurrent_gated_delta_rule
+                o, new_state = rule(q, k, v, g[seg.rows], beta[seg.rows], rec_state)
+                rec_state.copy_(new_state)
             core[seg.rows] = o.to(x.dtype)
         core = self.norm(core, z.reshape(n, self._hv, self._dv))
         return self.out_proj(core.reshape(n, self._value_dim))
