@@ -4,7 +4,7 @@ A call takes this path (`uses_device_plan`) when
   * `GpuExperts.device_plan` is on (default on CUDA; the CPU emulation opts in),
   * the layer is an MoE layer whose experts are all preloaded and never evicted: mode "resident", or mode "static"
     and the layer is not one of `cpu_layers`,
-  * T * k <= MAX_DEVICE_PAIRS (decode; larger calls keep the host-planned tile kernel, whose dots use tensor cores).
+  * T * k <= MAX_DEVICE_PAIRS (decode; prefill calls: see below; other calls keep the host-planned tile kernel).
 Such a call counts calls / tokens / pairs only: hits, misses, per-layer counts and the routing trace need the routing
 on the host, so they stay untouched (in these modes every expert is a hit anyway). It advances the cache clock (a
 host integer), takes the layer's row of the device slot table (uploaded only when the host table changed; never after
@@ -12,6 +12,12 @@ host integer), takes the layer's row of the device slot table (uploaded only whe
 
 `device_kernel` (the kernel part alone) also serves host-planned decode calls of offloaded layers, after their
 admits: their routing went to the host for the cache anyway, but the GPU share needs no host-built plan.
+
+Prefill calls of the same layers (`uses_device_prefill`: T >= `prefill_tokens`, the host path's own prefill bound, and
+T * k > MAX_DEVICE_PAIRS) keep their routing on the device too: `prefill_plan.py` groups the pairs by expert with torch
+ops and runs the tile kernels of `nvfp4_triton.py` (tensor-core dots) over a grid of fixed size. They count calls /
+tokens / pairs / prefill_calls. The first such call of a `GpuExperts` is checked once against the host-planned call
+on the same tiles (it syncs); a failure turns this path off for it (logged), so prefill falls back to the host plan.
 
 On device "cpu" (emulation) the same path runs the PyTorch reference on slots gathered from the device table, or the
 Triton kernels under the interpreter when `GpuExperts.interpret` is set.
@@ -45,6 +51,53 @@ def count_call(ex, num_tokens: int) -> None:
     c["tokens"] += num_tokens
     c["pairs"] += num_tokens * ex.k
     ex.cache.tick()
+
+
+def uses_device_prefill(ex, layer: int, num_tokens: int) -> bool:
+    """Whether `ex(layer, x [num_tokens, H], ...)` is a prefill planned on the device (see the module docstring)."""
+    o = ex.opts
+    return (ex.device_plan and getattr(ex, "_device_prefill_ok", None) is not False and layer in ex.banks
+            and layer not in o.cpu_layers and o.mode in ("resident", "static") and num_tokens >= o.prefill_tokens
+            and num_tokens * ex.k > MAX_DEVICE_PAIRS)
+
+
+def device_prefill_call(ex, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                        topk_weights: torch.Tensor) -> torch.Tensor:
+    """The device-planned prefill call -> fp32 [T, H]. The caller checked `uses_device_prefill`."""
+    count_call(ex, topk_ids.shape[0])
+    ex.counters["prefill_calls"] += 1
+    row = ex.cache.device_table(ex.device).row(layer)
+    if ex.device.type == "cuda" or ex.interpret:
+        from .prefill_plan import moe_nvfp4_prefill
+
+        if getattr(ex, "_device_prefill_ok", None):
+            return moe_nvfp4_prefill(ex.pool, ex.layout, x, topk_ids, row, topk_weights)
+        return _first_prefill(ex, x, topk_ids, row, topk_weights, moe_nvfp4_prefill)
+    return moe_device_ref(ex.pool, ex.layout, x, topk_ids, row, topk_weights)
+
+
+def _first_prefill(ex, x, topk_ids, row, topk_weights, kernel) -> torch.Tensor:
+    """First device-planned prefill: compare with the host-planned call on the same tiles (this call syncs). A plan or
+    kernel that fails or disagrees sets `ex._device_prefill_ok = False` (logged): prefill goes through the host."""
+    from .nvfp4_triton import pick_blocks
+
+    T, k = topk_ids.shape
+    blocks = pick_blocks(T * k / min(ex.E, T * k), x.shape[1], ex.layout.inter)
+    ids = topk_ids.reshape(-1).to("cpu").numpy()
+    slots = row.to("cpu")
+    want = ex._gpu_moe(x, ids, {int(e): int(slots[int(e)]) for e in set(ids.tolist())}, topk_weights, blocks=blocks)
+    try:
+        got = kernel(ex.pool, ex.layout, x, topk_ids, row, topk_weights, blocks=blocks)
+        err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+    except Exception as e:  # noqa: BLE001 - any plan/build/launch failure falls back to the host-planned path
+        got, err, why = None, float("inf"), f"{type(e).__name__}: {e}"
+    else:
+        why = f"relative error {err:.2e} against the host-planned kernel"
+    ex._device_prefill_ok = got is not None and err <= SELF_CHECK_TOL
+    if not ex._device_prefill_ok:
+        log.warning("device-planned MoE prefill disabled (%s); prefill routing goes through the host", why)
+        return want
+    return got
 
 
 def device_call(ex, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:

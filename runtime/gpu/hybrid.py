@@ -19,11 +19,12 @@ after `allocate`: `wait_pinned`) skip the staging copy.
 
 Host syncs. Decode calls (T * k <= 64) of fully resident layers (mode "resident", the GPU layers of "static") take
 the device-planned path (`device_path.py`: routing, slot lookup and grid stay on the device; `graphs.graph_ready` is
-the contract for capturing decode in a CUDA graph), and so do mode "mapped"'s offloaded layers once their banks are
-page-locked and verified (`mapped_path.py`: the GPU copies misses from host memory, cache refilled a step later).
+the contract for capturing decode in a CUDA graph), their prefill calls (T >= prefill_tokens) the device-planned tile
+kernels (`prefill_plan.py`), and so do mode "mapped"'s offloaded layers once their banks are page-locked and verified
+(`mapped_path.py`: the GPU copies misses from host memory, cache refilled a step later).
 Every other call brings the routing to the host, one sync per MoE layer call (cache lookup, split, LRU bookkeeping,
 and the next layer's prediction riding along with the same copy): modes hybrid / offload / cpu, static's
-`cpu_layers`, prefill (T * k > 64: `plan_blocks`) and `device_plan=False` (the default on device "cpu"). Their GPU
+`cpu_layers`, other prefill (T * k > 64: `plan_blocks`) and `device_plan=False` (the default on device "cpu"). Their GPU
 share of a decode call still runs the device-planned kernel through the slot table once their admits are in it
 (`device_kernel`), so it computes exactly what a resident layer does. Device-planned calls count calls / tokens /
 pairs only; mapped calls count hits, misses and the trace when their routing comes back.
@@ -37,7 +38,8 @@ import torch
 from ft.formats import FtwReader
 
 from .cpu_nvfp4 import CpuMoe
-from .device_path import device_call, device_kernel, uses_device_kernel, uses_device_plan
+from .device_path import (device_call, device_kernel, device_prefill_call, uses_device_kernel, uses_device_plan,
+                          uses_device_prefill)
 from .expert_cache import ExpertCache, plan_num_slots
 from .graphs import graph_call
 from .mapped_path import MappedDecode, uses_mapped
@@ -154,6 +156,8 @@ class GpuExperts:
             return graph_call(self, layer, x, topk_ids, topk_weights).to(x.dtype)
         if uses_device_plan(self, layer, T):  # no host sync: routing stays on the device
             return device_call(self, layer, x, topk_ids, topk_weights).to(x.dtype)
+        if uses_device_prefill(self, layer, T):  # the same for prefill: pairs grouped by expert on the device
+            return device_prefill_call(self, layer, x, topk_ids, topk_weights).to(x.dtype)
         if uses_mapped(self, layer, T):  # no host sync: misses read from the mapped bank, bookkeeping a step later
             return self.mapped(layer, x, topk_ids, topk_weights).to(x.dtype)
         if self.mapped is not None:

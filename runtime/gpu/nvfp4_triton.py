@@ -1,28 +1,41 @@
 """Fused NVFP4 MoE (W4A16) in Triton, reading FTW expert records straight from a pool of slots.
 
 Shapes: T tokens, k = top-k, P = T*k (token, expert) pairs, pair p = t*k + j. The pool is uint8 [S, stride]: slot s
-holds one expert record (layout in `record_layout.py`). Pairs are grouped by slot into blocks of BLOCK_M rows (padded
-with the sentinel P), so one program multiplies BLOCK_M activation rows by one expert's weight tile: the same kernel
-serves decode (P = k pairs, mostly one row per block) and prefill (many rows per expert).
+holds one expert record (layout in `record_layout.py`). A plan groups the pairs by slot into blocks of BLOCK_M rows:
+    sorted_pairs int32 [NB * BLOCK_M]  pair ids, each block's rows one slot's pairs, padded with the sentinel P
+    block_slot   int32 [NB]            the block's slot; < 0 = no record (dead pairs, or an unused block)
+`plan_blocks` builds it on the host; `prefill_plan.plan_blocks_device` on the device, with NB a fixed upper bound
+(unused blocks: slot -1, all rows P). Both kernels run a 1-D grid of NB * (N tiles) programs, the N tile varying
+fastest, so consecutive programs share the block's activation rows and its expert's record (hot in L2):
+    gate_up: act[r, n]  = bf16(silu(x[t] . gate_n) * (x[t] . up_n))       r = padded row of the block, t = p // k
+    down:    out[p, n]  = weight[p] * (act[r] . down_n)                     fp32 [P, H], the caller sums over k
+A block with slot < 0 exits at once in gate_up; in down it writes 0 to its live rows (pairs whose expert has no
+slot: a device plan puts them there) and exits, so `out` needs no zero fill. The sum over k runs afterwards in a fixed
+order (torch), no atomics: results are deterministic, and a pair's row does not depend on the other rows of its block
+(an output row of a dot is its own row of A times B), so plans that differ only in block order and padding compute
+every pair alike under the same tiles.
 
 Dequantization happens in registers, from bits, with no lookup table in memory:
 * E2M1 nibble `s eee`  -> fp16 bits `s 0 0 e e e 0...` equals the E2M1 value times 2^-14 (subnormal 0.5 included);
 * e4m3 byte `s eeee mmm` -> fp16 bits `s 0 eeee mmm 0...` equals the e4m3 value times 2^-8;
 * their product has at most 5 significant bits, so it is exact in bf16; the dot runs bf16 x bf16 -> fp32 and the
   per-row fp32 `scale_2` (times 2^22 to undo both shifts) is applied once to the fp32 accumulator.
-So the kernel differs from the exact reference only by fp32 summation order.
+So the kernel differs from the exact reference only by fp32 summation order. `_weight_tile` (also used by the decode
+kernels) gives a K tile as even / odd columns; the tile kernels use `_weight_tile_k`, the same values in natural K
+order: codes loaded as [BN, BK/16, 8] bytes, one e4m3 scale per 16 columns decoded once and broadcast, low / high
+nibbles joined back into [BN, BK]. So each K step is one dot over BK against a contiguous activation tile.
 
-Codes pack element 2j in the low nibble, so the K loop splits x into even and odd columns and runs two dots of K/2
-instead of interleaving nibbles.
+Tiles (`TILE_CONFIGS`, picked by rows per expert in `pick_blocks`): every M block of an expert dequantizes its
+weight tiles again (~8-13 SASS instructions per weight element on sm_90), which at BLOCK_M = 128 issues longer than
+the block's wgmma work, so BLOCK_M should be near the rows per expert (prefill of 4k tokens, top-8 of 256: ~128).
+SWAP=1 computes the transposed product (weights as the dot's first operand, [BN, BM] accumulators): for few rows.
 
-`plan_blocks` runs on the host, so a call needs the routing there (one sync); decode calls whose experts are all
-resident use the device-planned variant in `nvfp4_decode.py` instead, which reuses this file's dequantization.
-
-The kernels are JIT-compiled by Triton at first use (one compile per tile configuration, about a second each); they
-are not yet compiled ahead into the FTW `kernels/` slot.
+Kernels compile at first use (one per tile configuration, about a second each), not yet ahead into FTW `kernels/`.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
@@ -81,75 +94,148 @@ def _to_bf16(v, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _weight_tile_k(rec, OFF_W: tl.constexpr, OFF_S: tl.constexpr, rows, row_mask, K: tl.constexpr, k0,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # rows [BN] output rows -> bf16 [BN, BK] = W[rows, k0:k0+BK] * 2^-22, natural K order (values as _weight_tile's)
+    g = tl.arange(0, BLOCK_K // 16)  # scale groups of the tile: 8 code bytes each
+    b = tl.arange(0, 8)
+    cp = rec + OFF_W + rows[:, None, None] * (K // 2) + (k0 // 2 + g * 8)[None, :, None] + b[None, None, :]
+    c = tl.load(cp, mask=row_mask[:, None, None], other=0).to(tl.uint16)  # [BN, BK/16, 8]
+    sc = tl.load(rec + OFF_S + rows[:, None] * (K // 16) + (k0 // 16 + g)[None, :], mask=row_mask[:, None], other=0)
+    s = _e4m3_shifted(sc.to(tl.uint16))[:, :, None]  # [BN, BK/16, 1]
+    lo = (_e2m1_shifted(c & 15) * s).to(tl.bfloat16)  # element 2j of byte j
+    hi = (_e2m1_shifted(c >> 4) * s).to(tl.bfloat16)
+    return tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))  # [BN, BK/16, 8, 2] -> [BN, BK]
+
+
+@triton.jit
+def _block_rows(sorted_pairs, block_slot, pid, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # program pid -> (slot, padded rows r [BM] int64, pair ids [BM], output columns n [BN]); N tiles vary fastest
+    nt: tl.constexpr = (N + BLOCK_N - 1) // BLOCK_N
+    pid_m = pid // nt
+    slot = tl.load(block_slot + pid_m)
+    r = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs + r)
+    n = (pid % nt) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return slot, r, pairs, n
+
+
+@triton.jit
+def _outer(vm, vn, SWAP: tl.constexpr):
+    # per-row [BM] and per-column [BN] vectors broadcast against the accumulator: [BM, 1] and [1, BN], or
+    # [1, BM] and [BN, 1] when SWAP ([BN, BM] accumulators)
+    if SWAP:  # if / else, not an early return: the compiler would also build the code after a constexpr return
+        vm_b, vn_b = vm[None, :], vn[:, None]
+    else:
+        vm_b, vn_b = vm[:, None], vn[None, :]
+    return vm_b, vn_b
+
+
+@triton.jit
+def _tile_dot(a, w, acc, SWAP: tl.constexpr, DOT_F32: tl.constexpr):
+    # a [BM, BK] activation rows, w [BN, BK] weights: acc [BM, BN] += a @ w.T, or acc [BN, BM] += w @ a.T when SWAP
+    if SWAP:
+        acc = _mma(w, a, acc, DOT_F32)
+    else:
+        acc = _mma(a, w, acc, DOT_F32)
+    return acc
+
+
+@triton.jit
 def _gate_up_kernel(
-    pool, slot_stride, x, act, sorted_pairs, block_slot, num_pairs, topk, H, I,
-    OFF_GU, OFF_GUS, OFF_GUS2,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+    pool, slot_stride, x, act, sorted_pairs, block_slot, num_pairs,
+    TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+    OFF_GU: tl.constexpr, OFF_GUS: tl.constexpr, OFF_GUS2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    # act[p, n] = bf16(silu(g) * u), g = row n, u = row I + n of gate_up applied to x[p // topk]
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    slot = tl.load(block_slot + pid_m).to(tl.int64)
-    rec = pool + slot * slot_stride
-    pairs = tl.load(sorted_pairs + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-    m_mask = pairs < num_pairs
-    tok = (pairs // topk).to(tl.int64)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # act[r, n] = bf16(silu(g) * u), g = row n, u = row I + n of gate_up applied to x[pair // TOPK]; act [NB*BM, I]
+    slot, r, pairs, n = _block_rows(sorted_pairs, block_slot, tl.program_id(0), I, BLOCK_M, BLOCK_N)
+    if slot < 0:  # no record: dead pairs (down writes their zeros) or an unused block
+        return
+    rec = pool + slot.to(tl.int64) * slot_stride
+    m_mask = pairs < num_pairs  # padding rows (sentinel P) are never read nor written
+    tok = (pairs // TOPK).to(tl.int64)
     n_mask = n < I
-    j = tl.arange(0, BLOCK_K // 2)
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    kk = tl.arange(0, BLOCK_K)
+    if SWAP:
+        acc_g = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros_like(acc_g)
     for k0 in range(0, H, BLOCK_K):
-        xp = x + tok[:, None] * H + k0 + 2 * j[None, :]
-        x_even = tl.load(xp, mask=m_mask[:, None], other=0.0)
-        x_odd = tl.load(xp + 1, mask=m_mask[:, None], other=0.0)
-        ge, go = _weight_tile(rec, OFF_GU, OFF_GUS, n, n_mask, H, k0, j)
-        acc_g = _mma(x_even, ge, acc_g, DOT_F32)
-        acc_g = _mma(x_odd, go, acc_g, DOT_F32)
-        ue, uo = _weight_tile(rec, OFF_GU, OFF_GUS, I + n, n_mask, H, k0, j)
-        acc_u = _mma(x_even, ue, acc_u, DOT_F32)
-        acc_u = _mma(x_odd, uo, acc_u, DOT_F32)
+        xt = tl.load(x + tok[:, None] * H + k0 + kk[None, :], mask=m_mask[:, None], other=0.0)  # [BM, BK]
+        wg = _weight_tile_k(rec, OFF_GU, OFF_GUS, n, n_mask, H, k0, BLOCK_N, BLOCK_K)  # [BN, BK]
+        acc_g = _tile_dot(xt, wg, acc_g, SWAP, DOT_F32)
+        wu = _weight_tile_k(rec, OFF_GU, OFF_GUS, I + n, n_mask, H, k0, BLOCK_N, BLOCK_K)
+        acc_u = _tile_dot(xt, wu, acc_u, SWAP, DOT_F32)
+    r_b, n_b = _outer(r, n, SWAP)
+    mm_b, nm_b = _outer(m_mask, n_mask, SWAP)
     s2 = (rec + OFF_GUS2).to(tl.pointer_type(tl.float32))
-    g = acc_g * (tl.load(s2 + n, mask=n_mask, other=0.0) * 4194304.0)[None, :]
-    u = acc_u * (tl.load(s2 + I + n, mask=n_mask, other=0.0) * 4194304.0)[None, :]
+    g = acc_g * (tl.load(s2 + n_b, mask=nm_b, other=0.0) * 4194304.0)
+    u = acc_u * (tl.load(s2 + I + n_b, mask=nm_b, other=0.0) * 4194304.0)
     a = g / (1.0 + tl.exp(-g)) * u
-    out = act + pairs.to(tl.int64)[:, None] * I + n[None, :]
-    tl.store(out, _to_bf16(a, DOT_F32), mask=m_mask[:, None] & n_mask[None, :])
+    tl.store(act + r_b * I + n_b, _to_bf16(a, DOT_F32), mask=mm_b & nm_b)
 
 
 @triton.jit
 def _down_kernel(
-    pool, slot_stride, act, out, pair_weight, sorted_pairs, block_slot, num_pairs, H, I,
-    OFF_D, OFF_DS, OFF_DS2,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+    pool, slot_stride, act, out, pair_weight, sorted_pairs, block_slot, num_pairs,
+    H: tl.constexpr, I: tl.constexpr, OFF_D: tl.constexpr, OFF_DS: tl.constexpr, OFF_DS2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    # out[p, n] = weight[p] * (down row n) . act[p]   (fp32)
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    slot = tl.load(block_slot + pid_m).to(tl.int64)
-    rec = pool + slot * slot_stride
-    pairs = tl.load(sorted_pairs + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    # out[p, n] = weight[p] * (down row n) . act[r]   (fp32 [P, H]); 0 for the live rows of a block without a slot
+    slot, r, pairs, n = _block_rows(sorted_pairs, block_slot, tl.program_id(0), H, BLOCK_M, BLOCK_N)
     m_mask = pairs < num_pairs
     p64 = pairs.to(tl.int64)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < H
-    j = tl.arange(0, BLOCK_K // 2)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if slot < 0:
+        tl.store(out + p64[:, None] * H + n[None, :], tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
+                 mask=m_mask[:, None] & n_mask[None, :])
+        return
+    rec = pool + slot.to(tl.int64) * slot_stride
+    kk = tl.arange(0, BLOCK_K)
+    if SWAP:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        ap = act + p64[:, None] * I + k0 + 2 * j[None, :]
-        a_even = tl.load(ap, mask=m_mask[:, None], other=0.0)
-        a_odd = tl.load(ap + 1, mask=m_mask[:, None], other=0.0)
-        we, wo = _weight_tile(rec, OFF_D, OFF_DS, n, n_mask, I, k0, j)
-        acc = _mma(a_even, we, acc, DOT_F32)
-        acc = _mma(a_odd, wo, acc, DOT_F32)
+        at = tl.load(act + r[:, None] * I + k0 + kk[None, :], mask=m_mask[:, None], other=0.0)  # [BM, BK]
+        wd = _weight_tile_k(rec, OFF_D, OFF_DS, n, n_mask, I, k0, BLOCK_N, BLOCK_K)  # [BN, BK]
+        acc = _tile_dot(at, wd, acc, SWAP, DOT_F32)
     s2 = tl.load((rec + OFF_DS2).to(tl.pointer_type(tl.float32)) + n, mask=n_mask, other=0.0) * 4194304.0
-    w = tl.load(pair_weight + pairs, mask=m_mask, other=0.0)
-    res = acc * s2[None, :] * w[:, None]
-    tl.store(out + p64[:, None] * H + n[None, :], res, mask=m_mask[:, None] & n_mask[None, :])
+    w_b, s2_b = _outer(tl.load(pair_weight + pairs, mask=m_mask, other=0.0), s2, SWAP)
+    p_b, n_b = _outer(p64, n, SWAP)
+    mm_b, nm_b = _outer(m_mask, n_mask, SWAP)
+    tl.store(out + p_b * H + n_b, acc * s2_b * w_b, mask=mm_b & nm_b)
+
+
+# Tile configurations by name (values in TILE_KEYS order); `PICK` maps rows per expert (upper bound) to a name.
+# BLOCK_K is fitted down to a power of two dividing H and I; num_warps / num_stages are launch options.
+TILE_KEYS = ("BLOCK_M", "BLOCK_N_GU", "BLOCK_N_D", "BLOCK_K", "SWAP", "num_warps", "num_stages")
+TILE_CONFIGS: dict[str, dict[str, int]] = {name: dict(zip(TILE_KEYS, v)) for name, v in {
+    "decode": (16, 32, 64, 128, 0, 4, 2),
+    "small": (32, 64, 64, 64, 0, 4, 3),
+    "medium": (64, 64, 128, 64, 0, 4, 3),
+    "large": (128, 64, 128, 64, 0, 8, 3),
+}.items()}
+PICK: tuple[tuple[float, str], ...] = ((16, "decode"), (40, "small"), (96, "medium"), (math.inf, "large"))
+LAUNCH_DEFAULTS = {"SWAP": 0, "num_warps": 4, "num_stages": 2}  # for `blocks` dicts that name tile sizes only
+
+
+def pick_blocks(num_rows_per_expert: float, hidden: int, inter: int) -> dict[str, int]:
+    """The `TILE_CONFIGS` entry for this many rows per expert (a copy; hidden / inter fit BLOCK_K at launch)."""
+    return dict(TILE_CONFIGS[next(name for bound, name in PICK if num_rows_per_expert <= bound)])
+
+
+def _fit_block_k(block_k: int, *dims: int) -> int:
+    # largest power of two <= block_k (and >= 32) dividing every reduction dim; H and I are multiples of 32
+    while block_k > 32 and any(d % block_k for d in dims):
+        block_k //= 2
+    return block_k
 
 
 def plan_blocks(pair_slots: np.ndarray, block_m: int) -> tuple[np.ndarray, np.ndarray]:
-    """Group pairs by slot. pair_slots int [P] (-1 = pair not computed here).
+    """Group pairs by slot on the host. pair_slots int [P] (-1 = pair not computed here).
 
     Returns (sorted_pairs int32 [nb * block_m], padded with P; block_slot int32 [nb]). Slots ascend, so a prefill's
     blocks of one expert are adjacent and its weight tiles stay hot in L2.
@@ -172,11 +258,36 @@ def plan_blocks(pair_slots: np.ndarray, block_m: int) -> tuple[np.ndarray, np.nd
     return sorted_pairs, block_slot
 
 
-def pick_blocks(num_rows_per_expert: float, hidden: int, inter: int) -> dict[str, int]:
-    """Tile sizes: decode (about one row per expert) wants narrow N tiles to spread a few experts over all SMs."""
-    if num_rows_per_expert <= 16:
-        return {"BLOCK_M": 16, "BLOCK_N_GU": 32, "BLOCK_N_D": 64, "BLOCK_K": 128}
-    return {"BLOCK_M": 64, "BLOCK_N_GU": 64, "BLOCK_N_D": 64, "BLOCK_K": 64}
+def moe_blocks(pool: torch.Tensor, layout: RecordLayout, x: torch.Tensor, topk: int, sorted_pairs: torch.Tensor,
+               block_slot: torch.Tensor, pair_weight: torch.Tensor, out: torch.Tensor, blocks: dict) -> None:
+    """Run both kernels over a plan (host or device built; see the module docstring), all tensors on one device.
+
+    x bf16 [T, H] contiguous; pair_weight fp32 [P] (P = T * topk); out fp32 [P, H]: the rows of pairs in blocks are
+    written (0 where the block's slot is < 0), other rows are left untouched. Host work depends on shapes only.
+    """
+    b = {**LAUNCH_DEFAULTS, **blocks}
+    H, I = layout.hidden, layout.inter
+    P = out.shape[0]
+    bm = b["BLOCK_M"]
+    nb = block_slot.shape[0]
+    if nb == 0:
+        return
+    if sorted_pairs.shape[0] != nb * bm:
+        raise ValueError(f"plan of {nb} blocks of {bm} rows needs {nb * bm} sorted pairs, got {sorted_pairs.shape[0]}")
+    interp = x.device.type != "cuda"  # only the interpreter runs kernels on CPU tensors
+    act = torch.empty(nb * bm, I, dtype=torch.bfloat16, device=x.device)  # by padded row: down reads it in blocks
+    launch = {"num_warps": b["num_warps"], "num_stages": b["num_stages"]}
+    bk_gu, bk_d = _fit_block_k(b["BLOCK_K"], H), _fit_block_k(b["BLOCK_K"], I)
+    _gate_up_kernel[(nb * triton.cdiv(I, b["BLOCK_N_GU"]),)](
+        pool, layout.stride, x, act, sorted_pairs, block_slot, P, topk, H, I,
+        layout.off_gate_up, layout.off_gate_up_scale, layout.off_gate_up_scale_2,
+        BLOCK_M=bm, BLOCK_N=b["BLOCK_N_GU"], BLOCK_K=bk_gu, SWAP=b["SWAP"], DOT_F32=interp, **launch,
+    )
+    _down_kernel[(nb * triton.cdiv(H, b["BLOCK_N_D"]),)](
+        pool, layout.stride, act, out, pair_weight, sorted_pairs, block_slot, P, H, I,
+        layout.off_down, layout.off_down_scale, layout.off_down_scale_2,
+        BLOCK_M=bm, BLOCK_N=b["BLOCK_N_D"], BLOCK_K=bk_d, SWAP=b["SWAP"], DOT_F32=interp, **launch,
+    )
 
 
 def moe_nvfp4(
@@ -188,7 +299,7 @@ def moe_nvfp4(
     blocks: dict[str, int] | None = None,
     pair_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Expert mixture over the pairs whose slot is >= 0.
+    """Expert mixture over the pairs whose slot is >= 0, planned on the host.
 
     pool u8 [S, stride] (same device as x); x bf16 [T, H]; pair_slots int [T*k] host array; topk_weights [T, k].
     Returns fp32 [T, H] = sum over computed pairs of weight * expert(x). Pairs with slot -1 contribute nothing, so
@@ -199,34 +310,19 @@ def moe_nvfp4(
     T, H = x.shape
     k = topk_weights.shape[1]
     if H != layout.hidden or pool.dtype != torch.uint8 or pool.shape[1] != layout.stride:
-        raise ValueError(f"pool [S, {layout.stride}] u8 and x [T, {layout.hidden}] expected, got {tuple(pool.shape)} {tuple(x.shape)}")
-    live = int((np.asarray(pair_slots) >= 0).sum())
+        raise ValueError(f"pool [S, {layout.stride}] u8 and x [T, {layout.hidden}] expected, got "
+                         f"{tuple(pool.shape)} {tuple(x.shape)}")
+    pair_slots = np.asarray(pair_slots).reshape(-1)
+    live = pair_slots[pair_slots >= 0]
     out = pair_out if pair_out is not None else torch.zeros(T * k, H, dtype=torch.float32, device=x.device)
     if pair_out is not None and (tuple(out.shape) != (T * k, H) or out.dtype != torch.float32):
         raise ValueError(f"pair_out must be fp32 [{T * k}, {H}], got {out.dtype} {tuple(out.shape)}")
-    if live == 0:
-        return out if pair_out is not None else out.view(T, k, H).sum(1)
-    b = blocks or pick_blocks(live / max(1, len(np.unique(pair_slots[pair_slots >= 0]))), H, layout.inter)
-    if H % b["BLOCK_K"] or layout.inter % b["BLOCK_K"]:
-        b = dict(b, BLOCK_K=32)
-    sorted_pairs, block_slot = plan_blocks(pair_slots, b["BLOCK_M"])
-    dev = x.device
-    sp = torch.from_numpy(sorted_pairs).to(dev, non_blocking=True)
-    bs = torch.from_numpy(block_slot).to(dev, non_blocking=True)
-    xb = x.to(torch.bfloat16).contiguous()
-    act = torch.empty(T * k, layout.inter, dtype=torch.bfloat16, device=dev)
-    wts = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    nb = block_slot.shape[0]
-    interp = dev.type != "cuda"  # only the interpreter runs kernels on CPU tensors
-    I = layout.inter
-    _gate_up_kernel[(nb, triton.cdiv(I, b["BLOCK_N_GU"]))](
-        pool, layout.stride, xb, act, sp, bs, T * k, k, H, I,
-        layout.off_gate_up, layout.off_gate_up_scale, layout.off_gate_up_scale_2,
-        BLOCK_M=b["BLOCK_M"], BLOCK_N=b["BLOCK_N_GU"], BLOCK_K=b["BLOCK_K"], DOT_F32=interp,
-    )
-    _down_kernel[(nb, triton.cdiv(H, b["BLOCK_N_D"]))](
-        pool, layout.stride, act, out, wts, sp, bs, T * k, H, I,
-        layout.off_down, layout.off_down_scale, layout.off_down_scale_2,
-        BLOCK_M=b["BLOCK_M"], BLOCK_N=b["BLOCK_N_D"], BLOCK_K=min(b["BLOCK_K"], I), DOT_F32=interp,
-    )
+    if live.size:
+        b = blocks or pick_blocks(live.size / len(np.unique(live)), H, layout.inter)
+        sorted_pairs, block_slot = plan_blocks(pair_slots, b["BLOCK_M"])
+        dev = x.device
+        sp = torch.from_numpy(sorted_pairs).to(dev, non_blocking=True)
+        bs = torch.from_numpy(block_slot).to(dev, non_blocking=True)
+        wts = topk_weights.reshape(-1).to(torch.float32).contiguous()
+        moe_blocks(pool, layout, x.to(torch.bfloat16).contiguous(), k, sp, bs, wts, out, b)
     return out if pair_out is not None else out.view(T, k, H).sum(1)

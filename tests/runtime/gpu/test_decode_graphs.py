@@ -109,15 +109,18 @@ def _decode_together(model, prompts, n):
     return toks
 
 
-@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if CUDA else []))
-def test_batched_decode_replays_padded_graphs(ftw, device):
+@pytest.mark.parametrize("device,fused", [("cpu", False), ("cpu", True)] + ([("cuda", True)] if CUDA else []))
+def test_batched_decode_replays_padded_graphs(ftw, device, fused):
     """Three sequences of different lengths decode together through the graph of batch 4 (one padding row) and get
-    the tokens each gets decoding alone; two sequences take the graph of batch 2; one graph per size, no more."""
+    the tokens each gets decoding alone (PyTorch reference ops); two sequences take the graph of batch 2; one graph
+    per size, no more. Fused on the CPU: the decode kernels under the interpreter, through the tables."""
     prompts = [PROMPT, PROMPT[:4], PROMPT[2:] + PROMPT]
     opts = OffloadConfig(mode="resident", prefetch=False)
     eager, ex0 = _model(ftw, opts, device=device)
+    eager.set_fused(False)
     want = [_decode_together(eager, [p], 6)[0] for p in prompts]
     model, ex = _model(ftw, opts, device=device, graphs=True, sizes=(1, 2, 4))
+    model.set_fused(fused)
     assert _decode_together(model, prompts, 6) == want
     assert _decode_together(model, prompts[:2], 6) == want[:2]
     c = model.graphs.counters
