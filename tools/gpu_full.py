@@ -13,7 +13,7 @@ Stages (run in the order given):
 Each decode row carries its bound: bytes read per token (dense weights, routed experts' records, KV or DeltaNet state)
 over the HBM read rate measured in the same run, and the ratio to llama.cpp's number for the same placement
 (qwen3moe-35b-geom only: same geometry as llama.cpp's table).
-Results: DIR/gpu_full.json and DIR/gpu_full.log.
+Results: DIR/gpu_full.json (the kernel benchmarks' JSON folded in) and DIR/logs.txt.
 """
 
 from __future__ import annotations
@@ -56,11 +56,15 @@ def hbm_read_gbs() -> float:
     return 4 * GIB / sorted(times[1:])[2] / 1e9
 
 
-def run_script(name: str, out: Path, timeout: float, quick: bool = False) -> dict:
+def run_script(name: str, out: Path, timeout: float, quick: bool = False, tests: str = "tests/runtime/gpu") -> dict:
+    """Run a kernel benchmark (its JSON lands in a scratch folder and is folded into the result) or pytest; the
+    output goes to <out>/logs.txt (the results folder keeps few files)."""
     t = time.perf_counter()
-    cmd = [sys.executable, f"tools/{name}.py", "--out", str(out)] if name != "pytest" else \
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/runtime/gpu"]
-    if quick and "--quick" in Path(f"tools/{name}.py").read_text():
+    scratch = Path("/tmp/ft-bench")
+    scratch.mkdir(exist_ok=True)
+    cmd = [sys.executable, f"tools/{name}.py", "--out", str(scratch)] if name != "pytest" else \
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rf", *tests.split(",")]
+    if quick and name != "pytest" and "--quick" in Path(f"tools/{name}.py").read_text():
         cmd.append("--quick")
     try:
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
@@ -68,11 +72,12 @@ def run_script(name: str, out: Path, timeout: float, quick: bool = False) -> dic
     except subprocess.TimeoutExpired as e:
         text, rc = f"{e.stdout or ''}{e.stderr or ''}\ntimed out after {timeout:.0f} s", None
     text = text if isinstance(text, str) else text.decode(errors="replace")
-    (out / f"{name}.log").write_text(text)
+    with open(out / "logs.txt", "a") as f:
+        f.write(f"\n===== {name} (rc {rc}) =====\n{text}")
     tail = text.strip().splitlines()[-12:]
     log(f"{name}: rc {rc} in {time.perf_counter() - t:.0f} s\n    " + "\n    ".join(tail))
     row = {"returncode": rc, "seconds": time.perf_counter() - t, "tail": tail}
-    result = out / f"{name}.json"
+    result = scratch / f"{name}.json"
     if result.exists():
         row["result"] = json.loads(result.read_text())
     return row
@@ -105,6 +110,7 @@ def main() -> None:
     ap.add_argument("--stages", default="tests,models,kernels")
     ap.add_argument("--deadline-s", type=float, default=560.0)
     ap.add_argument("--kernel-timeout-s", type=float, default=90.0)
+    ap.add_argument("--tests", default="tests/runtime/gpu", help="comma-separated pytest paths of stage tests")
     ap.add_argument("--quick", action="store_true", help="kernel benchmarks without their config sweeps")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -132,7 +138,7 @@ def main() -> None:
                     res["kernels"][name] = run_script(name, args.out, min(args.kernel_timeout_s, left - 20), args.quick)
                     flush()
         elif stage == "tests":
-            res["tests"] = run_script("pytest", args.out, min(240.0, left - 30))
+            res["tests"] = run_script("pytest", args.out, min(240.0, left - 30), tests=args.tests)
         elif stage == "models":
             from gpu_full_models import bench_model
 

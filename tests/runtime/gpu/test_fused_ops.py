@@ -133,7 +133,7 @@ def counted(monkeypatch):
 def test_model_fused_matches_reference(ftw_for, counted, arch, dtype):
     from ft.runtime.model import Segment, load_model
 
-    model = load_model(ftw_for(arch, "none", dtype=dtype))
+    model = load_model(ftw_for(arch, "none", dtype=dtype), device=DEV)
     ids = torch.tensor([3, 17, 101, 255, 42, 7])
 
     def logits(fused: bool) -> torch.Tensor:
@@ -162,7 +162,7 @@ def test_model_fused_matches_reference(ftw_for, counted, arch, dtype):
 def test_logits_head_takes_the_pending_sum(ftw_for):
     from ft.runtime.model import load_model
 
-    model = load_model(ftw_for("qwen3_moe", "none", dtype="bf16"))
+    model = load_model(ftw_for("qwen3_moe", "none", dtype="bf16"), device=DEV)
     H = model.config.hidden_size
     h, delta = _rand(3, H, dtype=torch.bfloat16, seed=1), _rand(3, H, dtype=torch.bfloat16, seed=2)
     model.set_fused(False)

@@ -1,0 +1,339 @@
+"""Resident NVFP4 MoE decode on one GPU: the device-planned kernels of `nvfp4_decode.py` per tile config.
+
+    python tools/bench_moe_decode.py --out DIR [--tokens 1,2,4,8] [--configs grid | default] [--layers 40]
+    python tools/bench_moe_decode.py --compile-only [ARCH] [--configs grid | default]   (any machine: sm_ARCH build)
+
+Shapes default to Qwen3.6-35B-A3B / qwen3moe-35b-geom experts: hidden 2048, moe_intermediate 512, 256 experts,
+top-8. The pool holds `--layers` layers x 256 random experts (valid records, 18 GB for 40 layers) and every timed
+step runs one call per layer, each with its own routing (top-8 of 256 distinct per token, uniform) and table, as a
+decode step does: the ~14 MB of experts a call reads are not in L2 from the previous call. Rows ("kernel"):
+  "gate_up"  the gate_up kernel alone, per gate_up config ("WARPS_GU", "BLOCK_N_GU", "BLOCK_K_GU")
+  "down"     the down kernel alone, combine "tokens" (the k experts of a token summed in-kernel), per down config
+  "call"     a whole `moe_nvfp4_device` call: the default config (`DECODE_BLOCKS`), the best gate_up + best down
+             config of this T, and the default with combine "pairs"; rel_err against the PyTorch reference,
+             deterministic (two calls bit-equal), graph_equal (graph replay bit-equal to eager)
+  "hbm"      the HBM read rate measured here (torch sum / amax over 4 GiB), the reference of frac_hbm
+us = per call: the step (one call per layer) captured in a CUDA graph, median replay time / layers, so the launch
+gaps of a decode graph count. bytes = mean over calls of the bytes the kernel must read: the unique routed experts'
+components (gate_up: codes, scales, scale_2 of gate_up; down: those of down); gbs = bytes / us; frac_hbm = gbs / hbm.
+regs / spills from the compiled kernel. Prints the best configs per T and a suggested DECODE_BLOCKS, writes
+DIR/bench_moe_decode.json ({"meta", "rows", "suggested"}); exits with a message where CUDA is missing.
+--compile-only builds each config's kernels for sm_ARCH with no GPU and prints regs, stack (spill) bytes, STS
+count (a tile staged through shared memory shows as hundreds) and SASS instructions per weight.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+GU_GRID = [dict(BLOCK_N_GU=n, BLOCK_K_GU=k, WARPS_GU=w) for n, k, w in itertools.product((4, 8, 16), (512, 2048), (2, 4, 8))
+           if not (w == 2 and (n == 16 or (n, k) == (8, 512)))]  # those spill registers on sm_90
+D_GRID = [dict(BLOCK_N_D=n, BLOCK_K_D=k, WARPS_D=w) for n, k, w in itertools.product((4, 8, 16), (256, 512), (2, 4, 8))
+          if not (w == 2 and n == 16)]
+COMPONENTS = {"gate_up": ("gate_up", "gate_up_scale", "gate_up_scale_2"), "down": ("down", "down_scale", "down_scale_2")}
+
+
+def _name(cfg: dict) -> str:
+    return "-".join(f"{k.split('_')[1].lower()}{v}" if k.startswith("BLOCK") else f"w{v}" for k, v in cfg.items())
+
+
+def _configs(which: str) -> tuple[dict, dict]:
+    from ft.runtime.gpu.nvfp4_decode import DECODE_BLOCKS
+
+    if which == "default":
+        gu = [{k: DECODE_BLOCKS[k] for k in ("BLOCK_N_GU", "BLOCK_K_GU", "WARPS_GU")}]
+        dn = [{k: DECODE_BLOCKS[k] for k in ("BLOCK_N_D", "BLOCK_K_D", "WARPS_D")}]
+    else:
+        gu, dn = GU_GRID, D_GRID
+    return {_name(c): c for c in gu}, {_name(c): c for c in dn}
+
+
+def make_pool(layout, slots: int, seed: int, dev) -> torch.Tensor:
+    """u8 [slots, stride] valid random records made on the device: random codes, e4m3 scales 2^[-8, -2], scale_2
+    in [0.005, 0.015]."""
+    g = torch.Generator(device=dev).manual_seed(seed)
+    pool = torch.randint(0, 256, (slots, layout.stride), dtype=torch.uint8, device=dev, generator=g)
+    for s0 in range(0, slots, 256):
+        part = pool[s0:s0 + 256]
+        for name in ("gate_up_scale", "down_scale", "gate_up_scale_2", "down_scale_2"):
+            off, n = getattr(layout, "off_" + name), layout.nbytes(name)
+            if name.endswith("_2"):
+                vals = (torch.rand(part.shape[0], n // 4, device=dev, generator=g) * 0.01 + 0.005).view(torch.uint8)
+            else:
+                vals = torch.exp2(torch.rand(part.shape[0], n, device=dev, generator=g) * 6 - 8)
+                vals = vals.to(torch.float8_e4m3fn).view(torch.uint8)
+            part[:, off:off + n] = vals
+    return pool
+
+
+def graph_us(fn, calls: int, reps: int = 20) -> float:
+    """fn() (running `calls` calls) captured in one CUDA graph; median replay time in us / calls."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return sorted(times)[len(times) // 2] / calls
+
+
+def hbm_read_gbs(nbytes: int = 4 << 30) -> float:
+    buf = torch.rand(nbytes // 4, device="cuda")
+    best = 0.0
+    for fn in (lambda: buf.sum(), lambda: buf.amax()):
+        for _ in range(3):
+            fn()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(10):
+            fn()
+        b.record()
+        b.synchronize()
+        best = max(best, nbytes * 10 / (a.elapsed_time(b) * 1e-3) / 1e9)
+    del buf
+    return best
+
+
+def bench_rows(*, hidden=2048, inter=512, num_experts=256, top_k=8, tokens=(1, 2, 4, 8), layers=40, gu_configs=None,
+               down_configs=None, device="cuda", time_us=graph_us, hbm_gbs=None, seed=0, log=print) -> list[dict]:
+    """The benchmark's rows (module docstring). device "cpu" (interpreter, tiny shapes, `time_us` stubbed) only
+    exercises this code in tests."""
+    from ft.runtime.gpu import nvfp4_decode as nd
+    from ft.runtime.gpu.moe_reference import moe_ref
+    from ft.runtime.gpu.record_layout import RecordLayout
+
+    gu_configs, down_configs = gu_configs or _configs("grid")[0], down_configs or _configs("grid")[1]
+    dev = torch.device(device)
+    layout = RecordLayout.packed(hidden, inter)
+    layers = max(1, layers)
+    pool = make_pool(layout, layers * num_experts, seed, dev)
+    g = torch.Generator(device=dev).manual_seed(seed + 1)
+    tables = [(l * num_experts + torch.randperm(num_experts, device=dev, generator=g)).to(torch.int32)
+              for l in range(layers)]
+    comp_bytes = {kn: sum(layout.nbytes(c) for c in cs) for kn, cs in COMPONENTS.items()}
+    hbm = hbm_gbs if hbm_gbs is not None else hbm_read_gbs()
+    rows = [{"kernel": "hbm", "gbs": hbm}]
+    host = (0, 0)
+    for T in tokens:
+        x = torch.randn(T, hidden, device=dev, generator=g).to(torch.bfloat16)
+        ids = [torch.rand(T, num_experts, device=dev, generator=g).topk(top_k, dim=1).indices.to(torch.int32)
+               for _ in range(layers)]
+        w = [torch.softmax(torch.randn(T, top_k, device=dev, generator=g), dim=1) for _ in range(layers)]
+        unique = sum(len(torch.unique(i)) for i in ids) / layers
+        base = {"tokens": T, "experts_per_call": unique, "layers": layers}
+        best = {}
+        for kname, configs in (("gate_up", gu_configs), ("down", down_configs)):
+            nbytes = unique * comp_bytes[kname]
+            for name, cfg in configs.items():
+                b, info = nd.decode_blocks(cfg), {}
+                try:
+                    acts = [nd.launch_gate_up(pool, layout, x, ids[l], tables[l], host, b) for l in range(layers)]
+                    if kname == "gate_up":
+                        def step(b=b, info=info):
+                            for l in range(layers):
+                                nd.launch_gate_up(pool, layout, x, ids[l], tables[l], host, b, info)
+                    else:
+                        def step(b=b, info=info, acts=acts):
+                            for l in range(layers):
+                                nd.launch_down(pool, layout, acts[l], w[l].reshape(-1), ids[l], tables[l], host, b,
+                                               "tokens", info)
+                    step()
+                    us = time_us(step, layers)
+                    k = info.get(kname)
+                    r = {"kernel": kname, "config": name, "blocks": cfg, **base, "us": us, "bytes": nbytes,
+                         "gbs": nbytes / us / 1e3, "frac_hbm": nbytes / us / 1e3 / hbm,
+                         "regs": getattr(k, "n_regs", None), "spills": getattr(k, "n_spills", None)}
+                    if kname not in best or us < best[kname][1]:
+                        best[kname] = (cfg, us)
+                except Exception as e:  # noqa: BLE001 - report, keep the other configs' rows
+                    r = {"kernel": kname, "config": name, "blocks": cfg, **base, "error": f"{type(e).__name__}: {e}"}
+                rows.append(r)
+                log(_fmt(r))
+        ref = moe_ref(pool, layout, x, tables[0].long()[ids[0].long()], w[0]).double()
+        calls = {"default": ({}, "tokens"), "pairs": ({}, "pairs")}
+        if len(best) == 2:
+            calls["best"] = ({**best["gate_up"][0], **best["down"][0]}, "tokens")
+        for name, (cfg, combine) in calls.items():
+            def call(l=0, cfg=cfg, combine=combine):
+                return nd.moe_nvfp4_device(pool, layout, x, ids[l], tables[l], w[l], blocks=cfg, combine=combine)
+
+            def step(call=call):
+                for l in range(layers):
+                    call(l)
+            y = call()
+            us = time_us(step, layers)
+            nbytes = unique * (comp_bytes["gate_up"] + comp_bytes["down"])
+            r = {"kernel": "call", "config": name, "blocks": nd.decode_blocks(cfg), "combine": combine, **base,
+                 "us": us, "bytes": nbytes, "gbs": nbytes / us / 1e3, "frac_hbm": nbytes / us / 1e3 / hbm,
+                 "rel_err": float((y.double() - ref).norm() / ref.norm()), "deterministic": bool(torch.equal(y, call())),
+                 "graph_equal": _graph_equal(call, y) if dev.type == "cuda" else "n/a"}
+            rows.append(r)
+            log(_fmt(r))
+    return rows
+
+
+def _graph_equal(call, eager) -> bool:
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    graph.replay()
+    torch.cuda.synchronize()
+    return bool(torch.equal(out, eager))
+
+
+def _fmt(r: dict) -> str:
+    return " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items() if k != "blocks")
+
+
+def suggest(rows: list[dict]) -> dict:
+    """Per kernel, the config with the least sum over T of us / (best us at that T): DECODE_BLOCKS to paste."""
+    out = {}
+    for kname in ("gate_up", "down"):
+        done = [r for r in rows if r["kernel"] == kname and "us" in r]
+        best_t = {t: min(r["us"] for r in done if r["tokens"] == t) for t in {r["tokens"] for r in done}}
+        score = {}
+        for r in done:
+            score.setdefault(r["config"], [0.0, r["blocks"]])[0] += r["us"] / best_t[r["tokens"]]
+        if score:
+            out.update(min(score.values(), key=lambda s: s[0])[1])
+    return out
+
+
+def compile_configs(gu: dict, dn: dict, *, hidden=2048, inter=512, top_k=8, arch=90, log=print) -> list[dict]:
+    """Build each config's kernel for sm_<arch> with no GPU (Triton's CUDA backend, ptxas, nvdisasm): regs, stack
+    (spill) bytes, STS count and SASS instructions per weight. A CPU check of the kernels before a GPU run."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from ft.runtime.gpu import nvfp4_decode as nd
+    from ft.runtime.gpu.record_layout import RecordLayout
+
+    lay = RecordLayout.packed(hidden, inter)
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    common = dict(pool="*u8", slot_stride=lay.stride, host_base=0, host_stride=0, topk_ids="*i32", slot_row="*i32",
+                  H=hidden, I=inter)
+    specs = {"gate_up": (nd._gate_up_kernel, dict(common, x="*bf16", act="*bf16", topk=top_k,
+                                                  OFF_GU=lay.off_gate_up, OFF_GUS=lay.off_gate_up_scale,
+                                                  OFF_GUS2=lay.off_gate_up_scale_2)),
+             "down": (nd._down_kernel, dict(common, act="*bf16", out="*fp32", pair_weight="*fp32", G=top_k,
+                                            OFF_D=lay.off_down, OFF_DS=lay.off_down_scale, OFF_DS2=lay.off_down_scale_2))}
+    rows = []
+    for kname, configs in (("gate_up", gu), ("down", dn)):
+        fn, vals = specs[kname]
+        for name, cfg in configs.items():
+            b = nd.decode_blocks(cfg)
+            if kname == "gate_up":
+                consts = dict(KB=hidden // 16, BN=b["BLOCK_N_GU"], BKB=nd._words(b["BLOCK_K_GU"], hidden))
+                warps, weights = b["WARPS_GU"], 2 * b["BLOCK_N_GU"] * hidden
+            else:
+                consts = dict(KB=inter // 16, GP=triton.next_power_of_2(top_k), BN=b["BLOCK_N_D"],
+                              BKB=nd._words(b["BLOCK_K_D"], inter))
+                warps, weights = b["WARPS_D"], triton.next_power_of_2(top_k) * b["BLOCK_N_D"] * inter
+            consts.update(INTERP=False, MAPPED=False)
+            sig, attrs = {}, {}
+            for i, arg in enumerate(fn.arg_names):
+                v = consts.get(arg, vals.get(arg))
+                sig[arg] = "constexpr" if arg in consts else (v if isinstance(v, str) else "i32")
+                if isinstance(v, str) or (arg not in consts and v % 16 == 0):
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+            row = {"kernel": kname, "config": name, "arch": arch}
+            try:
+                src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()},
+                                attrs=attrs)
+                k = triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps})
+                with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                    f.write(k.asm["cubin"])
+                    f.flush()
+                    res = subprocess.run([os.path.join(bindir, "cuobjdump"), "-res-usage", f.name],
+                                         capture_output=True, text=True).stdout
+                    sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", f.name],
+                                          capture_output=True, text=True).stdout
+                use = {key: int(v) for key, v in re.findall(r"(REG|STACK):(\d+)", res)}
+                ops = re.findall(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass, re.M)
+                row.update(regs=use.get("REG"), stack=use.get("STACK"), sts=sum(o.startswith("STS") for o in ops),
+                           instr_per_weight=round(len(ops) * warps * 32 / weights, 2))
+            except Exception as e:  # noqa: BLE001 - report every config
+                row["error"] = f"{type(e).__name__}: {e}"[-400:]
+            rows.append(row)
+            log(_fmt(row))
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", help="directory for bench_moe_decode.json (required unless --compile-only)")
+    ap.add_argument("--tokens", default="1,2,4,8")
+    ap.add_argument("--configs", default="grid", choices=("grid", "default"))
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--inter", type=int, default=512)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=40, help="calls per timed step, each with its own experts")
+    ap.add_argument("--compile-only", type=int, nargs="?", const=90, metavar="ARCH",
+                    help="no GPU needed: build the configs' kernels for sm_ARCH (default 90), print regs / spills")
+    args = ap.parse_args(argv)
+    gu, dn = _configs(args.configs)
+    if args.compile_only:
+        rows = compile_configs(gu, dn, hidden=args.hidden, inter=args.inter, top_k=args.top_k, arch=args.compile_only)
+        return 1 if any("error" in r for r in rows) else 0
+    if not torch.cuda.is_available():
+        print("bench_moe_decode: no CUDA device here; run it on the GPU machine (or use --compile-only)")
+        return 0
+    import triton
+
+    rows = bench_rows(hidden=args.hidden, inter=args.inter, num_experts=args.experts, top_k=args.top_k,
+                      tokens=tuple(int(t) for t in args.tokens.split(",")), layers=args.layers,
+                      gu_configs=gu, down_configs=dn)
+    hbm = rows[0]["gbs"]
+    print(f"\nHBM read {hbm:.0f} GB/s. Best per T (us per MoE layer call; x{args.layers} layers = MoE per token):")
+    for T in sorted({r["tokens"] for r in rows if "tokens" in r}):
+        line = [f"  T={T}"]
+        for kname in ("gate_up", "down", "call"):
+            done = [r for r in rows if r["kernel"] == kname and r.get("tokens") == T and "us" in r]
+            if done:
+                r = min(done, key=lambda r: r["us"])
+                line.append(f"{kname} {r['config']} {r['us']:.1f} us ({r['frac_hbm']:.0%} HBM)")
+        print("; ".join(line))
+    suggested = suggest(rows)
+    print(f"suggested DECODE_BLOCKS = {suggested}")
+    out = Path(args.out or ".")
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+            "args": vars(args), "hbm_read_gbs": hbm}
+    (out / "bench_moe_decode.json").write_text(json.dumps({"meta": meta, "rows": rows, "suggested": suggested},
+                                                          indent=1))
+    print(f"wrote {out / 'bench_moe_decode.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
