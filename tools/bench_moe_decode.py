@@ -3,23 +3,19 @@
     python tools/bench_moe_decode.py --out DIR [--tokens 1,2,4,8] [--configs grid | default] [--layers 40]
     python tools/bench_moe_decode.py --compile-only [ARCH] [--configs grid | default]   (any machine: sm_ARCH build)
 
-Shapes default to Qwen3.6-35B-A3B / qwen3moe-35b-geom experts: hidden 2048, moe_intermediate 512, 256 experts,
-top-8. The pool holds `--layers` layers x 256 random experts (valid records, 18 GB for 40 layers) and every timed
-step runs one call per layer, each with its own routing (top-8 of 256 distinct per token, uniform) and table, as a
-decode step does: the ~14 MB of experts a call reads are not in L2 from the previous call. Rows ("kernel"):
-  "gate_up"  the gate_up kernel alone, per gate_up config ("WARPS_GU", "BLOCK_N_GU", "BLOCK_K_GU")
-  "down"     the down kernel alone, combine "tokens" (the k experts of a token summed in-kernel), per down config
-  "call"     a whole `moe_nvfp4_device` call: the default config (`DECODE_BLOCKS`), the best gate_up + best down
-             config of this T, and the default with combine "pairs"; rel_err against the PyTorch reference,
-             deterministic (two calls bit-equal), graph_equal (graph replay bit-equal to eager)
-  "hbm"      the HBM read rate measured here (torch sum / amax over 4 GiB), the reference of frac_hbm
-us = per call: the step (one call per layer) captured in a CUDA graph, median replay time / layers, so the launch
-gaps of a decode graph count. bytes = mean over calls of the bytes the kernel must read: the unique routed experts'
-components (gate_up: codes, scales, scale_2 of gate_up; down: those of down); gbs = bytes / us; frac_hbm = gbs / hbm.
-regs / spills from the compiled kernel. Prints the best configs per T and a suggested DECODE_BLOCKS, writes
-DIR/bench_moe_decode.json ({"meta", "rows", "suggested"}); exits with a message where CUDA is missing.
---compile-only builds each config's kernels for sm_ARCH with no GPU and prints regs, stack (spill) bytes, STS
-count (a tile staged through shared memory shows as hundreds) and SASS instructions per weight.
+Experts of Qwen3.6-35B-A3B / qwen3moe-35b-geom by default (hidden 2048, moe_intermediate 512, 256 experts, top-8).
+The pool holds `--layers` x 256 random valid records (18 GB for 40) and a timed step makes one call per layer, each
+with its own uniform top-8 routing and table, as a decode step does (a call's ~14 MB are not in L2 from the last).
+Rows ("kernel"): "gate_up" / "down" (combine "tokens") alone per config of that kernel; "call", a whole
+`moe_nvfp4_device` call with the default config, the best gate_up + best down config of this T, and the default with
+combine "pairs" (rel_err against the PyTorch reference, deterministic: two calls bit-equal, graph_equal: replay
+bit-equal to eager); "hbm", the HBM read rate measured here (torch sum / amax over 4 GiB).
+us = per call: the step captured in one CUDA graph, median replay time / layers (launch gaps count as in a decode
+graph); bytes = mean over calls of what the kernel must read (the unique routed experts' codes, scales, scale_2 of
+its matrix); gbs = bytes / us; frac_hbm = gbs / hbm; regs / spills of the compiled kernel. Prints the best configs per
+T and a suggested DECODE_BLOCKS; writes DIR/bench_moe_decode.json ({"meta", "rows", "suggested"}); exits with a
+message where CUDA is missing. --compile-only builds each config for sm_ARCH with no GPU and prints regs, stack
+(spill) bytes, STS count (a tile staged through shared memory shows as hundreds) and SASS instructions per weight.
 """
 
 from __future__ import annotations
@@ -32,11 +28,13 @@ from pathlib import Path
 
 import torch
 
-GU_GRID = [dict(BLOCK_N_GU=n, BLOCK_K_GU=k, WARPS_GU=w) for n, k, w in itertools.product((4, 8, 16), (512, 2048), (2, 4, 8))
-           if not (w == 2 and (n == 16 or (n, k) == (8, 512)))]  # those spill registers on sm_90
-D_GRID = [dict(BLOCK_N_D=n, BLOCK_K_D=k, WARPS_D=w) for n, k, w in itertools.product((4, 8, 16), (256, 512), (2, 4, 8))
-          if not (w == 2 and n == 16)]
-COMPONENTS = {"gate_up": ("gate_up", "gate_up_scale", "gate_up_scale_2"), "down": ("down", "down_scale", "down_scale_2")}
+# swept tile configs (`DECODE_BLOCKS` keys); the excluded ones spill registers on sm_90
+GU_GRID = [dict(BLOCK_N_GU=n, BLOCK_K_GU=k, WARPS_GU=w)
+           for n, k, w in itertools.product((4, 8, 16), (512, 2048), (2, 4, 8))
+           if not (w == 2 and (n == 16 or (n, k) == (8, 512))) and (n, k, w) != (16, 512, 4)]
+D_GRID = [dict(BLOCK_N_D=n, BLOCK_K_D=k, WARPS_D=w)
+          for n, k, w in itertools.product((4, 8, 16), (256, 512), (2, 4, 8)) if not (w == 2 and n == 16)]
+COMPONENTS = {kn: (kn, kn + "_scale", kn + "_scale_2") for kn in ("gate_up", "down")}  # bytes each kernel reads
 
 
 def _name(cfg: dict) -> str:
@@ -72,8 +70,8 @@ def make_pool(layout, slots: int, seed: int, dev) -> torch.Tensor:
     return pool
 
 
-def graph_us(fn, calls: int, reps: int = 20) -> float:
-    """fn() (running `calls` calls) captured in one CUDA graph; median replay time in us / calls."""
+def _capture(fn):
+    """fn() after warm-up on a side stream (as torch.cuda.graph requires), captured -> (graph, fn's output)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -82,8 +80,14 @@ def graph_us(fn, calls: int, reps: int = 20) -> float:
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        out = fn()
     graph.replay()
+    return graph, out
+
+
+def graph_us(fn, calls: int, reps: int = 20) -> float:
+    """fn() (running `calls` calls) captured in one CUDA graph; median replay time in us / calls."""
+    graph, _ = _capture(fn)
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -97,19 +101,7 @@ def graph_us(fn, calls: int, reps: int = 20) -> float:
 
 def hbm_read_gbs(nbytes: int = 4 << 30) -> float:
     buf = torch.rand(nbytes // 4, device="cuda")
-    best = 0.0
-    for fn in (lambda: buf.sum(), lambda: buf.amax()):
-        for _ in range(3):
-            fn()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(10):
-            fn()
-        b.record()
-        b.synchronize()
-        best = max(best, nbytes * 10 / (a.elapsed_time(b) * 1e-3) / 1e9)
-    del buf
-    return best
+    return max(nbytes / graph_us(fn, 1) / 1e3 for fn in (buf.sum, buf.amax))
 
 
 def bench_rows(*, hidden=2048, inter=512, num_experts=256, top_k=8, tokens=(1, 2, 4, 8), layers=40, gu_configs=None,
@@ -126,8 +118,8 @@ def bench_rows(*, hidden=2048, inter=512, num_experts=256, top_k=8, tokens=(1, 2
     layers = max(1, layers)
     pool = make_pool(layout, layers * num_experts, seed, dev)
     g = torch.Generator(device=dev).manual_seed(seed + 1)
-    tables = [(l * num_experts + torch.randperm(num_experts, device=dev, generator=g)).to(torch.int32)
-              for l in range(layers)]
+    tables = [(li * num_experts + torch.randperm(num_experts, device=dev, generator=g)).to(torch.int32)
+              for li in range(layers)]
     comp_bytes = {kn: sum(layout.nbytes(c) for c in cs) for kn, cs in COMPONENTS.items()}
     hbm = hbm_gbs if hbm_gbs is not None else hbm_read_gbs()
     rows = [{"kernel": "hbm", "gbs": hbm}]
@@ -145,15 +137,15 @@ def bench_rows(*, hidden=2048, inter=512, num_experts=256, top_k=8, tokens=(1, 2
             for name, cfg in configs.items():
                 b, info = nd.decode_blocks(cfg), {}
                 try:
-                    acts = [nd.launch_gate_up(pool, layout, x, ids[l], tables[l], host, b) for l in range(layers)]
+                    acts = [nd.launch_gate_up(pool, layout, x, ids[li], tables[li], host, b) for li in range(layers)]
                     if kname == "gate_up":
-                        def step(b=b, info=info):
-                            for l in range(layers):
-                                nd.launch_gate_up(pool, layout, x, ids[l], tables[l], host, b, info)
+                        def step(b=b, info=info, x=x, ids=ids):
+                            for li in range(layers):
+                                nd.launch_gate_up(pool, layout, x, ids[li], tables[li], host, b, info)
                     else:
-                        def step(b=b, info=info, acts=acts):
-                            for l in range(layers):
-                                nd.launch_down(pool, layout, acts[l], w[l].reshape(-1), ids[l], tables[l], host, b,
+                        def step(b=b, info=info, acts=acts, w=w, ids=ids):
+                            for li in range(layers):
+                                nd.launch_down(pool, layout, acts[li], w[li].reshape(-1), ids[li], tables[li], host, b,
                                                "tokens", info)
                     step()
                     us = time_us(step, layers)
@@ -172,34 +164,30 @@ def bench_rows(*, hidden=2048, inter=512, num_experts=256, top_k=8, tokens=(1, 2
         if len(best) == 2:
             calls["best"] = ({**best["gate_up"][0], **best["down"][0]}, "tokens")
         for name, (cfg, combine) in calls.items():
-            def call(l=0, cfg=cfg, combine=combine):
-                return nd.moe_nvfp4_device(pool, layout, x, ids[l], tables[l], w[l], blocks=cfg, combine=combine)
+            def call(li=0, cfg=cfg, combine=combine, x=x, ids=ids, w=w):
+                return nd.moe_nvfp4_device(pool, layout, x, ids[li], tables[li], w[li], blocks=cfg, combine=combine)
 
             def step(call=call):
-                for l in range(layers):
-                    call(l)
-            y = call()
-            us = time_us(step, layers)
-            nbytes = unique * (comp_bytes["gate_up"] + comp_bytes["down"])
-            r = {"kernel": "call", "config": name, "blocks": nd.decode_blocks(cfg), "combine": combine, **base,
-                 "us": us, "bytes": nbytes, "gbs": nbytes / us / 1e3, "frac_hbm": nbytes / us / 1e3 / hbm,
-                 "rel_err": float((y.double() - ref).norm() / ref.norm()), "deterministic": bool(torch.equal(y, call())),
-                 "graph_equal": _graph_equal(call, y) if dev.type == "cuda" else "n/a"}
+                for li in range(layers):
+                    call(li)
+            r = {"kernel": "call", "config": name, "blocks": nd.decode_blocks(cfg), "combine": combine, **base}
+            try:
+                y = call()
+                us = time_us(step, layers)
+                nbytes = unique * (comp_bytes["gate_up"] + comp_bytes["down"])
+                r.update(us=us, bytes=nbytes, gbs=nbytes / us / 1e3, frac_hbm=nbytes / us / 1e3 / hbm,
+                         rel_err=float((y.double() - ref).norm() / ref.norm()),
+                         deterministic=bool(torch.equal(y, call())),
+                         graph_equal=_graph_equal(call, y) if dev.type == "cuda" else "n/a")
+            except Exception as e:  # noqa: BLE001 - report
+                r["error"] = f"{type(e).__name__}: {e}"
             rows.append(r)
             log(_fmt(r))
     return rows
 
 
 def _graph_equal(call, eager) -> bool:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
-    graph.replay()
+    _, out = _capture(call)
     torch.cuda.synchronize()
     return bool(torch.equal(out, eager))
 
@@ -245,7 +233,8 @@ def compile_configs(gu: dict, dn: dict, *, hidden=2048, inter=512, top_k=8, arch
                                                   OFF_GU=lay.off_gate_up, OFF_GUS=lay.off_gate_up_scale,
                                                   OFF_GUS2=lay.off_gate_up_scale_2)),
              "down": (nd._down_kernel, dict(common, act="*bf16", out="*fp32", pair_weight="*fp32", G=top_k,
-                                            OFF_D=lay.off_down, OFF_DS=lay.off_down_scale, OFF_DS2=lay.off_down_scale_2))}
+                                            OFF_D=lay.off_down, OFF_DS=lay.off_down_scale,
+                                            OFF_DS2=lay.off_down_scale_2))}
     rows = []
     for kname, configs in (("gate_up", gu), ("down", dn)):
         fn, vals = specs[kname]

@@ -129,6 +129,47 @@ def agreement(model, steps: int = 32) -> dict:
             "graphed_vs_eager": compare(graphed, eager), "fused_vs_reference": compare(eager, ref)}
 
 
+def profile(model, *, context: int = 512, steps: int = 8, prefill_tokens: int = 4096) -> dict:
+    """CUDA time per kernel (torch.profiler): eager batch-1 decode steps (the graph replays the same kernels) and one
+    prefill chunk -> the top kernels, in us per step / per chunk, so the gap to the bound can be split by cause."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    V = model.config.vocab_size
+    saved, model.graphs = model.graphs, None
+    out = {}
+    try:
+        st = model.new_state(context + steps + 2)
+        tok = int(_prefill(model, st, _ids(context, V))[-1].argmax())
+        model.forward(torch.tensor([tok]), [Segment(st, 1)])  # warm
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                tok = int(model.forward(torch.tensor([tok]), [Segment(st, 1)])[0][-1].argmax())
+            torch.cuda.synchronize()
+        st.free()
+        out["decode_us_per_step"] = _top(prof, steps)
+        st = model.new_state(prefill_tokens + 1)
+        ids = _ids(prefill_tokens, V)
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            _prefill(model, st, ids)
+            torch.cuda.synchronize()
+        st.free()
+        out[f"prefill_{prefill_tokens}_us"] = _top(prof, 1)
+    finally:
+        model.graphs = saved
+    return out
+
+
+def _top(prof, per: int, n: int = 25) -> dict:
+    rows = sorted(((e.key, e.device_time_total / per, e.count / per) for e in prof.key_averages()
+                   if e.device_time_total > 0), key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    return {"total_us": total, "kernels": [{"name": k[:90], "us": round(us, 1), "calls": round(c, 1)}
+                                           for k, us, c in rows[:n]]}
+
+
 def bench_model(ftw, preset: str, *, hbm_gbs: float, log, llama: dict | None, deadline: float) -> dict:
     reader = FtwReader(ftw)
     t = time.perf_counter()
@@ -178,6 +219,14 @@ def bench_model(ftw, preset: str, *, hbm_gbs: float, log, llama: dict | None, de
         log(f"{preset}: prefill {tokens}: {r['tok_s']:.0f} tok/s" +
             (f" ({r['vs_llama_cpp']:.2f}x llama.cpp)" if "vs_llama_cpp" in r else ""))
     res["prefill"] = pre
+    if time.perf_counter() < deadline - 45:
+        try:
+            res["profile"] = profile(model)
+            top = res["profile"]["decode_us_per_step"]
+            log(f"{preset}: decode kernels {top['total_us']:.0f} us/step: " + ", ".join(
+                f"{k['name'][:40]} {k['us']:.0f}" for k in top["kernels"][:8]))
+        except Exception:  # noqa: BLE001
+            res["profile"] = {"error": traceback.format_exc()[-2000:]}
     if time.perf_counter() < deadline - 60:
         try:
             res["agreement"] = agreement(model)

@@ -3,13 +3,19 @@
 The host-planned kernels of `nvfp4_triton.py` need the routing on the host (`plan_blocks` groups pairs by slot), one
 host sync per MoE layer. Here the launch grid depends on shapes only: for T tokens and top-k, P = T*k pairs,
 
-    gate_up: grid (P, cdiv(I, BLOCK_N_GU))    program (p, n-tile) reads e = topk_ids[p], slot = slot_row[e]
-    down:    grid (P, cdiv(H, BLOCK_N_D))     combine="pairs":  out[p] = w[p] * down(act[p]), then a torch sum over k
-             grid (T, cdiv(H, BLOCK_N_D))     combine="tokens": out[t] = sum_{j=0..k-1} w[t, j] * down(act[t*k + j]),
-                                              summed in the fixed order j = 0..k-1 inside one program
-No `.cpu()`, `.item()` or data-dependent shape anywhere, so a call can be captured in a CUDA graph. Meant for small
-P (decode, P <= 64 in `device_path.MAX_DEVICE_PAIRS`): one program handles one pair, so it runs as a GEMV (elementwise
-products + `tl.sum`) instead of a `tl.dot` tile that would be 15/16 padding.
+    gate_up: grid (P, cdiv(I, BN_GU))   program (p, n-tile): act[p, n] = bf16(silu(g) * u) for the BN gate rows n and
+                                        BN up rows I + n of expert ids[p] (slot slot_row[ids[p]]) against x[p // k]
+    down:    grid (T, cdiv(H, BN_D))    combine="tokens" (default): out[t, n] = sum_j w[t, j] * down_j[n] . act[t*k+j]
+                                        for the k pairs of token t in one program, summed in a fixed order
+             grid (P, cdiv(H, BN_D))    combine="pairs": out[p] = w[p] * down(act[p]), then a torch sum over k
+No `.cpu()`, `.item()` or data-dependent shape anywhere, so a call can be captured in a CUDA graph. "tokens" is two
+launches per call and nothing else (weights of any float dtype are converted in the kernel, no sum kernel).
+
+Each program reads its weight rows over the whole K (or a few unrolled K chunks, `BLOCK_K_*`) as wide independent
+loads and decodes them in registers with about 4 instructions per weight in the inner loop (`nvfp4_gemv.rows_dot`:
+layout, arithmetic, numerics). It is a GEMV, not a `tl.dot` tile that would be 15/16 padding at one row per expert.
+Meant for small P (decode, P <= 64 in `device_path.MAX_DEVICE_PAIRS`); two pairs of one expert (T > 1) each read its
+bytes, the second mostly from L2. Tiles are in `DECODE_BLOCKS`; `tools/bench_moe_decode.py` sweeps them on a GPU.
 
 A pair whose slot is < 0 (expert not resident) is never read: every load of its record is masked off and it
 contributes exactly 0 (its act row is written as 0). Callers guarantee residency; `check_resident` is a debug check
@@ -20,13 +26,15 @@ the device address `host_base + e * host_stride` (same `RecordLayout` as a slot)
 pair's record bytes cross the bus on every call (nothing is kept in VRAM; two pairs of one expert read it twice).
 On CUDA the caller guarantees the bank is page-locked and mapped (cudaHostRegister / pinned with a device pointer)
 and stays so for the call; on CPU under the interpreter any host address works. host_base == 0 compiles the
-kernels without the host branch (the `MAPPED` constexpr), i.e. exactly the code above.
+kernels without the host branch (the `MAPPED` constexpr).
 
-Dequantization is bit-identical to `nvfp4_triton.py` (`_weight_tile`: E2M1 and e4m3 decoded from bits into bf16 values
-times 2^-22, `scale_2 * 2^22` applied to the fp32 accumulator; the gated activation rounded to bf16 by
-`_to_bf16`). Each product of a bf16 weight with a bf16 activation is exact in fp32, as in the tensor-core dot, so the
-result equals the host-planned kernel's up to fp32 summation order. Deterministic: no atomics; the per-token sum over
-k runs in a fixed order (torch's reduction or the program's j loop).
+Numerics: E2M1 and e4m3 decode from bits to the same values as `nvfp4_triton._weight_tile` (value * 2^-14, * 2^-8);
+each code times its bf16 activation is exact in fp32, summed over the 16 codes of a scale block, times the block's
+scale, summed over K; `scale_2 * 2^22` is applied to the fp32 accumulator and the gated activation is rounded to
+bf16 by `_to_bf16`. So the result equals the host-planned kernel's up to fp32 rounding order. Deterministic: no
+atomics, every sum (over K, over the k experts of a token, torch's sum for "pairs") runs in a fixed order.
+
+`_gemv_tile` (the former per-K-step decode GEMV) stays here for `dense_quant.py`.
 """
 
 from __future__ import annotations
@@ -35,28 +43,84 @@ import torch
 import triton
 import triton.language as tl
 
+from .nvfp4_gemv import rows_dot
 from .nvfp4_triton import _to_bf16, _weight_tile
 from .record_layout import COMPONENTS, RecordLayout
 
-DECODE_BLOCKS = {"BLOCK_N_GU": 32, "BLOCK_N_D": 32, "BLOCK_K": 128, "num_warps": 4}
-COMBINES = ("pairs", "tokens")
+# Tiles: BLOCK_N_* weight rows per program (gate_up: BN gate + BN up rows), BLOCK_K_* K elements per unrolled chunk
+# (capped at K: whole-K tiles), WARPS_* warps. "BLOCK_K" / "num_warps" in a `blocks` dict set both kernels' values.
+# Picked from sm_90 builds at H 2048 / I 512 (no spills, ~6.2 SASS instructions per weight, <= 92 registers, 1024
+# gate_up and 512 down programs at T = 1, so every SM holds several); re-pick from `tools/bench_moe_decode.py`.
+DECODE_BLOCKS = {"BLOCK_N_GU": 4, "BLOCK_K_GU": 2048, "WARPS_GU": 2, "BLOCK_N_D": 4, "BLOCK_K_D": 256, "WARPS_D": 4}
+COMBINES = ("tokens", "pairs")
 
 
 @triton.jit
-def _pair_record(pool, slot_stride, host_base, host_stride, topk_ids, slot_row, p, n, N, MAPPED: tl.constexpr):
-    # pair p, output rows n [BN] of N -> (record pointer, row mask). Not MAPPED: a dead pair (slot < 0) gets an
-    # all-false mask (rows limited to N * 0), so every load through its pointer (clamped to slot 0) is masked off.
-    # MAPPED: slot < 0 reads the bank record at the int64 address host_base + e * host_stride; every pair is live.
-    e = tl.load(topk_ids + p).to(tl.int64)
-    slot = tl.load(slot_row + e)
+def _records(pool, slot_stride, host_base, host_stride, topk_ids, slot_row, p, p_mask, MAPPED: tl.constexpr):
+    # pairs p (a scalar or [GP]) -> (record base u8 pointers, live). Not MAPPED: live = p_mask & slot >= 0; a dead
+    # pair's pointer is clamped to slot 0 and every load through it is masked off by the caller. MAPPED: a pair
+    # without a slot reads the bank record at the int64 address host_base + e * host_stride; live = p_mask.
+    e = tl.load(topk_ids + p, mask=p_mask, other=0).to(tl.int64)
+    slot = tl.load(slot_row + e, mask=p_mask, other=-1)
     rec = pool + tl.maximum(slot, 0).to(tl.int64) * slot_stride
     if MAPPED:
-        host = (host_base.to(tl.int64) + e * host_stride).to(tl.pointer_type(tl.uint8))
+        host = (host_base + e * host_stride).to(tl.pointer_type(tl.uint8))
         rec = tl.where(slot >= 0, rec, host)
-        limit = N
+        live = p_mask
     else:
-        limit = N * (slot >= 0).to(tl.int32)  # a comparison, not `n_mask & live`: the interpreter mistypes that mask
-    return rec, n < limit
+        live = p_mask & (slot >= 0)
+    return rec, live
+
+
+@triton.jit
+def _gate_up_kernel(
+    pool, slot_stride, host_base, host_stride, x, act, topk_ids, slot_row, topk, H, I,
+    OFF_GU, OFF_GUS, OFF_GUS2, KB: tl.constexpr,
+    BN: tl.constexpr, BKB: tl.constexpr, INTERP: tl.constexpr, MAPPED: tl.constexpr,
+):
+    # act[p, n] = bf16(silu(g) * u), g = row n, u = row I + n of gate_up applied to x[p // topk]; 0 for a dead pair
+    p = tl.program_id(0)
+    n0 = tl.program_id(1) * BN
+    r = tl.arange(0, 2 * BN)  # tile rows: gate rows n0 + r for r < BN, then up rows I + n0 + r - BN
+    rows = (r % BN + (r // BN) * I + n0)[:, None]  # [2BN, 1]
+    rec, live = _records(pool, slot_stride, host_base, host_stride, topk_ids, slot_row, p, p >= 0, MAPPED)
+    limit = I * live.to(tl.int32)  # a comparison, not `n_mask & live`: the interpreter mistypes that mask
+    r_live = (r % BN + n0) < limit  # [2BN]
+    x_live = tl.arange(0, 1)[None, :, None] < live.to(tl.int32)  # [1, 1, 1]
+    xrow = x + (p // topk).to(tl.int64) * H
+    v = rows_dot(rec, OFF_GU, OFF_GUS, rows[:, :, None], r_live[:, None, None], xrow, x_live, KB, 2 * BN, 1, BKB,
+                 not INTERP)  # [2BN, 1]
+    s2 = tl.load((rec + OFF_GUS2).to(tl.pointer_type(tl.float32)) + rows, mask=r_live[:, None], other=0.0)
+    v = tl.reshape(v * (s2 * 4194304.0), [2, BN])  # [2BN, 1] -> gate [BN], up [BN]
+    half = tl.arange(0, 2)[:, None]
+    g = tl.sum(tl.where(half == 0, v, 0.0), axis=0)
+    u = tl.sum(tl.where(half == 1, v, 0.0), axis=0)
+    n = n0 + tl.arange(0, BN)
+    a = g / (1.0 + tl.exp(-g)) * u
+    a = tl.where(n < limit, a, 0.0)
+    tl.store(act + p.to(tl.int64) * I + n, _to_bf16(a, INTERP), mask=n < I)
+
+
+@triton.jit
+def _down_kernel(
+    pool, slot_stride, host_base, host_stride, act, out, pair_weight, topk_ids, slot_row, G, H, I,
+    OFF_D, OFF_DS, OFF_DS2, KB: tl.constexpr,
+    GP: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, INTERP: tl.constexpr, MAPPED: tl.constexpr,
+):
+    # out[g, n] = sum over j < G of weight[g*G + j] * (down row n of pair g*G + j) . act[g*G + j]   (fp32 [*, H])
+    g = tl.program_id(0)
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    j = tl.arange(0, GP)
+    p = g * G + j  # [GP]
+    rec, live = _records(pool, slot_stride, host_base, host_stride, topk_ids, slot_row, p, j < G, MAPPED)
+    m2 = (n < H)[:, None] & live[None, :]  # [BN, GP]
+    xrow = act + p.to(tl.int64)[None, :, None] * I
+    v = rows_dot(rec[None, :, None], OFF_D, OFF_DS, n[:, None, None], m2[:, :, None], xrow, live[None, :, None],
+                 KB, BN, GP, BKB, not INTERP)  # [BN, GP]
+    s2 = tl.load((rec + OFF_DS2).to(tl.pointer_type(tl.float32))[None, :] + n[:, None], mask=m2, other=0.0)
+    w = tl.load(pair_weight + p, mask=live, other=0.0).to(tl.float32)
+    res = tl.where(m2, v * (s2 * 4194304.0) * w[None, :], 0.0)
+    tl.store(out + g.to(tl.int64) * H + n, tl.sum(res, axis=1), mask=n < H)
 
 
 @triton.jit
@@ -73,77 +137,24 @@ def _gemv_tile(rec, OFF_W, OFF_S, rows, w_mask, src, K, BLOCK_N: tl.constexpr, B
     return acc
 
 
-@triton.jit
-def _gate_up_pairs_kernel(
-    pool, slot_stride, host_base, host_stride, x, act, topk_ids, slot_row, topk, H, I,
-    OFF_GU, OFF_GUS, OFF_GUS2,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, INTERP: tl.constexpr, MAPPED: tl.constexpr,
-):
-    # act[p, n] = bf16(silu(g) * u), g = row n, u = row I + n of gate_up applied to x[p // topk]; 0 for a dead pair
-    p = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    xrow = x + (p // topk).to(tl.int64) * H
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = n < I
-    rec, w_mask = _pair_record(pool, slot_stride, host_base, host_stride, topk_ids, slot_row, p, n, I, MAPPED)
-    acc_g = _gemv_tile(rec, OFF_GU, OFF_GUS, n, w_mask, xrow, H, BLOCK_N, BLOCK_K)
-    acc_u = _gemv_tile(rec, OFF_GU, OFF_GUS, I + n, w_mask, xrow, H, BLOCK_N, BLOCK_K)
-    s2 = (rec + OFF_GUS2).to(tl.pointer_type(tl.float32))
-    g = acc_g * (tl.load(s2 + n, mask=w_mask, other=0.0) * 4194304.0)
-    u = acc_u * (tl.load(s2 + I + n, mask=w_mask, other=0.0) * 4194304.0)
-    a = g / (1.0 + tl.exp(-g)) * u
-    a = tl.where(w_mask, a, 0.0)
-    tl.store(act + p.to(tl.int64) * I + n, _to_bf16(a, INTERP), mask=n_mask)
+def decode_blocks(blocks: dict[str, int] | None = None) -> dict[str, int]:
+    """`DECODE_BLOCKS` updated by `blocks` (its "BLOCK_K" / "num_warps" set both kernels' values)."""
+    b = dict(DECODE_BLOCKS)
+    blocks = dict(blocks or {})
+    if "BLOCK_K" in blocks:
+        b["BLOCK_K_GU"] = b["BLOCK_K_D"] = blocks.pop("BLOCK_K")
+    if "num_warps" in blocks:
+        b["WARPS_GU"] = b["WARPS_D"] = blocks.pop("num_warps")
+    unknown = set(blocks) - set(b)
+    if unknown:
+        raise ValueError(f"unknown decode block keys {sorted(unknown)}; known: {sorted(b)}, BLOCK_K, num_warps")
+    b.update(blocks)
+    return b
 
 
-@triton.jit
-def _down_pair(pool, slot_stride, host_base, host_stride, act, topk_ids, slot_row, pair_weight, p, n, H, I,
-               OFF_D, OFF_DS, OFF_DS2, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MAPPED: tl.constexpr):
-    # weight[p] * (down rows n) . act[p]  -> fp32 [BN]; exactly 0 for a dead pair and for rows n >= H
-    rec, w_mask = _pair_record(pool, slot_stride, host_base, host_stride, topk_ids, slot_row, p, n, H, MAPPED)
-    acc = _gemv_tile(rec, OFF_D, OFF_DS, n, w_mask, act + p.to(tl.int64) * I, I, BLOCK_N, BLOCK_K)
-    s2 = tl.load((rec + OFF_DS2).to(tl.pointer_type(tl.float32)) + n, mask=w_mask, other=0.0) * 4194304.0
-    res = acc * s2 * tl.load(pair_weight + p)
-    return tl.where(w_mask, res, 0.0)
-
-
-@triton.jit
-def _down_pairs_kernel(
-    pool, slot_stride, host_base, host_stride, act, out, pair_weight, topk_ids, slot_row, H, I,
-    OFF_D, OFF_DS, OFF_DS2,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MAPPED: tl.constexpr,
-):
-    # out[p, n] = weight[p] * (down row n) . act[p]   (fp32 [P, H]; the caller sums over k)
-    p = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = n < H
-    res = _down_pair(pool, slot_stride, host_base, host_stride, act, topk_ids, slot_row, pair_weight, p, n, H, I,
-                     OFF_D, OFF_DS, OFF_DS2, BLOCK_N, BLOCK_K, MAPPED)
-    tl.store(out + p.to(tl.int64) * H + n, res, mask=n_mask)
-
-
-@triton.jit
-def _down_tokens_kernel(
-    pool, slot_stride, host_base, host_stride, act, out, pair_weight, topk_ids, slot_row, H, I,
-    OFF_D, OFF_DS, OFF_DS2,
-    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, MAPPED: tl.constexpr,
-):
-    # out[t, n] = sum over j = 0..TOPK-1 (in this order) of weight[t*TOPK + j] * (down row n) . act[t*TOPK + j]
-    t = tl.program_id(0)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = n < H
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for jj in tl.static_range(TOPK):
-        total += _down_pair(pool, slot_stride, host_base, host_stride, act, topk_ids, slot_row, pair_weight,
-                            t * TOPK + jj, n, H, I, OFF_D, OFF_DS, OFF_DS2, BLOCK_N, BLOCK_K, MAPPED)
-    tl.store(out + t.to(tl.int64) * H + n, total, mask=n_mask)
-
-
-def _fit_block_k(block_k: int, *dims: int) -> int:
-    # largest power of two <= block_k (and >= 32) dividing every reduction dim; H and I are multiples of 32
-    while block_k > 32 and any(d % block_k for d in dims):
-        block_k //= 2
-    return block_k
+def _words(block_k: int, K: int) -> int:
+    # u64 code words (16 weights each) per K chunk: a power of two, at most enough for the whole K
+    return max(1, min(triton.next_power_of_2(max(1, block_k // 16)), triton.next_power_of_2(K // 16)))
 
 
 def moe_nvfp4_device(
@@ -155,16 +166,17 @@ def moe_nvfp4_device(
     topk_weights: torch.Tensor,
     *,
     blocks: dict[str, int] | None = None,
-    combine: str = "pairs",
+    combine: str = "tokens",
     host_base: int = 0,
     host_stride: int = 0,
 ) -> torch.Tensor:
     """Expert mixture with device-side routing. Host work depends on shapes only (no sync).
 
     pool u8 [S, stride]; x [T, H] (cast to bf16); topk_ids int [T, k]; slot_row int32 [E] (expert -> slot of this
-    layer, -1 = not resident: that pair contributes 0); topk_weights [T, k]; all on one device.
+    layer, -1 = not resident: that pair contributes 0); topk_weights float [T, k]; all on one device.
     host_base: 0, or the device address of this layer's bank (expert e's record at host_base + e * host_stride,
     16-byte aligned, page-locked and mapped on CUDA): then a pair without a slot reads its record from there.
+    blocks: tile overrides (see `DECODE_BLOCKS`); combine: "tokens" (fused sum over k) or "pairs" (torch sum).
     Returns fp32 [T, H] = sum over pairs with a slot (all pairs when host_base != 0) of weight * expert(x).
     """
     T, H = x.shape
@@ -187,40 +199,55 @@ def moe_nvfp4_device(
     if host_base < 0 or host_stride < 0 or host_base % 16 or (host_base and (host_stride < extent or host_stride % 16)):
         raise ValueError(f"host_base {host_base:#x} must be >= 0 and 16-byte aligned; with host_base != 0, "
                          f"host_stride {host_stride} must be a multiple of 16 and >= the record extent {extent}")
-    mapped = host_base != 0
-    host_stride = host_stride if mapped else 0  # one compiled variant for all unmapped calls
-    k, I, dev = topk_ids.shape[1], layout.inter, x.device
-    P = T * k
-    b = {**DECODE_BLOCKS, **(blocks or {})}
-    bk_gu, bk_d = _fit_block_k(b["BLOCK_K"], H), _fit_block_k(b["BLOCK_K"], I)
+    b = decode_blocks(blocks)
+    T, k = topk_ids.shape
     if T == 0 or k == 0:
-        return torch.zeros(T, H, dtype=torch.float32, device=dev)
+        return torch.zeros(T, H, dtype=torch.float32, device=x.device)
+    host = (host_base, host_stride if host_base else 0)  # one compiled variant for all unmapped calls
     xb = x.to(torch.bfloat16).contiguous()
-    ids = topk_ids.contiguous()
-    row = slot_row.contiguous()
-    wts = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    act = torch.empty(P, I, dtype=torch.bfloat16, device=dev)
-    interp = dev.type != "cuda"  # only the interpreter runs kernels on CPU tensors
-    nw = b["num_warps"]
-    _gate_up_pairs_kernel[(P, triton.cdiv(I, b["BLOCK_N_GU"]))](
-        pool, layout.stride, host_base, host_stride, xb, act, ids, row, k, H, I,
+    if xb.data_ptr() % 16:  # activations are read as u64 words
+        xb = xb.clone()
+    ids, row = topk_ids.contiguous(), slot_row.contiguous()
+    act = launch_gate_up(pool, layout, xb, ids, row, host, b)
+    out = launch_down(pool, layout, act, topk_weights.reshape(-1).contiguous(), ids, row, host, b, combine)
+    return out if combine == "tokens" else out.view(T, k, H).sum(1)
+
+
+def launch_gate_up(pool, layout: RecordLayout, xb: torch.Tensor, ids: torch.Tensor, row: torch.Tensor,
+                   host: tuple[int, int], b: dict[str, int], info: dict | None = None) -> torch.Tensor:
+    """The gate_up kernel alone (checked inputs: xb bf16 [T, H] 16-byte aligned, ids [T, k], host (base, stride),
+    b a full `decode_blocks` dict) -> act bf16 [T*k, I]. info: gets the compiled kernel under "gate_up"."""
+    (T, k), H, I = ids.shape, layout.hidden, layout.inter
+    act = torch.empty(T * k, I, dtype=torch.bfloat16, device=xb.device)
+    interp = xb.device.type != "cuda"  # only the interpreter runs kernels on CPU tensors
+    kernel = _gate_up_kernel[(T * k, triton.cdiv(I, b["BLOCK_N_GU"]))](
+        pool, layout.stride, host[0], host[1], xb, act, ids, row, k, H, I,
         layout.off_gate_up, layout.off_gate_up_scale, layout.off_gate_up_scale_2,
-        BLOCK_N=b["BLOCK_N_GU"], BLOCK_K=bk_gu, INTERP=interp, MAPPED=mapped, num_warps=nw,
+        KB=H // 16, BN=b["BLOCK_N_GU"], BKB=_words(b["BLOCK_K_GU"], H), INTERP=interp, MAPPED=host[0] != 0,
+        num_warps=b["WARPS_GU"],
     )
-    offs = (layout.off_down, layout.off_down_scale, layout.off_down_scale_2)
-    if combine == "tokens":
-        out = torch.empty(T, H, dtype=torch.float32, device=dev)
-        _down_tokens_kernel[(T, triton.cdiv(H, b["BLOCK_N_D"]))](
-            pool, layout.stride, host_base, host_stride, act, out, wts, ids, row, H, I, *offs,
-            TOPK=k, BLOCK_N=b["BLOCK_N_D"], BLOCK_K=bk_d, MAPPED=mapped, num_warps=nw,
-        )
-        return out
-    out = torch.empty(P, H, dtype=torch.float32, device=dev)
-    _down_pairs_kernel[(P, triton.cdiv(H, b["BLOCK_N_D"]))](
-        pool, layout.stride, host_base, host_stride, act, out, wts, ids, row, H, I, *offs,
-        BLOCK_N=b["BLOCK_N_D"], BLOCK_K=bk_d, MAPPED=mapped, num_warps=nw,
+    if info is not None:
+        info["gate_up"] = kernel
+    return act
+
+
+def launch_down(pool, layout: RecordLayout, act: torch.Tensor, wts: torch.Tensor, ids: torch.Tensor,
+                row: torch.Tensor, host: tuple[int, int], b: dict[str, int], combine: str,
+                info: dict | None = None) -> torch.Tensor:
+    """The down kernel alone (act bf16 [T*k, I] from `launch_gate_up`, wts float [T*k]) -> fp32 [T, H] for
+    combine "tokens", [T*k, H] (weighted, not summed over k) for "pairs". info: gets the kernel under "down"."""
+    (T, k), H, I = ids.shape, layout.hidden, layout.inter
+    groups, G = (T, k) if combine == "tokens" else (T * k, 1)
+    out = torch.empty(groups, H, dtype=torch.float32, device=act.device)
+    kernel = _down_kernel[(groups, triton.cdiv(H, b["BLOCK_N_D"]))](
+        pool, layout.stride, host[0], host[1], act, out, wts, ids, row, G, H, I,
+        layout.off_down, layout.off_down_scale, layout.off_down_scale_2,
+        KB=I // 16, GP=triton.next_power_of_2(G), BN=b["BLOCK_N_D"], BKB=_words(b["BLOCK_K_D"], I),
+        INTERP=act.device.type != "cuda", MAPPED=host[0] != 0, num_warps=b["WARPS_D"],
     )
-    return out.view(T, k, H).sum(1)
+    if info is not None:
+        info["down"] = kernel
+    return out
 
 
 def check_resident(topk_ids: torch.Tensor, slot_row: torch.Tensor) -> None:
