@@ -110,6 +110,7 @@ def main() -> None:
     ap.add_argument("--stages", default="tests,models,kernels")
     ap.add_argument("--deadline-s", type=float, default=560.0)
     ap.add_argument("--kernel-timeout-s", type=float, default=90.0)
+    ap.add_argument("--benches", default=",".join(KERNEL_BENCHES), help="kernel benchmarks of stage kernels")
     ap.add_argument("--tests", default="tests/runtime/gpu", help="comma-separated pytest paths of stage tests")
     ap.add_argument("--quick", action="store_true", help="kernel benchmarks without their config sweeps")
     args = ap.parse_args()
@@ -132,7 +133,7 @@ def main() -> None:
         left = args.deadline_s - (time.perf_counter() - T0)
         if stage == "kernels":
             res["kernels"] = {}
-            for name in KERNEL_BENCHES:
+            for name in args.benches.split(","):
                 left = args.deadline_s - (time.perf_counter() - T0)
                 if Path(f"tools/{name}.py").exists() and left > 30:
                     res["kernels"][name] = run_script(name, args.out, min(args.kernel_timeout_s, left - 20), args.quick)

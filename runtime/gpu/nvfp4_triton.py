@@ -22,8 +22,9 @@ Dequantization happens in registers, from bits, with no lookup table in memory:
   per-row fp32 `scale_2` (times 2^22 to undo both shifts) is applied once to the fp32 accumulator.
 So the kernel differs from the exact reference only by fp32 summation order. `_weight_tile` (also used by the decode
 kernels) gives a K tile as even / odd columns; the tile kernels use `_weight_tile_k`, the same values in natural K
-order: codes loaded as [BN, BK/16, 8] bytes, one e4m3 scale per 16 columns decoded once and broadcast, low / high
-nibbles joined back into [BN, BK]. So each K step is one dot over BK against a contiguous activation tile.
+order: codes loaded as [BN, BK/2] bytes viewed as [BN, BK/16, 8], one e4m3 scale per 16 columns decoded once and
+broadcast, low / high nibbles joined back into [BN, BK]. So each K step is one dot over BK against a contiguous
+activation tile.
 
 Tiles (`TILE_CONFIGS`, picked by rows per expert in `pick_blocks`): every M block of an expert dequantizes its
 weight tiles again (~8-13 SASS instructions per weight element on sm_90), which at BLOCK_M = 128 issues longer than
@@ -97,10 +98,13 @@ def _to_bf16(v, DOT_F32: tl.constexpr):
 def _weight_tile_k(rec, OFF_W: tl.constexpr, OFF_S: tl.constexpr, rows, row_mask, K: tl.constexpr, k0,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # rows [BN] output rows -> bf16 [BN, BK] = W[rows, k0:k0+BK] * 2^-22, natural K order (values as _weight_tile's)
+    # The codes are loaded as a 2-D [BN, BK/2] tile (contiguous along K, so lanes run along K) and only then split
+    # into scale groups. A 3-D load puts the lanes along rows, and Triton 3.6 then fails to build a wgmma B operand
+    # from the joined tile ("Illegal shared layout" in TritonGPUOptimizeDotOperands) or stores it with 2-byte writes.
     g = tl.arange(0, BLOCK_K // 16)  # scale groups of the tile: 8 code bytes each
-    b = tl.arange(0, 8)
-    cp = rec + OFF_W + rows[:, None, None] * (K // 2) + (k0 // 2 + g * 8)[None, :, None] + b[None, None, :]
-    c = tl.load(cp, mask=row_mask[:, None, None], other=0).to(tl.uint16)  # [BN, BK/16, 8]
+    j = tl.arange(0, BLOCK_K // 2)
+    c = tl.load(rec + OFF_W + rows[:, None] * (K // 2) + (k0 // 2 + j)[None, :], mask=row_mask[:, None], other=0)
+    c = tl.reshape(c.to(tl.uint16), (BLOCK_N, BLOCK_K // 16, 8))  # [BN, BK/16, 8]
     sc = tl.load(rec + OFF_S + rows[:, None] * (K // 16) + (k0 // 16 + g)[None, :], mask=row_mask[:, None], other=0)
     s = _e4m3_shifted(sc.to(tl.uint16))[:, :, None]  # [BN, BK/16, 1]
     lo = (_e2m1_shifted(c & 15) * s).to(tl.bfloat16)  # element 2j of byte j
@@ -168,6 +172,10 @@ def _gate_up_kernel(
         acc_g = _tile_dot(xt, wg, acc_g, SWAP, DOT_F32)
         wu = _weight_tile_k(rec, OFF_GU, OFF_GUS, I + n, n_mask, H, k0, BLOCK_N, BLOCK_K)
         acc_u = _tile_dot(xt, wu, acc_u, SWAP, DOT_F32)
+    # rows and columns again rather than kept live over the loop: fewer registers (no spill on Triton 3.6)
+    _, r, pairs, n = _block_rows(sorted_pairs, block_slot, tl.program_id(0), I, BLOCK_M, BLOCK_N)
+    m_mask = pairs < num_pairs
+    n_mask = n < I
     r_b, n_b = _outer(r, n, SWAP)
     mm_b, nm_b = _outer(m_mask, n_mask, SWAP)
     s2 = (rec + OFF_GUS2).to(tl.pointer_type(tl.float32))
@@ -202,6 +210,10 @@ def _down_kernel(
         at = tl.load(act + r[:, None] * I + k0 + kk[None, :], mask=m_mask[:, None], other=0.0)  # [BM, BK]
         wd = _weight_tile_k(rec, OFF_D, OFF_DS, n, n_mask, I, k0, BLOCK_N, BLOCK_K)  # [BN, BK]
         acc = _tile_dot(at, wd, acc, SWAP, DOT_F32)
+    _, r, pairs, n = _block_rows(sorted_pairs, block_slot, tl.program_id(0), H, BLOCK_M, BLOCK_N)  # as in gate_up
+    m_mask = pairs < num_pairs
+    p64 = pairs.to(tl.int64)
+    n_mask = n < H
     s2 = tl.load((rec + OFF_DS2).to(tl.pointer_type(tl.float32)) + n, mask=n_mask, other=0.0) * 4194304.0
     w_b, s2_b = _outer(tl.load(pair_weight + pairs, mask=m_mask, other=0.0), s2, SWAP)
     p_b, n_b = _outer(p64, n, SWAP)
