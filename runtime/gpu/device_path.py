@@ -112,8 +112,10 @@ def uses_device_kernel(ex, num_tokens: int) -> bool:
     return ex.device_plan and 0 < num_tokens * ex.k <= MAX_DEVICE_PAIRS
 
 
-def device_kernel(ex, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """fp32 [T, H] = sum over the routed pairs whose expert has a slot in the layer's row of the device slot table
+def device_kernel(ex, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
+                  exact: bool = False) -> torch.Tensor:
+    """[T, H] (x's dtype on CUDA, stored by the kernel without a cast launch; fp32 with `exact`, for callers that add
+    another partial sum, and on the CPU) = sum over the routed pairs whose expert has a slot in the layer's row of the device slot table
     (re-uploaded when the host table changed, e.g. by this call's admits); pairs without a slot (experts computed on
     the CPU) contribute 0. The kernel resident layers use, so an offloaded decode with no CPU share computes exactly
     what a resident one does, whatever slots the experts sit in."""
@@ -122,7 +124,9 @@ def device_kernel(ex, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_
         from .nvfp4_decode import moe_nvfp4_device
 
         if getattr(ex, "_device_plan_checked", False):
-            return moe_nvfp4_device(ex.pool, ex.layout, x, topk_ids, row, topk_weights)
+            # the interpreter's bf16 store truncates instead of rounding: fp32 off CUDA
+            out_dtype = x.dtype if ex.device.type == "cuda" and not exact else torch.float32
+            return moe_nvfp4_device(ex.pool, ex.layout, x, topk_ids, row, topk_weights, out_dtype=out_dtype)
         return _first_call(ex, x, topk_ids, row, topk_weights, moe_nvfp4_device)
     return moe_device_ref(ex.pool, ex.layout, x, topk_ids, row, topk_weights)
 

@@ -206,7 +206,7 @@ class GpuExperts:
         c["bytes_h2d"] += len(fetch) * self.layout.stride
         if slot_of and uses_device_kernel(self, T):  # hits + this call's fetches by the table row (CPU ones: no slot)
             self._wait(self.uploader.fence())
-            y = device_kernel(self, layer, x, topk_ids, topk_weights)
+            y = device_kernel(self, layer, x, topk_ids, topk_weights, exact=future is not None)
             self.uploader.after_compute(self._record_compute())
         else:
             y = self._gpu_moe(x, ids, slot_of, topk_weights)

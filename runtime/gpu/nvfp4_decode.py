@@ -49,9 +49,9 @@ from .record_layout import COMPONENTS, RecordLayout
 
 # Tiles: BLOCK_N_* weight rows per program (gate_up: BN gate + BN up rows), BLOCK_K_* K elements per unrolled chunk
 # (capped at K: whole-K tiles), WARPS_* warps. "BLOCK_K" / "num_warps" in a `blocks` dict set both kernels' values.
-# Picked from sm_90 builds at H 2048 / I 512 (no spills, ~6.2 SASS instructions per weight, <= 92 registers, 1024
-# gate_up and 512 down programs at T = 1, so every SM holds several); re-pick from `tools/bench_moe_decode.py`.
-DECODE_BLOCKS = {"BLOCK_N_GU": 4, "BLOCK_K_GU": 2048, "WARPS_GU": 2, "BLOCK_N_D": 4, "BLOCK_K_D": 256, "WARPS_D": 4}
+# The fastest at T = 1..8 of `tools/bench_moe_decode.py`'s sweep on an H200 at H 2048 / I 512 (Triton 3.6; the
+# numbers are in benchmarks/gpu_full.md).
+DECODE_BLOCKS = {"BLOCK_N_GU": 4, "BLOCK_K_GU": 512, "WARPS_GU": 4, "BLOCK_N_D": 8, "BLOCK_K_D": 256, "WARPS_D": 8}
 COMBINES = ("tokens", "pairs")
 
 
@@ -169,6 +169,7 @@ def moe_nvfp4_device(
     combine: str = "tokens",
     host_base: int = 0,
     host_stride: int = 0,
+    out_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """Expert mixture with device-side routing. Host work depends on shapes only (no sync).
 
@@ -177,7 +178,9 @@ def moe_nvfp4_device(
     host_base: 0, or the device address of this layer's bank (expert e's record at host_base + e * host_stride,
     16-byte aligned, page-locked and mapped on CUDA): then a pair without a slot reads its record from there.
     blocks: tile overrides (see `DECODE_BLOCKS`); combine: "tokens" (fused sum over k) or "pairs" (torch sum).
-    Returns fp32 [T, H] = sum over pairs with a slot (all pairs when host_base != 0) of weight * expert(x).
+    Returns [T, H] = sum over pairs with a slot (all pairs when host_base != 0) of weight * expert(x), summed in fp32
+    and stored as `out_dtype` (combine "tokens": the down kernel rounds its fp32 sum on the store, so a caller that
+    wants the compute dtype needs no cast launch; "pairs" always sums in fp32 first).
     """
     T, H = x.shape
     if H != layout.hidden or pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] != layout.stride:
@@ -202,15 +205,16 @@ def moe_nvfp4_device(
     b = decode_blocks(blocks)
     T, k = topk_ids.shape
     if T == 0 or k == 0:
-        return torch.zeros(T, H, dtype=torch.float32, device=x.device)
+        return torch.zeros(T, H, dtype=out_dtype, device=x.device)
     host = (host_base, host_stride if host_base else 0)  # one compiled variant for all unmapped calls
     xb = x.to(torch.bfloat16).contiguous()
     if xb.data_ptr() % 16:  # activations are read as u64 words
         xb = xb.clone()
     ids, row = topk_ids.contiguous(), slot_row.contiguous()
     act = launch_gate_up(pool, layout, xb, ids, row, host, b)
-    out = launch_down(pool, layout, act, topk_weights.reshape(-1).contiguous(), ids, row, host, b, combine)
-    return out if combine == "tokens" else out.view(T, k, H).sum(1)
+    out = launch_down(pool, layout, act, topk_weights.reshape(-1).contiguous(), ids, row, host, b, combine,
+                      out_dtype=out_dtype if combine == "tokens" else torch.float32)
+    return out if combine == "tokens" else out.view(T, k, H).sum(1).to(out_dtype)
 
 
 def launch_gate_up(pool, layout: RecordLayout, xb: torch.Tensor, ids: torch.Tensor, row: torch.Tensor,
@@ -233,12 +237,12 @@ def launch_gate_up(pool, layout: RecordLayout, xb: torch.Tensor, ids: torch.Tens
 
 def launch_down(pool, layout: RecordLayout, act: torch.Tensor, wts: torch.Tensor, ids: torch.Tensor,
                 row: torch.Tensor, host: tuple[int, int], b: dict[str, int], combine: str,
-                info: dict | None = None) -> torch.Tensor:
+                info: dict | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The down kernel alone (act bf16 [T*k, I] from `launch_gate_up`, wts float [T*k]) -> fp32 [T, H] for
     combine "tokens", [T*k, H] (weighted, not summed over k) for "pairs". info: gets the kernel under "down"."""
     (T, k), H, I = ids.shape, layout.hidden, layout.inter
     groups, G = (T, k) if combine == "tokens" else (T * k, 1)
-    out = torch.empty(groups, H, dtype=torch.float32, device=act.device)
+    out = torch.empty(groups, H, dtype=out_dtype, device=act.device)  # the store rounds the fp32 sum
     kernel = _down_kernel[(groups, triton.cdiv(H, b["BLOCK_N_D"]))](
         pool, layout.stride, host[0], host[1], act, out, wts, ids, row, G, H, I,
         layout.off_down, layout.off_down_scale, layout.off_down_scale_2,

@@ -176,3 +176,13 @@ def test_kernels_build_for_sm90_without_a_gpu():
     rows = [line for line in res.stdout.splitlines() if line.startswith("kernel=")]
     assert len(rows) == 2 and all("stack=0" in line for line in rows), res.stdout
     assert all(int(line.split("sts=")[1].split()[0]) <= 16 for line in rows), res.stdout
+
+
+@pytest.mark.skipif(not CUDA, reason="the interpreter's bf16 store truncates; on CUDA it rounds to nearest even")
+@pytest.mark.parametrize("combine", ["tokens", "pairs"])
+def test_cuda_compute_dtype_output_is_the_rounded_fp32_sum(combine):
+    layout, recs, x, ids, table, w = _case(64, 32, 4, 8, seed=5)
+    args = (recs.to(DEV), layout, x.to(DEV), ids.to(DEV), table.to(DEV), w.to(DEV))
+    want = moe_nvfp4_device(*args, combine=combine)
+    got = moe_nvfp4_device(*args, combine=combine, out_dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16))
