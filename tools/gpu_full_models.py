@@ -72,6 +72,23 @@ def prefill(model, tokens: int, repeat: int = 2) -> dict:
     return {"tokens": tokens, "chunk": CHUNK, "seconds": best, "tok_s": tokens / best}
 
 
+def replay_ms(model, size: int, reps: int = 20) -> float | None:
+    """GPU time of one replay of the batch-`size` decode graph (CUDA events; its rows all padding, so the host's
+    share of a step -- embedding, tables, sampling, the read-back -- is what a decode step adds to this)."""
+    g = model.graphs._graphs.get(size) if model.graphs is not None else None
+    if g is None or g.graph is None:
+        return None
+    g.load(g.h[:0], [])  # every row on the scratch state: never the buffers of a freed sequence
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    g.graph.replay()
+    start.record()
+    for _ in range(reps):
+        g.graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
 def step_bytes(model, ex, batch: int, context: int) -> dict:
     cfg = model.config
     dense = [0]
@@ -203,6 +220,8 @@ def bench_model(ftw, preset: str, *, hbm_gbs: float, log, llama: dict | None, de
             + (f", {r['vs_llama_cpp']:.2f}x llama.cpp" if "vs_llama_cpp" in r else "") + ")")
     res["decode"] = rows
     res["graphs_after_decode"] = dict(model.graphs.counters)
+    res["graph_replay_ms"] = {size: replay_ms(model, size) for size in (1, 4, 8)}
+    log(f"{preset}: graph replay alone (GPU time), ms: {res['graph_replay_ms']}")
     pre = []
     for tokens in (512, 4096, 16384):
         if time.perf_counter() > deadline - 40:

@@ -93,6 +93,10 @@ _BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBack
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:
     """q [T, nq, hd]; k, v [past + T, nkv, hd] -> [T, nq, hd]; query i attends keys 0..past+i."""
     if q.is_cuda:
+        if past > 0 and q.shape[0] > 1:
+            o = _chunked_flash(q, k, v, past)
+            if o is not None:
+                return o
         with sdpa_kernel(_BACKENDS):
             return _sdpa(q, k, v, past)
     return _sdpa(q, k, v, past)
@@ -111,3 +115,65 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch
         mask = torch.arange(s, device=q.device)[None, :] <= (past + torch.arange(t, device=q.device))[:, None]
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
     return o[0].transpose(0, 1)
+
+
+def merge_attention(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
+    """Combine attention over two disjoint key sets: o [..., hd] with its log-sum-exp lse [...] (natural log of
+    sum(exp(scale·q·k)) over that part's keys) -> attention over the union, in fp32, cast to o1's dtype.
+
+    o = (o1·e^(lse1-m) + o2·e^(lse2-m)) / (e^(lse1-m) + e^(lse2-m)), m = max(lse1, lse2); the weights are written
+    as sigmoid(±(lse1 - lse2)), the same quantity, stable for any gap. Each part must have at least one key per row
+    (finite lse)."""
+    d = (lse1.float() - lse2.float()).unsqueeze(-1)
+    return (o1.float() * torch.sigmoid(d) + o2.float() * torch.sigmoid(-d)).to(o1.dtype)
+
+
+# (device index, dtype, head_dim) -> False once flash attention refused it; then the masked SDPA path is used.
+_FLASH_OK: dict[tuple, bool] = {}
+
+
+def _chunked_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor | None:
+    """Chunked-prefill attention (past > 0, T > 1) on CUDA as two flash-attention calls merged by their LSE: the
+    T queries against the past keys [0, past) with no mask, and against their own keys [past, past + T) with a
+    (square) causal mask. None when flash attention does not take these inputs (dtype, head_dim, GPU)."""
+    key = (q.device.index, q.dtype, q.shape[-1])
+    if not _FLASH_OK.get(key, True):
+        return None
+    try:
+        o = _flash_split(q, k, v, past)
+    except torch.OutOfMemoryError:
+        raise
+    except RuntimeError:                                    # flash attention's own checks (dtype, head_dim, arch)
+        _FLASH_OK[key] = False
+        return None
+    _FLASH_OK[key] = True
+    return o
+
+
+def _cuda_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, H, Lq, hd], k, v [B, H, Lk, hd] (same H) -> output [B, H, Lq, hd], fp32 LSE [B, H, Lq] (natural log of
+    sum over keys of exp(scale·q·k)). Causal is top-left aligned. Raises RuntimeError where flash can't run."""
+    out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    return out[0], out[1]
+
+
+def _flash_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, flash=_cuda_flash) -> torch.Tensor:
+    """The two-part computation of `_chunked_flash`; `flash` is `_cuda_flash` or (tests) a stand-in with its
+    contract."""
+    t, nq, hd = q.shape
+    nkv = k.shape[1]
+    r = nq // nkv
+    scale = hd ** -0.5
+    # Past part, no mask: fold the r query heads of each kv head into the query length, [1, nkv, r·T, hd] (row
+    # j·T + i is head g·r + j, token i), against [1, nkv, past, hd] cache views (no kv copy).
+    qp = q.reshape(t, nkv, r, hd).permute(1, 2, 0, 3).reshape(1, nkv, r * t, hd)
+    kp, vp = (a[:past].transpose(0, 1).unsqueeze(0) for a in (k, v))
+    o1, lse1 = flash(qp, kp, vp, False, scale)                           # [1, nkv, r·T, hd], [1, nkv, r·T]
+    o1 = o1[0].reshape(nkv, r, t, hd).permute(2, 0, 1, 3).reshape(t, nq, hd)
+    lse1 = lse1[0, :, :r * t].reshape(nkv, r, t).permute(2, 0, 1).reshape(t, nq)
+    # Own part, causal (T x T, so top-left = bottom-right alignment): kv heads expanded to nq (T rows only).
+    qc = q.transpose(0, 1).unsqueeze(0)                                   # [1, nq, T, hd]
+    kc, vc = (a[past:past + t].repeat_interleave(r, dim=1).transpose(0, 1).unsqueeze(0) for a in (k, v))
+    o2, lse2 = flash(qc, kc, vc, True, scale)                            # [1, nq, T, hd], [1, nq, T]
+    return merge_attention(o1, lse1, o2[0].transpose(0, 1), lse2[0, :, :t].transpose(0, 1))
