@@ -9,9 +9,10 @@ Geometries (bf16): qwen3moe-35b-geom (32 q / 4 kv heads x 128, q/k norm, full ro
 Rows (`kind`):
   check      the kernels against the torch references at mixed lengths (max abs diff; bf16 rounding only);
   prep       `prep_decode` alone (q/k norm + RoPE + KV write);
-  attention  `decode_attention` (split + combine) for one config: the default `CONFIG` (`config: "default"`) and,
-             unless --quick, a sweep of tiles (BLOCK_N, num_warps, num_stages) x splits (S/2, S, 2S around the
-             default S); `best` marks the fastest per shape;
+  attention  `decode_attention` (one launch: splits + last-block merge) for one config: the default `CONFIG`
+             (`config: "default"`) and, unless --quick, a sweep of tiles (BLOCK_N, num_warps, num_stages) x splits
+             (S/2, S, 2S around the default S), then of min_chunk (MIN_CHUNKS keys, default tile and S;
+             `config: "min_chunk"`); `best` marks the fastest per shape;
   layer      prep + attention with the default config, i.e. what one attention layer adds to a decode step besides
              its projections.
 Each call is timed as decode runs it: REPS calls captured in one CUDA graph, replayed; us = median replay / REPS
@@ -41,6 +42,7 @@ BATCHES = (1, 4, 8)
 CONTEXTS = (512, 8192, 32768)
 BLOCK_N = {128: (32, 64, 128), 256: (16, 32, 64)}
 WARPS, STAGES = (4, 8), (2, 3)
+MIN_CHUNKS = (128, 256, 512, 1024)
 L2_BYTES = 50 << 20
 
 
@@ -169,6 +171,10 @@ def bench_shape(name: str, geom: dict, B: int, ctx: int, hbm: float, quick: bool
             print(f"skip {t} S={s}: {type(e).__name__}: {str(e)[:120]}", flush=True)
             continue
         sweep.append(row("attention", us, splits=s, config="sweep", **t))
+    for mc in MIN_CHUNKS:   # fewer live splits (fewer partials to merge) at the same grid
+        t = {**tile, "min_chunk": mc}
+        us = graph_us([lambda c=c: c.attention(splits=S, tile=t) for c in cases])
+        sweep.append(row("attention", us, splits=S, config="min_chunk", **t))
     if sweep:
         min(sweep, key=lambda r: r["us"])["best"] = True
     return rows + sweep
@@ -199,7 +205,8 @@ def main() -> int:
         tag = "best " if r.get("best") else r["kind"][:5] + " "
         print(f"  {r['geometry']:18s} B={r['B']} ctx={r['ctx']:6d} {tag} {r['us']:8.2f} us  {r.get('kv_gbs', 0):7.0f}"
               f" GB/s  {r.get('hbm_frac', 0):.2f}  S={r.get('splits')} {r.get('BLOCK_N', '')}/"
-              f"{r.get('num_warps', '')}/{r.get('num_stages', '')}")
+              f"{r.get('num_warps', '')}/{r.get('num_stages', '')}"
+              + (f" min_chunk={r['min_chunk']}" if r.get("min_chunk") else ""))
     path = args.out / "bench_attention.json"
     path.write_text(json.dumps(rows, indent=1))
     print(f"wrote {path}")

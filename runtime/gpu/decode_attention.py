@@ -1,4 +1,5 @@
-"""Full-attention decode: two fused Triton kernels per layer that read only each sequence's live KV rows.
+"""Full-attention decode: two fused Triton kernels per layer (prep, then one attention launch) that read only each
+sequence's live KV rows.
 
 A decode batch (runtime/layers/batch.py) holds B sequences with one token each. This layer's `tables` [2, B] int64
 gives sequence b's k / v buffer addresses (each [capacity, nkv, hd] contiguous, compute dtype; row p at
@@ -11,15 +12,20 @@ every address and length is read on the device, so a captured CUDA graph replays
    rope(x)_i = x_i cos_i + rot(x)_i sin_i for i < rd = cos.shape[1], rot = rotate_half (-x_{i+rd/2} for i < rd/2,
    x_{i-rd/2} after); dims >= rd pass through. Each product and the sum are rounded to the compute dtype, as
    layers/rope.py `apply_rotary` does in torch. The gate rows stay in qkv.
-2. `decode_attention`: split-K flash decoding over keys 0..p_b (GQA: q head h reads kv head h // r, r = nq / nkv).
-   Split kernel, grid (S, B * nkv): program (s, b, g) covers keys [s c, min((s + 1) c, p_b + 1)) with
-   c = cdiv(cdiv(p_b + 1, S), BLOCK_N) * BLOCK_N, for the r query heads of kv head g at once (one
-   [R, hd] x [hd, BLOCK_N] tl.dot, R = r padded to >= 16 rows), so each key block is read once per kv head.
-   Online softmax in fp32 in base 2 (scores times scale * log2 e); it writes o_s = sum_j 2^(x_j - m) v_j / l
-   (fp32 [hd]) and lse_s = m + log2 l (-inf for an empty split, whose o_s is never written nor read).
-   Combine kernel, grid (B, nq): out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M), M = max_s lse_s (split 0 always
-   holds key 0, so M is finite), cast to the compute dtype; with a gate, times sigmoid(gate) rounded to the compute
-   dtype and the product rounded again (the torch path's `out * torch.sigmoid(gate)`).
+2. `decode_attention`: split-K flash decoding over keys 0..p_b (GQA: q head h reads kv head h // r, r = nq / nkv),
+   one kernel, grid (S, B * nkv). Program (s, b, g) covers keys [s c, min((s + 1) c, p_b + 1)) with
+   c = max(cdiv(cdiv(p_b + 1, S), BLOCK_N) * BLOCK_N, min_chunk), for the r query heads of kv head g at once (one
+   [R, hd] x [hd, BLOCK_N] tl.dot, R = r padded to >= 16 rows), so each key block is read once per kv head. Splits
+   s >= cdiv(p_b + 1, c) are empty and do nothing but count themselves in (below): short contexts cost little.
+   Online softmax in fp32 in base 2 (scores times scale * log2 e); a non-empty split writes the partial
+   o_s = sum_j 2^(x_j - m) v_j / l (fp32 [r, hd]) and lse_s = m + log2 l to scratch.
+   Last block reduces: after its stores (a CTA barrier, then thread 0's acq_rel gpu-scope atomic) each program
+   increments counter[b, g]; the one that reads S - 1 is the last, its acquire makes every partial visible, and it
+   merges them: out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M), M = max_s lse_s over the live splits (split 0
+   always holds key 0, so M is finite), loading [CB, r, hd] partials per step; cast to the compute dtype; with a
+   gate, times sigmoid(gate) rounded to the compute dtype and the product rounded again (the torch path's
+   `out * torch.sigmoid(gate)`). It then sets counter[b, g] back to 0, so the module-level zeroed counter buffer
+   (`_counters`) is ready for the next call, graph replays included.
    Work per step: O(p_b) KV rows per sequence, plus O(B nq S hd) fp32 partials; never O(capacity).
 S (splits) comes from the SM count so that B * nkv * S programs fill the GPU (`CONFIG`), a function of shapes only.
 
@@ -46,9 +52,13 @@ CONFIG = {
               256: {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
               "default": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}},
     "programs_per_sm": 1, "min_splits": 1, "max_splits": 64,
-    "prep_warps": 1, "combine_warps": 4,
+    "prep_warps": 1,
+    # keys per split at least this (rounded up to BLOCK_N; 0 = just cdiv(length, S)): fewer live splits, fewer
+    # partials to merge; fp32 elements the merging program loads per step ([CB, r, hd]); smallest counter buffer
+    "min_chunk": 0, "combine_elems": 8192, "min_counters": 1024,
 }
 _SMS: dict[int, int] = {}
+_COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
 
 
 @triton.jit
@@ -105,85 +115,95 @@ def _prep_kernel(qkv, row_stride, q_out, qw, kw, eps, cos, sin, cs_stride, table
 
 
 @triton.jit
-def _split_kernel(q, tables, tab_s0, tab_s1, positions, o_part, lse_part, qk_scale,
-                  NQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr,
-                  S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_F32: tl.constexpr):
+def _decode_kernel(q, tables, tab_s0, tab_s1, positions, o_part, lse_part, counters, out, gate, gate_stride,
+                   qk_scale,
+                   NQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr,
+                   R2: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                   MIN_CHUNK: tl.constexpr, CB: tl.constexpr, GATE: tl.constexpr, DOT_F32: tl.constexpr):
     s = tl.program_id(0)
     bg = tl.program_id(1)
     b = bg // NKV
     g = bg % NKV
     dt = q.dtype.element_ty
     length = (tl.load(positions + b) + 1).to(tl.int32)
-    chunk = tl.cdiv(tl.cdiv(length, S), BLOCK_N) * BLOCK_N
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(length, S), BLOCK_N) * BLOCK_N, MIN_CHUNK)
     start = s * chunk
-    end = tl.minimum(start + chunk, length)
-    rows = tl.arange(0, R_PAD)                                  # query heads g*R + rows, rows >= R are padding
     d = tl.arange(0, BLOCK_D)
     dm = d < HD
-    heads = (b * NQ + g * R + rows).to(tl.int64)
-    rm = rows < R
-    qt = tl.load(q + heads[:, None] * HD + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0)   # [R_PAD, BD]
-    kbuf = tl.load(tables + b * tab_s1).to(tl.int64).to(tl.pointer_type(dt))
-    vbuf = tl.load(tables + tab_s0 + b * tab_s1).to(tl.int64).to(tl.pointer_type(dt))
-    m = tl.full((R_PAD,), float("-inf"), tl.float32)
-    l = tl.zeros((R_PAD,), tl.float32)
-    acc = tl.zeros((R_PAD, BLOCK_D), tl.float32)
-    n = tl.arange(0, BLOCK_N)
-    for n0 in range(start, end, BLOCK_N):
-        keys = n0 + n
-        km = keys < end
-        off = (keys.to(tl.int64) * NKV + g)[:, None] * HD + d[None, :]                        # [BN, BD]
-        kt = tl.load(kbuf + off, mask=km[:, None] & dm[None, :], other=0.0)
-        vt = tl.load(vbuf + off, mask=km[:, None] & dm[None, :], other=0.0)
-        if DOT_F32:
-            x = tl.dot(qt.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
-        else:
-            x = tl.dot(qt, tl.trans(kt))
-        x = tl.where(km[None, :], x * qk_scale, float("-inf"))                                # [R_PAD, BN]
-        m_new = tl.maximum(m, tl.max(x, axis=1))                # finite: every block holds a live key
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(x - m_new[:, None])
-        l = l * alpha + tl.sum(p, axis=1)
-        if DOT_F32:
-            pv = tl.dot(p, vt.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(dt), vt)
-        acc = acc * alpha[:, None] + pv
-        m = m_new
-    live = l > 0.0
-    part = heads * S + s                                        # row of [B * NQ * S]
-    tl.store(o_part + part[:, None] * HD + d[None, :], acc / tl.where(live, l, 1.0)[:, None],
-             mask=(rm & live)[:, None] & dm[None, :])
-    tl.store(lse_part + part, tl.where(live, m + tl.log2(tl.where(live, l, 1.0)), float("-inf")), mask=rm)
-
-
-@triton.jit
-def _combine_kernel(o_part, lse_part, out, gate, gate_stride,
-                    NQ: tl.constexpr, HD: tl.constexpr, S: tl.constexpr, SB: tl.constexpr, BLOCK_D: tl.constexpr,
-                    GATE: tl.constexpr):
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    dt = out.dtype.element_ty
-    d = tl.arange(0, BLOCK_D)
-    dm = d < HD
-    base = (b.to(tl.int64) * NQ + h) * S
-    big_m = tl.max(tl.load(lse_part + base + tl.arange(0, S)), axis=0)
-    acc = tl.zeros((BLOCK_D,), tl.float32)
-    den = tl.zeros((SB,), tl.float32)
-    for s0 in range(0, S, SB):                                  # SB splits at a time: [SB, BD] stays in registers
-        sp = s0 + tl.arange(0, SB)
-        lse = tl.load(lse_part + base + sp)
-        w = tl.exp2(lse - big_m)                                # 0 for an empty split
-        o = tl.load(o_part + (base + sp)[:, None] * HD + d[None, :], mask=(lse > float("-inf"))[:, None] & dm[None, :],
-                    other=0.0)
-        acc += tl.sum(w[:, None] * o, axis=0)
-        den += w
-    y = (acc / tl.sum(den, axis=0)).to(dt)
-    if GATE:
-        gt = tl.load(gate + b.to(tl.int64) * gate_stride + h * HD + d, mask=dm, other=0.0).to(tl.float32)
-        sg = (1.0 / (1.0 + tl.exp(-gt))).to(dt).to(tl.float32)
-        y = (y.to(tl.float32) * sg).to(dt)
-    tl.store(out + (b.to(tl.int64) * NQ + h) * HD + d, y, mask=dm)
+    base = bg.to(tl.int64) * S                                  # partial row (bg * S + s) * R + head-in-group
+    # The buffer addresses don't depend on the position: load them alongside it (one round trip, not two).
+    kaddr = tl.load(tables + b * tab_s1)
+    vaddr = tl.load(tables + tab_s0 + b * tab_s1)
+    if start < length:                                          # an empty split only counts itself in (below)
+        end = tl.minimum(start + chunk, length)
+        rows = tl.arange(0, R_PAD)                              # query heads g*R + rows, rows >= R are padding
+        rm = rows < R
+        heads = (b * NQ + g * R + rows).to(tl.int64)
+        qt = tl.load(q + heads[:, None] * HD + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0)  # [R_PAD, BD]
+        kbuf = kaddr.to(tl.int64).to(tl.pointer_type(dt))
+        vbuf = vaddr.to(tl.int64).to(tl.pointer_type(dt))
+        m = tl.full((R_PAD,), float("-inf"), tl.float32)
+        l = tl.zeros((R_PAD,), tl.float32)
+        acc = tl.zeros((R_PAD, BLOCK_D), tl.float32)
+        n = tl.arange(0, BLOCK_N)
+        for n0 in range(start, end, BLOCK_N):
+            keys = n0 + n
+            km = keys < end
+            off = (keys.to(tl.int64) * NKV + g)[:, None] * HD + d[None, :]                    # [BN, BD]
+            kt = tl.load(kbuf + off, mask=km[:, None] & dm[None, :], other=0.0)
+            vt = tl.load(vbuf + off, mask=km[:, None] & dm[None, :], other=0.0)
+            if DOT_F32:
+                x = tl.dot(qt.to(tl.float32), tl.trans(kt.to(tl.float32)), input_precision="ieee")
+            else:
+                x = tl.dot(qt, tl.trans(kt))
+            x = tl.where(km[None, :], x * qk_scale, float("-inf"))                            # [R_PAD, BN]
+            m_new = tl.maximum(m, tl.max(x, axis=1))            # finite: every block holds a live key
+            alpha = tl.exp2(m - m_new)
+            p = tl.exp2(x - m_new[:, None])
+            l = l * alpha + tl.sum(p, axis=1)
+            if DOT_F32:
+                pv = tl.dot(p, vt.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(dt), vt)
+            acc = acc * alpha[:, None] + pv
+            m = m_new
+        part = (base + s) * R + rows                            # l > 0 on every row: the split holds a live key
+        tl.store(o_part + part[:, None] * HD + d[None, :], acc / l[:, None], mask=rm[:, None] & dm[None, :])
+        tl.store(lse_part + part, m + tl.log2(l), mask=rm)
+    # Last block reduces: every program of (b, g) counts itself in; the barrier orders all of this CTA's partial
+    # stores before the (thread-0) release of the atomic, and the one that sees S - 1 acquires them all.
+    tl.debug_barrier()
+    count = tl.atomic_add(counters + bg, 1, sem="acq_rel", scope="gpu")
+    if count == S - 1:
+        n_live = tl.cdiv(length, chunk)                         # splits 0 .. n_live - 1 wrote partials
+        r2 = tl.arange(0, R2)
+        r2m = r2 < R
+        sp = tl.arange(0, S)
+        lse = tl.load(lse_part + (base + sp)[:, None] * R + r2[None, :], mask=(sp < n_live)[:, None] & r2m[None, :],
+                      other=float("-inf"), cache_modifier=".cg")                               # [S, R2]
+        big_m = tl.where(r2m, tl.max(lse, axis=0), 0.0)         # split 0 holds key 0: finite on real rows
+        den = tl.where(r2m, tl.sum(tl.exp2(lse - big_m[None, :]), axis=0), 1.0)
+        om = r2m[:, None] & dm[None, :]
+        if GATE:                                                # loaded before the partials' loop, not after
+            gt = tl.load(gate + b.to(tl.int64) * gate_stride + (g * R + r2)[:, None] * HD + d[None, :], mask=om,
+                         other=0.0).to(tl.float32)
+        acc = tl.zeros((CB, R2, BLOCK_D), tl.float32)          # summed over its CB axis once, after the loop
+        for s0 in range(0, n_live, CB):                         # CB splits x R heads x hd per load
+            sc = s0 + tl.arange(0, CB)
+            pm = (sc < n_live)[:, None] & r2m[None, :]
+            idx = (base + sc)[:, None] * R + r2[None, :]                                       # [CB, R2]
+            w = tl.exp2(tl.load(lse_part + idx, mask=pm, other=float("-inf"), cache_modifier=".cg")
+                        - big_m[None, :])
+            o = tl.load(o_part + idx[:, :, None] * HD + d[None, None, :], mask=pm[:, :, None] & dm[None, None, :],
+                        other=0.0, cache_modifier=".cg")                                        # [CB, R2, BD]
+            acc += w[:, :, None] * o
+        y = (tl.sum(acc, axis=0) / den[:, None]).to(dt)
+        heads2 = (b * NQ + g * R + r2).to(tl.int64)
+        if GATE:
+            sg = (1.0 / (1.0 + tl.exp(-gt))).to(dt).to(tl.float32)
+            y = (y.to(tl.float32) * sg).to(dt)
+        tl.store(out + heads2[:, None] * HD + d[None, :], y, mask=om)
+        tl.store(counters + bg, 0)                              # ready for the next call (next kernel on the stream)
 
 
 def prep_decode(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
@@ -222,32 +242,49 @@ def num_splits(batch: int, nkv: int, device: torch.device) -> int:
     return max(CONFIG["min_splits"], min(CONFIG["max_splits"], triton.next_power_of_2(want)))
 
 
+def _counters(n: int, device: torch.device) -> torch.Tensor:
+    """A zeroed int32 [>= n] counter buffer for `device`, one per (device, size), kept for the process lifetime: every
+    call leaves it zeroed again, so CUDA graphs that captured it replay with no reset of their own. Sized to a power
+    of two >= CONFIG["min_counters"], so growing the batch rarely allocates a new one (that happens at capture)."""
+    size = max(CONFIG["min_counters"], triton.next_power_of_2(n))
+    key = (str(device), size)
+    buf = _COUNTERS.get(key)
+    if buf is None:
+        buf = _COUNTERS[key] = torch.zeros(size, dtype=torch.int32, device=device)
+    return buf
+
+
 def decode_attention(q: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor, *, nkv: int, scale: float,
                      gate: torch.Tensor | None = None, splits: int | None = None,
                      tile: dict | None = None) -> torch.Tensor:
     """q [B, nq, hd] (contiguous); tables int64 [2, B]; positions int64 [B]; gate [B, nq * hd] (unit column stride)
     or None -> out [B, nq * hd] in q's dtype (module docstring, kernel 2). `splits` (a power of two) and `tile`
-    ({BLOCK_N, num_warps, num_stages}) override `num_splits` and CONFIG (tests, benchmark sweeps)."""
+    ({BLOCK_N, num_warps, num_stages[, min_chunk]}) override `num_splits` and CONFIG (tests, benchmark sweeps).
+    One launch; it uses a module-level counter buffer (`_counters`), so calls on one device must not run
+    concurrently on different streams."""
     B, nq, hd = q.shape
     assert q.is_contiguous() and nq % nkv == 0, (q.shape, nkv)
     r = nq // nkv
     S = splits or num_splits(B, nkv, q.device)
     assert S & (S - 1) == 0, S
     t = tile or CONFIG["tiles"].get(hd, CONFIG["tiles"]["default"])
+    bn = t["BLOCK_N"]
+    min_chunk = t.get("min_chunk", CONFIG["min_chunk"])
+    min_chunk = triton.cdiv(min_chunk, bn) * bn                 # a multiple of BLOCK_N (0: cdiv(length, S) rounded)
     bd = triton.next_power_of_2(hd)
-    o_part = torch.empty(B * nq * S, hd, dtype=torch.float32, device=q.device)
-    lse = torch.empty(B * nq * S, dtype=torch.float32, device=q.device)
-    _split_kernel[(S, B * nkv)](
-        q, tables, tables.stride(0), tables.stride(1), positions, o_part, lse, float(scale) * math.log2(math.e),
-        NQ=nq, NKV=nkv, HD=hd, R=r, R_PAD=max(16, triton.next_power_of_2(r)), S=S, BLOCK_N=t["BLOCK_N"],
-        BLOCK_D=bd, DOT_F32=q.dtype == torch.float32 or not q.is_cuda,
-        num_warps=t["num_warps"], num_stages=t["num_stages"])
+    r2 = triton.next_power_of_2(r)
+    cb = max(1, min(S, CONFIG["combine_elems"] // (r2 * bd)))
+    o_part = torch.empty(B * nkv * S * r, hd, dtype=torch.float32, device=q.device)
+    lse = torch.empty(B * nkv * S * r, dtype=torch.float32, device=q.device)
     out = torch.empty(B, nq * hd, dtype=q.dtype, device=q.device)
     if gate is not None:
         assert gate.shape == (B, nq * hd) and gate.stride(1) == 1, gate.shape
-    _combine_kernel[(B, nq)](
-        o_part, lse, out, out if gate is None else gate, 0 if gate is None else gate.stride(0),
-        NQ=nq, HD=hd, S=S, SB=min(S, 8), BLOCK_D=bd, GATE=gate is not None, num_warps=CONFIG["combine_warps"])
+    _decode_kernel[(S, B * nkv)](
+        q, tables, tables.stride(0), tables.stride(1), positions, o_part, lse, _counters(B * nkv, q.device), out,
+        out if gate is None else gate, 0 if gate is None else gate.stride(0), float(scale) * math.log2(math.e),
+        NQ=nq, NKV=nkv, HD=hd, R=r, R_PAD=max(16, r2), R2=r2, S=S, BLOCK_N=bn, BLOCK_D=bd, MIN_CHUNK=min_chunk,
+        CB=cb, GATE=gate is not None, DOT_F32=q.dtype == torch.float32 or not q.is_cuda,
+        num_warps=t["num_warps"], num_stages=t["num_stages"])
     return out
 
 

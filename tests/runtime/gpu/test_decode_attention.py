@@ -10,6 +10,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from ft.formats import ModelConfig  # noqa: E402
+from ft.runtime.gpu import decode_attention as da  # noqa: E402
 from ft.runtime.gpu.decode_attention import (  # noqa: E402
     decode_attention, decode_attention_ref, num_splits, prep_decode, prep_decode_ref)
 from ft.runtime.layers.attention import Attention  # noqa: E402
@@ -114,6 +115,51 @@ def test_decode_attention_matches_reference(nq, nkv, hd, lengths, splits, block_
     got = decode_attention(q, _tables(kv), pos, nkv=nkv, scale=scale, gate=gate, splits=splits, tile=tile)
     want = decode_attention_ref(q, kv, pos, nkv=nkv, scale=scale, gate=gate)
     _close(got, want)
+
+
+def _attn_case(g, lengths, nq, nkv, hd, gated):
+    B, cap = len(lengths), max(lengths) + 8
+    kv = _buffers(lengths, cap, nkv, hd, g)
+    q = torch.randn(B, nq, hd, generator=g).to(DEV, DT)
+    pos = torch.tensor(lengths, dtype=torch.int64, device=DEV) - 1
+    gate = (torch.randn(B, nq * hd, generator=g) * 2).to(DEV, DT) if gated else None
+    return kv, q, pos, gate
+
+
+def _counters_zero():
+    for buf in da._COUNTERS.values():
+        assert not buf.any()  # the last program of each (b, g) reset its counter
+
+
+def test_decode_attention_repeated_calls_reset_the_counters():
+    """Back-to-back calls share the module's counter buffer: each must leave it zeroed for the next, across length
+    changes (splits live in one call, empty in the next) and batch changes (B * nkv programs per split)."""
+    g = torch.Generator().manual_seed(11)
+    nq, nkv, hd, S = 4, 2, 32, 8
+    tile = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
+    for lengths, gated in [([100, 3], True), ([5, 200], False), ([1], True), ([64, 17, 129, 2], False),
+                           ([300, 1, 40], True), ([7], False)]:
+        kv, q, pos, gate = _attn_case(g, lengths, nq, nkv, hd, gated)
+        got = decode_attention(q, _tables(kv), pos, nkv=nkv, scale=hd ** -0.5, gate=gate, splits=S, tile=tile)
+        _close(got, decode_attention_ref(q, kv, pos, nkv=nkv, scale=hd ** -0.5, gate=gate))
+        _counters_zero()
+    # the same inputs twice give the same output bit for bit
+    again = decode_attention(q, _tables(kv), pos, nkv=nkv, scale=hd ** -0.5, gate=gate, splits=S, tile=tile)
+    assert torch.equal(again, got)
+
+
+@pytest.mark.parametrize("min_chunk,combine_elems", [(0, 64), (48, 0), (64, 128)])
+def test_decode_attention_min_chunk_and_chunked_merge(monkeypatch, min_chunk, combine_elems):
+    """min_chunk (rounded up to BLOCK_N) leaves more splits empty; a small combine_elems makes the last program
+    merge the partials over several [CB, r, hd] steps, with a partial last step."""
+    monkeypatch.setitem(da.CONFIG, "combine_elems", combine_elems)
+    g = torch.Generator().manual_seed(min_chunk + combine_elems)
+    nq, nkv, hd = 4, 2, 32
+    kv, q, pos, gate = _attn_case(g, [1, 50, 333, 1000], nq, nkv, hd, True)
+    tile = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "min_chunk": min_chunk}
+    got = decode_attention(q, _tables(kv), pos, nkv=nkv, scale=hd ** -0.5 * 4, gate=gate, splits=16, tile=tile)
+    _close(got, decode_attention_ref(q, kv, pos, nkv=nkv, scale=hd ** -0.5 * 4, gate=gate))
+    _counters_zero()
 
 
 def test_num_splits_fills_the_device_with_a_power_of_two():
