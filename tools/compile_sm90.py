@@ -234,26 +234,7 @@ def dense(g):
                        torch.ones(N), None)
 
 
-def dense_gemv(g):
-    from ft.runtime.gpu.dense_gemv import CONFIGS, SWEEP, gemv
-
-    H, hd, nq, nkv = g["H"], g["hd"], g["nq"], g["nkv"]
-    shapes = {((nq + 2 * nkv) * hd + (nq * hd if g["gated"] else 0), H), (H, nq * hd), (g["E"], H), (151936, H),
-              (2 * g["shared_I"], H), (H, g["shared_I"]), (1, H)}
-    if g["gdn"]:
-        hk, hv, dk, dv, _ = g["gdn"]
-        shapes |= {(2 * hk * dk + 2 * hv * dv, H), (2 * hv, H), (H, hv * dv)}
-    for N, K in sorted(shapes):
-        for T in (1, 4, 8):
-            gemv(torch.zeros(T, K, dtype=BF16), torch.zeros(N, K, dtype=BF16), torch.zeros(N, dtype=BF16))
-            gemv(torch.zeros(T, K, dtype=BF16), torch.zeros(N, K, dtype=BF16))
-    for cfg in {*CONFIGS.values(), *SWEEP}:  # every tile config of the table and of tools/bench_dense_gemv.py
-        for T in (1, 8):
-            gemv(torch.zeros(T, 4096, dtype=BF16), torch.zeros(2048, 4096, dtype=BF16), config=cfg)
-
-
-GROUPS = {"fused": fused, "attention": attention, "deltanet": deltanet, "moe": moe, "dense": dense,
-          "dense_gemv": dense_gemv}
+GROUPS = {"fused": fused, "attention": attention, "deltanet": deltanet, "moe": moe, "dense": dense}
 
 
 def main(argv=None) -> int:

@@ -34,8 +34,7 @@ ARCH = {"qwen3moe-35b-geom": "qwen3_moe", "qwen3.6-35b-a3b": "qwen3_5_moe"}
 # llama.cpp on the same H200, same geometry (qwen3moe, Q4_0 experts), all experts on the GPU:
 # tg128, pp512, pp4096 (-ub 4096); ../shared reference table "llama.cpp on our GPU test machine"
 LLAMA_CPP = {"decode_b1": 360.0, "prefill_512": 7443.0, "prefill_4096": 11924.0}
-KERNEL_BENCHES = ("bench_dense_gemv", "bench_attention", "bench_moe_decode", "bench_fused_ops", "bench_deltanet",
-                  "bench_moe_prefill")
+KERNEL_BENCHES = ("bench_attention", "bench_moe_decode", "bench_fused_ops", "bench_deltanet", "bench_moe_prefill")
 T0 = time.perf_counter()
 
 

@@ -72,29 +72,6 @@ def prefill(model, tokens: int, repeat: int = 2) -> dict:
     return {"tokens": tokens, "chunk": CHUNK, "seconds": best, "tok_s": tokens / best}
 
 
-def dense_ab(model, log, preset: str) -> list[dict]:
-    """The same decode rows with the dense linears on cuBLAS instead of the Triton GEMV (graphs captured again), so
-    the choice of `linear.DENSE_GEMV` rests on a measurement of the whole model."""
-    from ft.runtime.layers import linear
-
-    rows = []
-    saved = list(linear.DENSE_GEMV)
-    linear.DENSE_GEMV.clear()
-    try:
-        model.graphs._graphs.clear()
-        model.graphs.warm()
-        for batch in (1, 8):
-            r = decode(model, batch, 32, 64)
-            r.pop("tokens")
-            rows.append(r)
-            log(f"{preset}: decode B={batch} ctx=32 with cuBLAS dense linears: {r['tok_s']:.1f} tok/s")
-    finally:
-        linear.DENSE_GEMV[:] = saved
-        model.graphs._graphs.clear()
-        model.graphs.warm()
-    return rows
-
-
 def replay_ms(model, size: int, reps: int = 20) -> float | None:
     """GPU time of one replay of the batch-`size` decode graph (CUDA events; its rows all padding, so the host's
     share of a step -- embedding, tables, sampling, the read-back -- is what a decode step adds to this)."""
@@ -243,7 +220,6 @@ def bench_model(ftw, preset: str, *, hbm_gbs: float, log, llama: dict | None, de
             + (f", {r['vs_llama_cpp']:.2f}x llama.cpp" if "vs_llama_cpp" in r else "") + ")")
     res["decode"] = rows
     res["graphs_after_decode"] = dict(model.graphs.counters)
-    res["dense_cublas"] = dense_ab(model, log, preset)
     res["graph_replay_ms"] = {size: replay_ms(model, size) for size in (1, 4, 8)}
     log(f"{preset}: graph replay alone (GPU time), ms: {res['graph_replay_ms']}")
     pre = []

@@ -146,7 +146,9 @@ class GatedDeltaNet(Op):
             v = v.reshape(t, self._hv, self._dv)
             if self._fused and t > 1:   # Triton chunked rule (key heads not repeated), rec_state updated in place
                 from ft.runtime.gpu.deltanet_prefill import gdn_chunk_prefill
-                o = gdn_chunk_prefill(q, k, v, g[seg.rows], beta[seg.rows], rec_state)
+                # an fp32 model gets fp32 products (TF32 would be below its precision; bf16 models keep TF32)
+                o = gdn_chunk_prefill(q, k, v, g[seg.rows], beta[seg.rows], rec_state,
+                                      config={"precision": "ieee"} if x.dtype == torch.float32 else None)
             else:
                 r = self._hv // self._hk
                 if r > 1:

@@ -9,8 +9,6 @@ room, which goes to the expert cache) the stored bytes move to the device as the
 `GEMV_MAX_TOKENS` rows (decode) run a dequantizing GEMV that reads the stored bytes once (`ft.runtime.gpu.dense_quant`);
 other calls dequantize `CHUNK_BYTES` of weight rows at a time into the same compute-dtype values the default path
 holds and multiply by them (the same results, for a transient of one chunk and one extra pass over the weight).
-Unquantized linears with `_fused` set (CUDA) run calls of at most `GEMV_MAX_TOKENS` rows through the Triton GEMV of
-`ft.runtime.gpu.dense_gemv` (one launch, no split-K reduce; fp32 accumulation), other calls through `F.linear`.
 """
 
 from __future__ import annotations
@@ -28,7 +26,6 @@ QUANT_SCHEMES = ("nvfp4", "fp8_row")
 CHUNK_BYTES = 64 << 20  # fp32 dequantization transient per chunk of rows (keep_quantized)
 GEMV_MAX_TOKENS = 8  # keep_quantized: rows of x up to which the dequantizing GEMV runs
 GEMV_DEVICES = ["cuda"]  # where it runs (tests add "cpu" under TRITON_INTERPRET=1; emptied if it fails to run)
-DENSE_GEMV = [True]  # unquantized linears with `_fused`: the Triton GEMV (emptied if it fails to run)
 log = logging.getLogger("ft.runtime")
 
 
@@ -115,19 +112,6 @@ class Linear(Op):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._scheme is None:
-            if (self._fused and DENSE_GEMV and self.weight.device.type in GEMV_DEVICES
-                    and x.numel() <= GEMV_MAX_TOKENS * self.weight.shape[1] and x.dtype == self.weight.dtype):
-                from ft.runtime.gpu.dense_gemv import gemv
-
-                out, k = self.weight.shape
-                try:
-                    y = gemv(x.reshape(-1, k).contiguous(), self.weight, self.bias)
-                except Exception as e:  # noqa: BLE001 - e.g. a Triton build failure: F.linear gives the same results
-                    log.warning("dense GEMV failed (%s: %s); unquantized linears use F.linear",
-                                type(e).__name__, str(e)[:200])
-                    DENSE_GEMV.clear()
-                else:
-                    return y.reshape(*x.shape[:-1], out)
             return F.linear(x, self.weight, self.bias)
         out, k = self.weight_shape
         if self.weight.device.type in GEMV_DEVICES and x.numel() <= GEMV_MAX_TOKENS * k:

@@ -184,6 +184,8 @@ def test_cuda_graph_decode_matches_eager(ftw, mode, keep_quantized, fill):
     assert got_toks == want_toks
     _close(got, want)
     c = model.graphs.counters
-    assert c["replays"] == 16 and c["captures"] == 1 and c["capture_s"] > 0
+    # mode mapped may decode a step eagerly until its banks' verification has landed (graph_ready), never more
+    assert c["replays"] + c["eager_steps"] == 16 and c["replays"] >= 15
+    assert c["captures"] == 1 and c["capture_s"] > 0
     for e in (ex, ex0):
         e.close()

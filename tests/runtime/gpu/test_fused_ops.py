@@ -110,7 +110,16 @@ def test_silu_mul(dtype, T, I):
 def test_sigmoid_gate_add(dtype, T, H):
     y, gate, shared = _rand(T, H, dtype=dtype, seed=1), _rand(T, 1, dtype=dtype, seed=2), _rand(T, H, dtype=dtype,
                                                                                              seed=3)
-    _check(fo.sigmoid_gate_add(y, gate, shared), fo.sigmoid_gate_add_ref(y, gate, shared), dtype)
+    got, want = fo.sigmoid_gate_add(y, gate, shared), fo.sigmoid_gate_add_ref(y, gate, shared)
+    if dtype == torch.float32:
+        _check(got, want, dtype)
+        return
+    # bf16: the reference rounds sigmoid, the product and the sum; the GPU may round the product differently, which
+    # moves the sum by one ulp of the operands (a large relative change where y and the product nearly cancel)
+    scale = (y.float().abs() + shared.float().abs()).cpu()
+    assert got.dtype == want.dtype == dtype
+    assert ((got.float() - want.float()).abs().cpu() <= BF16_ULP * scale + 1e-6).all()
+    assert (got == want).float().mean() >= 0.9
 
 
 # ---- model level: the fused path inside the decoder layers --------------------------------------------------------
