@@ -55,7 +55,7 @@ CONFIG = {
     "prep_warps": 1,
     # keys per split at least this (rounded up to BLOCK_N; 0 = just cdiv(length, S)): fewer live splits, fewer
     # partials to merge; fp32 elements the merging program loads per step ([CB, r, hd]); smallest counter buffer
-    "min_chunk": 256, "combine_elems": 8192, "min_counters": 1024,
+    "min_chunk": 0, "combine_elems": 8192, "min_counters": 1024,
 }
 _SMS: dict[int, int] = {}
 _COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
