@@ -33,6 +33,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_timing import graph_us, hbm_read_gbs  # noqa: E402
+
 REPS = 20
 GEOMS = {
     "qwen3moe-35b-geom": dict(nq=32, nkv=4, hd=128, rd=128, gated=False),
@@ -44,44 +47,6 @@ BLOCK_N = {128: (32, 64, 128), 256: (16, 32, 64)}
 WARPS, STAGES = (4, 8), (2, 3)
 MIN_CHUNKS = (128, 256, 512, 1024)
 L2_BYTES = 50 << 20
-
-
-def hbm_read_gbs() -> float:
-    x = torch.ones(1 << 30, dtype=torch.bfloat16, device="cuda")   # 2 GiB read per call
-    times = []
-    for _ in range(6):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        x.sum(dtype=torch.float32)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    del x
-    return 2 * (1 << 30) / sorted(times[1:])[2] / 1e9
-
-
-def graph_us(fns) -> float:
-    """Median us per call of REPS calls (fns[i % len(fns)]() for call i) replayed from one CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for fn in fns[:2] * 2:   # compile and warm up outside the capture
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(REPS):
-            fns[i % len(fns)]()
-    graph.replay()
-    times = []
-    for _ in range(15):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / REPS)
-    del graph
-    return sorted(times)[len(times) // 2]
 
 
 class Case:

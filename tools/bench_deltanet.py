@@ -27,6 +27,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_timing import hbm_read_gbs  # noqa: E402
 import torch.nn.functional as F
 
 HK, HV, DK, DV, K = 16, 32, 128, 128, 4
@@ -40,11 +43,6 @@ def _ms(fn) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
-
-
-def _hbm_read_GBps() -> float:
-    x = torch.empty(1 << 29, dtype=torch.float32, device="cuda").uniform_()   # 2 GiB
-    return x.numel() * 4 / (_ms(lambda: x.sum()) * 1e-3) / 1e9
 
 
 def _graph(fn):
@@ -176,7 +174,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("bench_deltanet: no CUDA device here; nothing measured")
         return 0
-    hbm = _hbm_read_GBps()
+    hbm = hbm_read_gbs()
     meta = {"gpu": torch.cuda.get_device_name(), "hbm_GBps": hbm}
     print(json.dumps(meta))
     rows = []

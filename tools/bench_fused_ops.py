@@ -22,47 +22,17 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_timing import graph_us as timed, hbm_read_gbs  # noqa: E402
+
 REPS = 20           # calls per captured graph
 HIDDEN, HEADS, HEAD_DIM, KV_HEADS = 2048, 32, 128, 4
 EXPERTS, TOP_K, SHARED_I = 256, 8, 512
 TOKENS = (1, 8, 4096)
 
 
-def hbm_read_gbs() -> float:
-    x = torch.ones(1 << 30, dtype=torch.bfloat16, device="cuda")   # 2 GiB read per call
-    times = []
-    for _ in range(6):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        x.sum(dtype=torch.float32)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    del x
-    return 2 * (1 << 30) / sorted(times[1:])[2] / 1e9
-
-
 def graph_us(fn) -> float:
-    """Median us per call of fn() replayed REPS times from one CUDA graph."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):   # compile and warm up outside the capture
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(REPS):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(15):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / REPS)
-    return sorted(times)[len(times) // 2]
+    return timed(fn if isinstance(fn, list) else [fn], reps=REPS)
 
 
 def _diff(a, b) -> float:

@@ -28,6 +28,9 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_timing import hbm_read_gbs  # noqa: E402
+
 # swept tile configs (`DECODE_BLOCKS` keys); the excluded ones spill registers on sm_90
 GU_GRID = [dict(BLOCK_N_GU=n, BLOCK_K_GU=k, WARPS_GU=w)
            for n, k, w in itertools.product((4, 8, 16), (512, 2048), (2, 4, 8))
@@ -97,11 +100,6 @@ def graph_us(fn, calls: int, reps: int = 20) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3)
     return sorted(times)[len(times) // 2] / calls
-
-
-def hbm_read_gbs(nbytes: int = 4 << 30) -> float:
-    buf = torch.rand(nbytes // 4, device="cuda")
-    return max(nbytes / graph_us(fn, 1) / 1e3 for fn in (buf.sum, buf.amax))
 
 
 def bench_rows(*, hidden=2048, inter=512, num_experts=256, top_k=8, tokens=(1, 2, 4, 8), layers=40, gu_configs=None,

@@ -28,6 +28,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from gpu_timing import hbm_read_gbs
 
 GIB = 1 << 30
 ARCH = {"qwen3moe-35b-geom": "qwen3_moe", "qwen3.6-35b-a3b": "qwen3_5_moe"}
@@ -40,20 +41,6 @@ T0 = time.perf_counter()
 
 def log(msg: str) -> None:
     print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
-
-
-def hbm_read_gbs() -> float:
-    """GB/s of a large bf16 reduction (reads 4 GiB once per call), median of 5."""
-    x = torch.ones(2 * GIB, dtype=torch.bfloat16, device="cuda")
-    times = []
-    for _ in range(6):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        x.sum(dtype=torch.float32)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t)
-    del x
-    return 4 * GIB / sorted(times[1:])[2] / 1e9
 
 
 def run_script(name: str, out: Path, timeout: float, quick: bool = False, tests: str = "tests/runtime/gpu") -> dict:

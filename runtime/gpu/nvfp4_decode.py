@@ -182,18 +182,8 @@ def moe_nvfp4_device(
     and stored as `out_dtype` (combine "tokens": the down kernel rounds its fp32 sum on the store, so a caller that
     wants the compute dtype needs no cast launch; "pairs" always sums in fp32 first).
     """
+    check_moe_args(pool, layout, x, topk_ids, slot_row, topk_weights)
     T, H = x.shape
-    if H != layout.hidden or pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] != layout.stride:
-        raise ValueError(f"pool [S, {layout.stride}] u8 and x [T, {layout.hidden}] expected, got "
-                         f"{tuple(pool.shape)} {pool.dtype} {tuple(x.shape)}")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != T or tuple(topk_weights.shape) != tuple(topk_ids.shape):
-        raise ValueError(f"topk_ids and topk_weights must both be [T={T}, k], got {tuple(topk_ids.shape)} "
-                         f"{tuple(topk_weights.shape)}")
-    if topk_ids.dtype not in (torch.int32, torch.int64) or slot_row.dtype != torch.int32 or slot_row.dim() != 1:
-        raise ValueError(f"topk_ids int32/int64 and slot_row int32 [E] expected, got {topk_ids.dtype} "
-                         f"{slot_row.dtype} {tuple(slot_row.shape)}")
-    if len({t.device for t in (pool, x, topk_ids, slot_row, topk_weights)}) != 1:
-        raise ValueError("pool, x, topk_ids, slot_row and topk_weights must be on one device")
     if combine not in COMBINES:
         raise ValueError(f"unknown combine {combine!r}; supported: {', '.join(COMBINES)}")
     if pool.shape[0] == 0:
@@ -252,6 +242,23 @@ def launch_down(pool, layout: RecordLayout, act: torch.Tensor, wts: torch.Tensor
     if info is not None:
         info["down"] = kernel
     return out
+
+
+def check_moe_args(pool, layout: RecordLayout, x, topk_ids, slot_row, topk_weights) -> None:
+    """The shapes, dtypes and devices every device-routed MoE call (decode here, prefill in `prefill_plan.py`)
+    needs; ValueError naming what is off."""
+    T, H = x.shape
+    if H != layout.hidden or pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] != layout.stride:
+        raise ValueError(f"pool [S, {layout.stride}] u8 and x [T, {layout.hidden}] expected, got "
+                         f"{tuple(pool.shape)} {pool.dtype} {tuple(x.shape)}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != T or tuple(topk_weights.shape) != tuple(topk_ids.shape):
+        raise ValueError(f"topk_ids and topk_weights must both be [T={T}, k], got {tuple(topk_ids.shape)} "
+                         f"{tuple(topk_weights.shape)}")
+    if topk_ids.dtype not in (torch.int32, torch.int64) or slot_row.dtype != torch.int32 or slot_row.dim() != 1:
+        raise ValueError(f"topk_ids int32/int64 and slot_row int32 [E] expected, got {topk_ids.dtype} "
+                         f"{slot_row.dtype} {tuple(slot_row.shape)}")
+    if len({t.device for t in (pool, x, topk_ids, slot_row, topk_weights)}) != 1:
+        raise ValueError("pool, x, topk_ids, slot_row and topk_weights must be on one device")
 
 
 def check_resident(topk_ids: torch.Tensor, slot_row: torch.Tensor) -> None:

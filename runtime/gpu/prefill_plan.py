@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from .nvfp4_decode import check_moe_args
 from .nvfp4_triton import moe_blocks, pick_blocks
 from .record_layout import RecordLayout
 
@@ -83,18 +84,8 @@ def moe_nvfp4_prefill(
     blocks: a tile configuration (`nvfp4_triton.TILE_CONFIGS`); None picks by P / min(E, P) rows per expert.
     Returns fp32 [T, H] = sum over pairs with a slot of weight * expert(x), summed over k in order j = 0..k-1.
     """
+    check_moe_args(pool, layout, x, topk_ids, slot_row, topk_weights)
     T, H = x.shape
-    if H != layout.hidden or pool.dtype != torch.uint8 or pool.dim() != 2 or pool.shape[1] != layout.stride:
-        raise ValueError(f"pool [S, {layout.stride}] u8 and x [T, {layout.hidden}] expected, got "
-                         f"{tuple(pool.shape)} {pool.dtype} {tuple(x.shape)}")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != T or tuple(topk_weights.shape) != tuple(topk_ids.shape):
-        raise ValueError(f"topk_ids and topk_weights must both be [T={T}, k], got {tuple(topk_ids.shape)} "
-                         f"{tuple(topk_weights.shape)}")
-    if topk_ids.dtype not in (torch.int32, torch.int64) or slot_row.dtype != torch.int32 or slot_row.dim() != 1:
-        raise ValueError(f"topk_ids int32/int64 and slot_row int32 [E] expected, got {topk_ids.dtype} "
-                         f"{slot_row.dtype} {tuple(slot_row.shape)}")
-    if len({t.device for t in (pool, x, topk_ids, slot_row, topk_weights)}) != 1:
-        raise ValueError("pool, x, topk_ids, slot_row and topk_weights must be on one device")
     k = topk_ids.shape[1]
     P, E = T * k, slot_row.shape[0]
     if P == 0:

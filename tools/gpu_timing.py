@@ -1,0 +1,40 @@
+"""Timing helpers shared by the GPU benchmark scripts: the HBM read rate they compare against, and kernel time
+from CUDA-graph replays (so launch overhead is the replay's, as in a decode step, not Python's)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def hbm_read_gbs(nbytes: int = 4 << 30) -> float:
+    """GB/s of a bf16 sum over `nbytes` (one read of each byte), the median of 5 replays after a warm one."""
+    x = torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    us = graph_us([lambda: x.sum(dtype=torch.float32)], reps=1)
+    del x
+    return nbytes / us / 1e3
+
+
+def graph_us(fns, reps: int = 20, samples: int = 15) -> float:
+    """Median us per call of `reps` calls (fns[i % len(fns)]() for call i) captured in one CUDA graph. The calls
+    run twice each on a side stream first (compiles, first-call checks)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in list(fns[:2]) * 2:
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(reps):
+            fns[i % len(fns)]()
+    graph.replay()
+    times = []
+    for _ in range(samples):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / reps)
+    del graph
+    return sorted(times)[len(times) // 2]
