@@ -96,7 +96,9 @@ class _Captured:
         self.staging = torch.zeros(self.inputs.shape, dtype=torch.int64, pin_memory=pin)
         self.copied = torch.cuda.Event() if pin else None
         self.pos, self.tables = self.inputs[:size], self.inputs[size:].view(L, 2, size)
-        self.scratch_addresses = scratch.addresses()
+        staged = self.staging.numpy()
+        self._pos, self._tables = staged[:size], staged[size:].reshape(L, 2, size)
+        self._scratch = scratch.addresses().numpy()
         self.batch = ForwardBatch([SegmentRows(i, 1, 0, scratch) for i in range(size)], self.pos, tables=self.tables)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None  # fp32 [G, V], the graph's output buffer
@@ -109,12 +111,12 @@ class _Captured:
             self.h[b:].zero_()
         if self.copied is not None:
             self.copied.synchronize()  # the previous step's copy has left the staging buffer
-        pos, tables = self.staging[:size], self.staging[size:].view(-1, 2, size)
-        pos.zero_()
+        pos, tables = self._pos, self._tables  # numpy views of the page-locked staging buffer (cheap host writes)
+        pos[:] = 0
         for i, st in enumerate(states):
             pos[i] = st.length
-            tables[:, :, i] = st.addresses()
-        tables[:, :, len(states):] = self.scratch_addresses[:, :, None]
+            tables[:, :, i] = st.addresses().numpy()
+        tables[:, :, len(states):] = self._scratch[:, :, None]
         self.inputs.copy_(self.staging, non_blocking=self.copied is not None)
         if self.copied is not None:
             self.copied.record()
