@@ -89,7 +89,8 @@ def bench_rows(*, hidden: int = 2048, inter: int = 512, num_experts: int = 256, 
     only exercises this code in tests."""
     from ft.runtime.gpu.kernel_bench import _bench_records
     from ft.runtime.gpu.moe_reference import moe_ref
-    from ft.runtime.gpu.nvfp4_triton import TILE_CONFIGS, moe_blocks, moe_nvfp4, pick_blocks
+    from ft.runtime.gpu.host_plan import moe_nvfp4
+    from ft.runtime.gpu.nvfp4_triton import TILE_CONFIGS, moe_blocks, pick_blocks
     from ft.runtime.gpu.prefill_plan import moe_nvfp4_prefill, plan_blocks_device
     from ft.runtime.gpu.record_layout import RecordLayout
 

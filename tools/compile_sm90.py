@@ -198,7 +198,8 @@ def _pool(H, I, slots):
 def moe(g):
     from ft.runtime.gpu.gather import gather_missing
     from ft.runtime.gpu.nvfp4_decode import moe_nvfp4_device
-    from ft.runtime.gpu.nvfp4_triton import TILE_CONFIGS, moe_nvfp4
+    from ft.runtime.gpu.host_plan import moe_nvfp4
+    from ft.runtime.gpu.nvfp4_triton import TILE_CONFIGS
     from ft.runtime.gpu.prefill_plan import moe_nvfp4_prefill
 
     H, I, E, k = g["H"], g["I"], g["E"], g["k"]

@@ -256,7 +256,7 @@ class GpuExperts:
         if self.device.type != "cuda" and not self.interpret:
             T, k = topk_weights.shape
             return moe_ref(self.pool, self.layout, x, torch.from_numpy(pair_slots).view(T, k), topk_weights)
-        from .nvfp4_triton import moe_nvfp4
+        from .host_plan import moe_nvfp4
 
         if fence:  # wait for every upload issued so far; later uploads wait for this kernel (slot reuse)
             self._wait(self.uploader.fence())

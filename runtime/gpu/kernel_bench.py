@@ -45,7 +45,7 @@ def _bench_records(layout: RecordLayout, num_experts: int, seed: int, g: torch.G
 
 def bench_kernel(*, hidden: int = 2048, inter: int = 512, num_experts: int = 256, top_k: int = 8,
                  tokens: tuple[int, ...] = (1, 4, 512, 2048), seed: int = 0, decode_device: bool = True) -> list[dict]:
-    from .nvfp4_triton import moe_nvfp4
+    from .host_plan import moe_nvfp4
 
     dev = torch.device("cuda")
     layout = RecordLayout.packed(hidden, inter)
@@ -151,7 +151,7 @@ def bench_decode_device(*, hidden: int = 2048, inter: int = 512, num_experts: in
     `device="cpu"` (Triton interpreter, tiny shapes, `_time_ms` replaced) only exercises this code in tests."""
     from .gather import gather_missing
     from .nvfp4_decode import moe_nvfp4_device
-    from .nvfp4_triton import moe_nvfp4
+    from .host_plan import moe_nvfp4
 
     dev = torch.device(device)
     layout = RecordLayout.packed(hidden, inter)

@@ -1,6 +1,6 @@
 """Device-planned NVFP4 MoE for decode: routing and the expert -> slot lookup never leave the device.
 
-The host-planned kernels of `nvfp4_triton.py` need the routing on the host (`plan_blocks` groups pairs by slot), one
+The host-planned tile kernels (`host_plan.py`) need the routing on the host (`plan_blocks` groups pairs by slot), one
 host sync per MoE layer. Here the launch grid depends on shapes only: for T tokens and top-k, P = T*k pairs,
 
     gate_up: grid (P, cdiv(I, BN_GU))   program (p, n-tile): act[p, n] = bf16(silu(g) * u) for the BN gate rows n and

@@ -4,7 +4,7 @@ Shapes: T tokens, k = top-k, P = T*k (token, expert) pairs, pair p = t*k + j. Th
 holds one expert record (layout in `record_layout.py`). A plan groups the pairs by slot into blocks of BLOCK_M rows:
     sorted_pairs int32 [NB * BLOCK_M]  pair ids, each block's rows one slot's pairs, padded with the sentinel P
     block_slot   int32 [NB]            the block's slot; < 0 = no record (dead pairs, or an unused block)
-`plan_blocks` builds it on the host; `prefill_plan.plan_blocks_device` on the device, with NB a fixed upper bound
+`host_plan.plan_blocks` builds it on the host; `prefill_plan.plan_blocks_device` on the device, with NB a fixed bound
 (unused blocks: slot -1, all rows P). Both kernels run a 1-D grid of NB * (N tiles) programs, the N tile varying
 fastest, so consecutive programs share the block's activation rows and its expert's record (hot in L2):
     gate_up: act[r, n]  = bf16(silu(x[t] . gate_n) * (x[t] . up_n))       r = padded row of the block, t = p // k
@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -246,30 +245,6 @@ def _fit_block_k(block_k: int, *dims: int) -> int:
     return block_k
 
 
-def plan_blocks(pair_slots: np.ndarray, block_m: int) -> tuple[np.ndarray, np.ndarray]:
-    """Group pairs by slot on the host. pair_slots int [P] (-1 = pair not computed here).
-
-    Returns (sorted_pairs int32 [nb * block_m], padded with P; block_slot int32 [nb]). Slots ascend, so a prefill's
-    blocks of one expert are adjacent and its weight tiles stay hot in L2.
-    """
-    pair_slots = np.asarray(pair_slots).reshape(-1)
-    num_pairs = pair_slots.shape[0]
-    live = np.nonzero(pair_slots >= 0)[0]
-    if live.size == 0:
-        return np.empty(0, np.int32), np.empty(0, np.int32)
-    order = live[np.argsort(pair_slots[live], kind="stable")]
-    slots_sorted = pair_slots[order]
-    uniq, starts, counts = np.unique(slots_sorted, return_index=True, return_counts=True)
-    nblk = (counts + block_m - 1) // block_m
-    sorted_pairs = np.full(int(nblk.sum()) * block_m, num_pairs, np.int32)
-    block_slot = np.repeat(uniq, nblk).astype(np.int32)
-    dst = 0
-    for st, cnt, nb in zip(starts.tolist(), counts.tolist(), nblk.tolist()):
-        sorted_pairs[dst : dst + cnt] = order[st : st + cnt]
-        dst += nb * block_m
-    return sorted_pairs, block_slot
-
-
 def moe_blocks(pool: torch.Tensor, layout: RecordLayout, x: torch.Tensor, topk: int, sorted_pairs: torch.Tensor,
                block_slot: torch.Tensor, pair_weight: torch.Tensor, out: torch.Tensor, blocks: dict) -> None:
     """Run both kernels over a plan (host or device built; see the module docstring), all tensors on one device.
@@ -300,41 +275,3 @@ def moe_blocks(pool: torch.Tensor, layout: RecordLayout, x: torch.Tensor, topk: 
         layout.off_down, layout.off_down_scale, layout.off_down_scale_2,
         BLOCK_M=bm, BLOCK_N=b["BLOCK_N_D"], BLOCK_K=bk_d, SWAP=b["SWAP"], DOT_F32=interp, **launch,
     )
-
-
-def moe_nvfp4(
-    pool: torch.Tensor,
-    layout: RecordLayout,
-    x: torch.Tensor,
-    pair_slots: np.ndarray,
-    topk_weights: torch.Tensor,
-    blocks: dict[str, int] | None = None,
-    pair_out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Expert mixture over the pairs whose slot is >= 0, planned on the host.
-
-    pool u8 [S, stride] (same device as x); x bf16 [T, H]; pair_slots int [T*k] host array; topk_weights [T, k].
-    Returns fp32 [T, H] = sum over computed pairs of weight * expert(x). Pairs with slot -1 contribute nothing, so
-    partial sums from other devices add exactly.
-    pair_out: fp32 [T*k, H] to write the computed pairs' rows into (other rows untouched); it is returned instead,
-    not summed over k. Calls over disjoint pairs with the same `blocks` then fill it exactly as one call would.
-    """
-    T, H = x.shape
-    k = topk_weights.shape[1]
-    if H != layout.hidden or pool.dtype != torch.uint8 or pool.shape[1] != layout.stride:
-        raise ValueError(f"pool [S, {layout.stride}] u8 and x [T, {layout.hidden}] expected, got "
-                         f"{tuple(pool.shape)} {tuple(x.shape)}")
-    pair_slots = np.asarray(pair_slots).reshape(-1)
-    live = pair_slots[pair_slots >= 0]
-    out = pair_out if pair_out is not None else torch.zeros(T * k, H, dtype=torch.float32, device=x.device)
-    if pair_out is not None and (tuple(out.shape) != (T * k, H) or out.dtype != torch.float32):
-        raise ValueError(f"pair_out must be fp32 [{T * k}, {H}], got {out.dtype} {tuple(out.shape)}")
-    if live.size:
-        b = blocks or pick_blocks(live.size / len(np.unique(live)), H, layout.inter)
-        sorted_pairs, block_slot = plan_blocks(pair_slots, b["BLOCK_M"])
-        dev = x.device
-        sp = torch.from_numpy(sorted_pairs).to(dev, non_blocking=True)
-        bs = torch.from_numpy(block_slot).to(dev, non_blocking=True)
-        wts = topk_weights.reshape(-1).to(torch.float32).contiguous()
-        moe_blocks(pool, layout, x.to(torch.bfloat16).contiguous(), k, sp, bs, wts, out, b)
-    return out if pair_out is not None else out.view(T, k, H).sum(1)

@@ -1,6 +1,6 @@
 """Device-planned NVFP4 MoE for prefill: the pairs are grouped by expert on the device, with no host sync.
 
-The host-planned call (`nvfp4_triton.moe_nvfp4`) brings the routing to the host to build its block plan. Here, for a
+The host-planned call (`host_plan.moe_nvfp4`) brings the routing to the host to build its block plan. Here, for a
 layer whose routed experts have slots in `slot_row` (mode resident, static's GPU layers), the same plan is built with
 torch ops on the device, sized by shapes only, so a prefill chunk never waits for the host:
 
@@ -46,7 +46,7 @@ def plan_blocks_device(topk_ids: torch.Tensor, slot_row: torch.Tensor,
     """Group pairs by expert on the device (no sync). topk_ids int [T, k]; slot_row int32 [E] (-1 = no slot).
 
     Returns (sorted_pairs int32 [NB * block_m], padded with P; block_slot int32 [NB], -1 = no record), with
-    NB = `max_blocks(P, E, block_m)`: the plan format of `nvfp4_triton.plan_blocks` at a size fixed by shapes.
+    NB = `max_blocks(P, E, block_m)`: the plan format of `host_plan.plan_blocks` at a size fixed by shapes.
     """
     dev = topk_ids.device
     ids = topk_ids.reshape(-1).long()

@@ -9,7 +9,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from ft.runtime.gpu.moe_reference import dequant_nvfp4, moe_ref  # noqa: E402
-from ft.runtime.gpu.nvfp4_triton import moe_nvfp4, plan_blocks  # noqa: E402
+from ft.runtime.gpu.host_plan import moe_nvfp4, plan_blocks  # noqa: E402
 from ft.runtime.gpu.record_layout import RecordLayout  # noqa: E402
 
 from .gpu_fixtures import random_records, rel_err  # noqa: E402
