@@ -29,7 +29,7 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_timing import hbm_read_gbs  # noqa: E402
+from gpu_timing import capture, hbm_read_gbs  # noqa: E402
 import torch.nn.functional as F
 
 HK, HV, DK, DV, K = 16, 32, 128, 128, 4
@@ -43,19 +43,6 @@ def _ms(fn) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median"))
-
-
-def _graph(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
 
 
 def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -127,7 +114,7 @@ def bench_decode(hbm: float, sizes=(1, 4, 8)) -> list[dict]:
                 rows.append({"kind": "decode/kernel", "B": n, "config": cfg, "error": repr(e)[:300]})
                 continue
             err = max([_rel(got, want)] + [_rel(x, y) for x, y in zip(rc + cv, ref_r + ref_c)])
-            graph = _graph(call)
+            graph, _ = capture(call, warmups=3)
             for mode, fn in (("eager", call), ("graph", graph.replay)):
                 us = _ms(fn) * 1e3
                 rows.append({"kind": "decode/kernel", "B": n, "mode": mode, "config": cfg, "us": us,

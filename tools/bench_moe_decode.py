@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_timing import hbm_read_gbs  # noqa: E402
+from gpu_timing import capture, hbm_read_gbs  # noqa: E402
 
 # swept tile configs (`DECODE_BLOCKS` keys); the excluded ones spill registers on sm_90
 GU_GRID = [dict(BLOCK_N_GU=n, BLOCK_K_GU=k, WARPS_GU=w)
@@ -73,24 +73,9 @@ def make_pool(layout, slots: int, seed: int, dev) -> torch.Tensor:
     return pool
 
 
-def _capture(fn):
-    """fn() after warm-up on a side stream (as torch.cuda.graph requires), captured -> (graph, fn's output)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    graph.replay()
-    return graph, out
-
-
 def graph_us(fn, calls: int, reps: int = 20) -> float:
     """fn() (running `calls` calls) captured in one CUDA graph; median replay time in us / calls."""
-    graph, _ = _capture(fn)
+    graph, _ = capture(fn)
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -185,7 +170,7 @@ def bench_rows(*, hidden=2048, inter=512, num_experts=256, top_k=8, tokens=(1, 2
 
 
 def _graph_equal(call, eager) -> bool:
-    _, out = _capture(call)
+    _, out = capture(call)
     torch.cuda.synchronize()
     return bool(torch.equal(out, eager))
 

@@ -14,20 +14,25 @@ def hbm_read_gbs(nbytes: int = 4 << 30) -> float:
     return nbytes / us / 1e3
 
 
-def graph_us(fns, reps: int = 20, samples: int = 15) -> float:
-    """Median us per call of `reps` calls (fns[i % len(fns)]() for call i) captured in one CUDA graph. The calls
-    run twice each on a side stream first (compiles, first-call checks)."""
+def capture(fn, warmups: int = 2):
+    """fn() run `warmups` times on a side stream (compiles, first-call checks; torch.cuda.graph needs the warm-up
+    off the capturing stream), then captured and replayed once -> (graph, fn's output)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for fn in list(fns[:2]) * 2:
+        for _ in range(warmups):
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for i in range(reps):
-            fns[i % len(fns)]()
+        out = fn()
     graph.replay()
+    return graph, out
+
+
+def graph_us(fns, reps: int = 20, samples: int = 15) -> float:
+    """Median us per call of `reps` calls (fns[i % len(fns)]() for call i) captured in one CUDA graph."""
+    graph, _ = capture(lambda: [fns[i % len(fns)]() for i in range(reps)])
     times = []
     for _ in range(samples):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
