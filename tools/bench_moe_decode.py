@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_timing import capture, hbm_read_gbs  # noqa: E402
+from gpu_timing import graph_us as replay_us  # noqa: E402
 
 # swept tile configs (`DECODE_BLOCKS` keys); the excluded ones spill registers on sm_90
 GU_GRID = [dict(BLOCK_N_GU=n, BLOCK_K_GU=k, WARPS_GU=w)
@@ -75,16 +76,7 @@ def make_pool(layout, slots: int, seed: int, dev) -> torch.Tensor:
 
 def graph_us(fn, calls: int, reps: int = 20) -> float:
     """fn() (running `calls` calls) captured in one CUDA graph; median replay time in us / calls."""
-    graph, _ = capture(fn)
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[len(times) // 2] / calls
+    return replay_us([fn], reps=1, samples=reps) / calls
 
 
 def bench_rows(*, hidden=2048, inter=512, num_experts=256, top_k=8, tokens=(1, 2, 4, 8), layers=40, gu_configs=None,
