@@ -145,20 +145,15 @@ class CausalLM(Op):
             seg.state.length += seg.num_tokens
         return list(logits)
 
-    def layers_forward(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """h [N, H] embeddings -> [N, H] hidden states after the last layer (before the final norm)."""
-        h, delta = self.layers_pending(h, batch)
-        return h + delta
-
     def layers_pending(self, h: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """`layers_forward` with the last residual add left pending: (h, delta) [N, H] each, whose sum is its result.
-        `logits_head(h, delta)` adds them inside the final norm (one fused launch); between layers the same pair is
-        handed on, so every residual add runs inside the next layer's input norm (`DecoderLayer.step`)."""
+        """h [N, H] embeddings -> (h, delta) [N, H] each, whose sum is the last layer's output (before the final norm).
+        The last residual add is left pending: `logits_head(h, delta)` does it inside the final norm (one fused
+        launch); between layers the pair is handed on the same way (`DecoderLayer`)."""
         if self._rotary is not None:
             batch.rope["cos"], batch.rope["sin"] = self._rotary.cos_sin(batch.positions, self._dtype)
         delta = None
         for layer in self.layers:
-            h, delta = layer.step(h, delta, batch)
+            h, delta = layer(h, delta, batch)
         return h, delta
 
     def _plan(self, input_ids: torch.Tensor, segments: list[Segment], *, on_device: bool = True,

@@ -3,7 +3,7 @@
 Layer i (pre-norm residual):
     h = x + mixer(input_layernorm(x))            mixer = self_attn (full_attention) | linear_attn (linear_attention)
     y = h + mlp(post_attention_layernorm(h))     mlp = SparseMoe (moe) | GatedMLP (dense)
-`step` leaves the final add pending: it takes the previous layer's pair (x, delta) and returns (h, mlp_out), whose
+A layer call leaves the final add pending: it takes the previous layer's pair (x, delta) and returns (h, mlp_out), whose
 sum is y, so each residual add runs inside the norm that follows it (`RMSNorm.add`: one fused launch per layer
 boundary with `_fused`, the same rounded sum either way). The model's final norm takes the last pair.
 A family is this layer plus the facts its config must satisfy (`Family.rules`); a config that breaks them is refused
@@ -42,12 +42,8 @@ class DecoderLayer(Op):
     def mixer(self) -> Attention | GatedDeltaNet:
         return self.self_attn if hasattr(self, "self_attn") else self.linear_attn
 
-    def __call__(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        h, out = self.step(x, None, batch)
-        return h + out
-
-    def step(self, x: torch.Tensor, delta: torch.Tensor | None,
-             batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, x: torch.Tensor, delta: torch.Tensor | None,
+                 batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Input x + delta (delta None: x alone), all [N, H] -> (h, mlp_out), whose sum is the layer's output."""
         x, a = self.input_layernorm.add(x, delta)                         # x = x + delta, a = norm(x)
         h, b = self.post_attention_layernorm.add(x, self.mixer(a, batch))  # h = x + mixer(a), b = norm(h)
