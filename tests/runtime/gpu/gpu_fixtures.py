@@ -54,3 +54,13 @@ def tiny_moe_ftw(out, *, layers: int = 3, experts: int = 8, top_k: int = 2, hidd
             bank.write_expert(e, {n: layout.view(recs[e], n).clone() for n in comps})
     return w.finish(config=cfg, quant={"linears": {}, "experts": "nvfp4", "source": None}, tokenizer={},
                     generation={}, provenance={})
+
+
+def moe_calls(tokens, seed: int, *, experts: int, top_k: int, hidden: int, layers: int = 3):
+    """Per call of T tokens (one per entry of `tokens`): (layer, x bf16 [T, hidden], topk_ids [T, top_k] distinct per
+    row, topk_weights [T, top_k]); layers cycle 0..layers-1."""
+    g = torch.Generator().manual_seed(seed)
+    for i, T in enumerate(tokens):
+        x = torch.randn(T, hidden, generator=g).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(T)])
+        yield i % layers, x, ids, torch.rand(T, top_k, generator=g)

@@ -23,7 +23,7 @@ from ft.runtime.gpu.host_plan import moe_nvfp4  # noqa: E402
 from ft.runtime.gpu.offload_config import OffloadConfig  # noqa: E402
 from ft.runtime.gpu.record_layout import RecordLayout  # noqa: E402
 
-from .gpu_fixtures import random_records, rel_err, tiny_moe_ftw  # noqa: E402
+from .gpu_fixtures import moe_calls, random_records, rel_err, tiny_moe_ftw  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -146,11 +146,7 @@ def reader(tmp_path_factory):
 
 
 def _calls(tokens, seed):
-    g = torch.Generator().manual_seed(seed)
-    for i, T in enumerate(tokens):
-        x = torch.randn(T, H, generator=g).to(torch.bfloat16)
-        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-        yield i % 3, x, ids, torch.rand(T, K, generator=g)
+    return moe_calls(tokens, seed, experts=E, top_k=K, hidden=H)
 
 
 def _pair(reader, mode="resident", **kw):

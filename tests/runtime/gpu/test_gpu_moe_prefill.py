@@ -25,7 +25,7 @@ from ft.runtime.gpu.offload_config import OffloadConfig  # noqa: E402
 from ft.runtime.gpu.prefill_plan import max_blocks, moe_nvfp4_prefill, plan_blocks_device  # noqa: E402
 from ft.runtime.gpu.record_layout import RecordLayout  # noqa: E402
 
-from .gpu_fixtures import random_records, rel_err, tiny_moe_ftw  # noqa: E402
+from .gpu_fixtures import moe_calls, random_records, rel_err, tiny_moe_ftw  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -180,11 +180,7 @@ def reader(tmp_path_factory):
 
 
 def _calls(tokens, seed):
-    g = torch.Generator().manual_seed(seed)
-    for i, T in enumerate(tokens):
-        x = torch.randn(T, H_, generator=g).to(torch.bfloat16)
-        ids = torch.stack([torch.randperm(E_, generator=g)[:K_] for _ in range(T)])
-        yield i % 3, x, ids, torch.rand(T, K_, generator=g)
+    return moe_calls(tokens, seed, experts=E_, top_k=K_, hidden=H_)
 
 
 def _experts(reader, mode, device_plan, **kw):
