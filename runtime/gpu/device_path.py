@@ -77,27 +77,15 @@ def device_prefill_call(ex, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
 
 
 def _first_prefill(ex, x, topk_ids, row, topk_weights, kernel) -> torch.Tensor:
-    """First device-planned prefill: compare with the host-planned call on the same tiles (this call syncs). A plan or
-    kernel that fails or disagrees sets `ex._device_prefill_ok = False` (logged): prefill goes through the host."""
+    """First device-planned prefill: `_checked` against the host-planned call on the same tiles. A plan or kernel that
+    fails or disagrees sets `ex._device_prefill_ok = False`: prefill routing goes through the host."""
     from .nvfp4_triton import pick_blocks
 
     T, k = topk_ids.shape
     blocks = pick_blocks(T * k / min(ex.E, T * k), x.shape[1], ex.layout.inter)
-    ids = topk_ids.reshape(-1).to("cpu").numpy()
-    slots = row.to("cpu")
-    want = ex._gpu_moe(x, ids, {int(e): int(slots[int(e)]) for e in set(ids.tolist())}, topk_weights, blocks=blocks)
-    try:
-        got = kernel(ex.pool, ex.layout, x, topk_ids, row, topk_weights, blocks=blocks)
-        err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
-    except Exception as e:  # noqa: BLE001 - any plan/build/launch failure falls back to the host-planned path
-        got, err, why = None, float("inf"), f"{type(e).__name__}: {e}"
-    else:
-        why = f"relative error {err:.2e} against the host-planned kernel"
-    ex._device_prefill_ok = got is not None and err <= SELF_CHECK_TOL
-    if not ex._device_prefill_ok:
-        log.warning("device-planned MoE prefill disabled (%s); prefill routing goes through the host", why)
-        return want
-    return got
+    got, want = _checked(ex, x, topk_ids, row, topk_weights, kernel, "prefill", blocks=blocks)
+    ex._device_prefill_ok = got is not None
+    return want if got is None else got
 
 
 def device_call(ex, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -115,7 +103,8 @@ def uses_device_kernel(ex, num_tokens: int) -> bool:
 def device_kernel(ex, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, *,
                   exact: bool = False) -> torch.Tensor:
     """[T, H] (x's dtype on CUDA, stored by the kernel without a cast launch; fp32 with `exact`, for callers that add
-    another partial sum, and on the CPU) = sum over the routed pairs whose expert has a slot in the layer's row of the device slot table
+    another partial sum, and on the CPU) = sum over the routed pairs whose expert has a slot in the layer's row of the
+    device slot table
     (re-uploaded when the host table changed, e.g. by this call's admits); pairs without a slot (experts computed on
     the CPU) contribute 0. The kernel resident layers use, so an offloaded decode with no CPU share computes exactly
     what a resident one does, whatever slots the experts sit in."""
@@ -132,25 +121,34 @@ def device_kernel(ex, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_
 
 
 def _first_call(ex, x, topk_ids, row, topk_weights, kernel) -> torch.Tensor:
-    """First device-planned call of a process: compile, then compare once with the host-planned kernel (this call
-    syncs). A kernel that fails to build or disagrees turns the path off for this `GpuExperts` (logged): a correct
-    slower decode beats a wrong fast one on a GPU/Triton combination the tests have not seen."""
-    ids = topk_ids.reshape(-1).to("cpu").numpy()
-    slots = row.to("cpu")
-    want = ex._gpu_moe(x, ids, {int(e): int(slots[int(e)]) for e in set(ids.tolist())}, topk_weights)
-    try:
-        got = kernel(ex.pool, ex.layout, x, topk_ids, row, topk_weights)
-        err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
-    except Exception as e:  # noqa: BLE001 - any build/launch failure falls back to the host-planned path
-        got, err, why = None, float("inf"), f"{type(e).__name__}: {e}"
-    else:
-        why = f"relative error {err:.2e} against the host-planned kernel"
-    if got is None or not err <= SELF_CHECK_TOL:
-        log.warning("device-planned MoE decode disabled (%s); routing goes through the host", why)
+    """First device-planned decode call of a process: `_checked` against the host-planned kernel. A kernel that fails
+    to build or disagrees turns the path off for this `GpuExperts`: a correct slower decode beats a wrong fast one on
+    a GPU/Triton combination the tests have not seen."""
+    got, want = _checked(ex, x, topk_ids, row, topk_weights, kernel, "decode")
+    if got is None:
         ex.device_plan = False
         return want
     ex._device_plan_checked = True
     return got
+
+
+def _checked(ex, x, topk_ids, row, topk_weights, kernel, what: str, **kw):
+    """Run `kernel` (compiling it) and the host-planned call on the same pairs (this syncs) -> (kernel's result, or
+    None if it failed or is off by more than SELF_CHECK_TOL (logged); the host-planned result)."""
+    ids = topk_ids.reshape(-1).to("cpu").numpy()
+    slots = row.to("cpu")
+    want = ex._gpu_moe(x, ids, {int(e): int(slots[int(e)]) for e in set(ids.tolist())}, topk_weights, **kw)
+    try:
+        got = kernel(ex.pool, ex.layout, x, topk_ids, row, topk_weights, **kw)
+        err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
+    except Exception as e:  # noqa: BLE001 - any plan/build/launch failure falls back to the host-planned path
+        got, err, why = None, float("inf"), f"{type(e).__name__}: {e}"
+    else:
+        why = f"relative error {err:.2e} against the host-planned kernel"
+    if got is None or not err <= SELF_CHECK_TOL:
+        log.warning("device-planned MoE %s disabled (%s); its routing goes through the host", what, why)
+        return None, want
+    return got, want
 
 
 def moe_device_ref(pool: torch.Tensor, layout, x: torch.Tensor, topk_ids: torch.Tensor, slot_row: torch.Tensor,
