@@ -1,20 +1,19 @@
-"""Time the full-attention decode kernels (`ft.runtime.gpu.decode_attention`) at the real model shapes.
+"""Time the fused full-attention decode kernel (`ft.runtime.gpu.decode_attention`) at the real model shapes.
 
     python tools/bench_attention.py --out DIR [--quick]     # writes DIR/bench_attention.json, prints one line per row
 
 Geometries (bf16): qwen3moe-35b-geom (32 q / 4 kv heads x 128, q/k norm, full rotary) and qwen3.6-35b-a3b (16 q /
-2 kv heads x 256, q/k norm, rotary_dim 64, output gate); B = 1, 4, 8 sequences, each attending over `ctx` = 512,
-8192, 32768 keys (every sequence at the same length, its own buffers).
+2 kv heads x 256, q/k norm, rotary_dim 64, output gate); B = 1, 4, 8 sequences, each attending over `ctx` = 32,
+512, 8192, 32768 keys (every sequence at the same length, its own buffers; ctx <= BLOCK_N: one live split).
 
 Rows (`kind`):
-  check      the kernels against the torch references at mixed lengths (max abs diff; bf16 rounding only);
-  prep       `prep_decode` alone (q/k norm + RoPE + KV write);
-  attention  `decode_attention` (one launch: splits + last-block merge) for one config: the default `CONFIG`
-             (`config: "default"`) and, unless --quick, a sweep of tiles (BLOCK_N, num_warps, num_stages) x splits
-             (S/2, S, 2S around the default S), then of min_chunk (MIN_CHUNKS keys, default tile and S;
-             `config: "min_chunk"`); `best` marks the fastest per shape;
-  layer      prep + attention with the default config, i.e. what one attention layer adds to a decode step besides
-             its projections.
+  check      the kernel against the torch reference at mixed lengths (max abs diff of the written k / v rows and
+             of the output; bf16 rounding only);
+  attention  one `decode_attention` call (one launch: q/k norm + RoPE + KV write, splits + last-block merge), i.e.
+             what one attention layer adds to a decode step besides its projections, for one config: the default
+             `CONFIG` (`config: "default"`) and, unless --quick, a sweep of tiles (BLOCK_N, num_warps, num_stages) x
+             splits (S/2, S, 2S around the default S), then of min_chunk (MIN_CHUNKS keys, default tile and S;
+             `config: "min_chunk"`); `best` marks the fastest per shape.
 Each call is timed as decode runs it: REPS calls captured in one CUDA graph, replayed; us = median replay / REPS
 (launch gaps inside a graph included, host launch cost not). Consecutive calls use different buffer sets (together
 >= 2x the L2 size) so KV reads come from HBM, as in a real step where a layer's KV has left L2 by its next call.
@@ -28,7 +27,6 @@ import argparse
 import itertools
 import json
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -42,7 +40,7 @@ GEOMS = {
     "qwen3.6-35b-a3b": dict(nq=16, nkv=2, hd=256, rd=64, gated=True),
 }
 BATCHES = (1, 4, 8)
-CONTEXTS = (512, 8192, 32768)
+CONTEXTS = (32, 512, 8192, 32768)
 BLOCK_N = {128: (32, 64, 128), 256: (16, 32, 64)}
 WARPS, STAGES = (4, 8), (2, 3)
 MIN_CHUNKS = (128, 256, 512, 1024)
@@ -50,7 +48,8 @@ L2_BYTES = 50 << 20
 
 
 class Case:
-    """One buffer set: B sequences of `lengths`, their k/v buffers, tables, qkv input, rope and q."""
+    """One buffer set: B sequences of `lengths` (the new token at position length - 1), their k/v buffers, tables,
+    qkv input, norms and rope."""
 
     def __init__(self, geom: dict, lengths: list[int]):
         from ft.runtime.layers.rope import Rotary
@@ -66,40 +65,31 @@ class Case:
         self.q_norm = torch.rand(hd, device="cuda") + 0.5
         self.k_norm = torch.rand(hd, device="cuda") + 0.5
         self.cos, self.sin = Rotary(rd, 1e7).cos_sin(self.positions, torch.bfloat16)
-        self.gate = self.qkv[:, -nq * hd:] if geom["gated"] else None
-        self.q = self.prep()
         self.kv_bytes = sum(lengths) * nkv * hd * 2 * 2
 
-    def prep(self):
-        from ft.runtime.gpu.decode_attention import prep_decode
+    def args(self, kv=None):
+        return (self.qkv, self.q_norm, self.k_norm, 1e-6, self.cos, self.sin, self.tables if kv is None else kv,
+                self.positions)
 
-        g = self.g
-        return prep_decode(self.qkv, self.q_norm, self.k_norm, 1e-6, self.cos, self.sin, self.tables, self.positions,
-                           nq=g["nq"], nkv=g["nkv"], hd=g["hd"])
-
-    def attention(self, q=None, **kw):
+    def attention(self, **kw):
         from ft.runtime.gpu.decode_attention import decode_attention
 
-        return decode_attention(self.q if q is None else q, self.tables, self.positions, nkv=self.g["nkv"],
-                                scale=self.g["hd"] ** -0.5, gate=self.gate, **kw)
-
-    def layer(self):
-        return self.attention(self.prep())
+        g = self.g
+        return decode_attention(*self.args(), nq=g["nq"], nkv=g["nkv"], hd=g["hd"], scale=g["hd"] ** -0.5,
+                                gated=g["gated"], **kw)
 
 
 def check(name: str, geom: dict) -> dict:
-    from ft.runtime.gpu.decode_attention import decode_attention_ref, prep_decode_ref
+    from ft.runtime.gpu.decode_attention import decode_attention_ref
 
     c = Case(geom, [1, 100, 777, 5000])
     kv_ref = [tuple(t.clone() for t in pair) for pair in c.kv]
-    q = c.prep()
-    q_ref = prep_decode_ref(c.qkv, c.q_norm, c.k_norm, 1e-6, c.cos, c.sin, kv_ref, c.positions,
-                            nq=geom["nq"], nkv=geom["nkv"], hd=geom["hd"])
+    out = c.attention()
+    ref = decode_attention_ref(*c.args(kv_ref), nq=geom["nq"], nkv=geom["nkv"], hd=geom["hd"],
+                               scale=geom["hd"] ** -0.5, gated=geom["gated"])
     kv_diff = max(float((a.float() - b.float()).abs().max()) for p, r in zip(c.kv, kv_ref) for a, b in zip(p, r))
-    out = c.attention(q)
-    ref = decode_attention_ref(q_ref, kv_ref, c.positions, nkv=geom["nkv"], scale=geom["hd"] ** -0.5, gate=c.gate)
-    return {"kind": "check", "geometry": name, "q_max_abs_diff": float((q.float() - q_ref.float()).abs().max()),
-            "kv_max_abs_diff": kv_diff, "out_max_abs_diff": float((out.float() - ref.float()).abs().max()),
+    return {"kind": "check", "geometry": name, "kv_max_abs_diff": kv_diff,
+            "out_max_abs_diff": float((out.float() - ref.float()).abs().max()),
             "out_max_abs": float(ref.float().abs().max())}
 
 
@@ -110,19 +100,16 @@ def bench_shape(name: str, geom: dict, B: int, ctx: int, hbm: float, quick: bool
     cases = [Case(geom, [ctx] * B) for _ in range(max(1, min(REPS, -(-2 * L2_BYTES // set_bytes))))]
     base = {"geometry": name, "B": B, "ctx": ctx, "kv_bytes": cases[0].kv_bytes}
 
-    def row(kind, us, **extra):
+    def row(us, **extra):
         gbs = cases[0].kv_bytes / us / 1e3
-        r = {**base, "kind": kind, "us": round(us, 2), **extra}
-        if kind != "prep":
-            r.update(kv_gbs=round(gbs, 1), hbm_frac=round(gbs / hbm, 3))
+        r = {**base, "kind": "attention", "us": round(us, 2), **extra, "kv_gbs": round(gbs, 1),
+             "hbm_frac": round(gbs / hbm, 3)}
         print(json.dumps(r), flush=True)
         return r
 
     S = num_splits(B, geom["nkv"], torch.device("cuda"))
     tile = CONFIG["tiles"].get(geom["hd"], CONFIG["tiles"]["default"])
-    rows = [row("prep", graph_us([c.prep for c in cases])),
-            row("layer", graph_us([c.layer for c in cases]), splits=S, config="default"),
-            row("attention", graph_us([c.attention for c in cases]), splits=S, config="default", **tile)]
+    rows = [row(graph_us([c.attention for c in cases]), splits=S, config="default", **tile)]
     if quick:
         return rows
     sweep = []
@@ -135,11 +122,11 @@ def bench_shape(name: str, geom: dict, B: int, ctx: int, hbm: float, quick: bool
         except Exception as e:  # noqa: BLE001 - e.g. out of shared memory for a large tile: skip that config
             print(f"skip {t} S={s}: {type(e).__name__}: {str(e)[:120]}", flush=True)
             continue
-        sweep.append(row("attention", us, splits=s, config="sweep", **t))
+        sweep.append(row(us, splits=s, config="sweep", **t))
     for mc in MIN_CHUNKS:   # fewer live splits (fewer partials to merge) at the same grid
         t = {**tile, "min_chunk": mc}
         us = graph_us([lambda c=c: c.attention(splits=S, tile=t) for c in cases])
-        sweep.append(row("attention", us, splits=S, config="min_chunk", **t))
+        sweep.append(row(us, splits=S, config="min_chunk", **t))
     if sweep:
         min(sweep, key=lambda r: r["us"])["best"] = True
     return rows + sweep

@@ -1,37 +1,42 @@
-"""Full-attention decode: two fused Triton kernels per layer (prep, then one attention launch) that read only each
-sequence's live KV rows.
+"""Full-attention decode: one fused Triton kernel per layer (q/k norm + RoPE + KV write + split-K attention) that
+reads only each sequence's live KV rows.
 
 A decode batch (runtime/layers/batch.py) holds B sequences with one token each. This layer's `tables` [2, B] int64
 gives sequence b's k / v buffer addresses (each [capacity, nkv, hd] contiguous, compute dtype; row p at
-+ p * nkv * hd elements) and `positions` [B] int64 its token's position p_b. Grids depend on (B, nq, nkv, S) only and
-every address and length is read on the device, so a captured CUDA graph replays any step of any set of sequences.
++ p * nkv * hd elements) and `positions` [B] int64 its token's position p_b. The grid depends on (B, nq, nkv, S) only
+and every address and length is read on the device, so a captured CUDA graph replays any step of any set of sequences.
 
-1. `prep_decode`, grid (B, nq + nkv), one head per program, from qkv [B, (nq + 2 nkv [+ nq gate]) * hd]:
-     q_h = rope(norm_q(q_h)) -> q [B, nq, hd];   k_g = rope(norm_k(k_g)), v_g -> row p_b of sequence b's buffers.
+`decode_attention`, grid (S, B * nkv), from qkv [B, (nq + 2 nkv [+ nq gate]) * hd]: split-K flash decoding over keys
+0..p_b (GQA: q head h reads kv head h // r, r = nq / nkv). Program (s, b, g) covers keys [s c, min((s + 1) c, n))
+with n = p_b + 1 and c = max(cdiv(cdiv(n, S), BLOCK_N) * BLOCK_N, min_chunk), for the r query heads of kv head g at
+once (one [R, hd] x [hd, BLOCK_N] tl.dot, R = r padded to >= 16 rows), so each key block is read once per kv head.
+Splits s >= n_live = cdiv(n, c) are empty: they do nothing but, when n_live > 1, count themselves in (below).
+1. Prep, in registers. Every program computes its own q tile, q_h = rope(norm_q(q_h)) (redundant across splits,
+   cheap; its loads go out with the position's). The one holding key p_b (s = n_live - 1) first writes
+   k_g = rope(norm_k(k_g)) and v_g to row p_b of sequence b's buffers, then a CTA barrier (a CTA's global stores are
+   visible to its own threads after it), so its key loop reads that row like any other; no other program reads it.
    norm(x) = (w * x * rsqrt(mean(x^2) + eps)) in fp32, cast to the compute dtype (layers/norm.py RMSNorm).
    rope(x)_i = x_i cos_i + rot(x)_i sin_i for i < rd = cos.shape[1], rot = rotate_half (-x_{i+rd/2} for i < rd/2,
    x_{i-rd/2} after); dims >= rd pass through. Each product and the sum are rounded to the compute dtype, as
-   layers/rope.py `apply_rotary` does in torch. The gate rows stay in qkv.
-2. `decode_attention`: split-K flash decoding over keys 0..p_b (GQA: q head h reads kv head h // r, r = nq / nkv),
-   one kernel, grid (S, B * nkv). Program (s, b, g) covers keys [s c, min((s + 1) c, p_b + 1)) with
-   c = max(cdiv(cdiv(p_b + 1, S), BLOCK_N) * BLOCK_N, min_chunk), for the r query heads of kv head g at once (one
-   [R, hd] x [hd, BLOCK_N] tl.dot, R = r padded to >= 16 rows), so each key block is read once per kv head. Splits
-   s >= cdiv(p_b + 1, c) are empty and do nothing but count themselves in (below): short contexts cost little.
-   Online softmax in fp32 in base 2 (scores times scale * log2 e); a non-empty split writes the partial
-   o_s = sum_j 2^(x_j - m) v_j / l (fp32 [r, hd]) and lse_s = m + log2 l to scratch.
-   Last block reduces: after its stores (a CTA barrier, then thread 0's acq_rel gpu-scope atomic) each program
-   increments counter[b, g]; the one that reads S - 1 is the last, its acquire makes every partial visible, and it
-   merges them: out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M), M = max_s lse_s over the live splits (split 0
-   always holds key 0, so M is finite), loading [CB, r, hd] partials per step; cast to the compute dtype; with a
-   gate, times sigmoid(gate) rounded to the compute dtype and the product rounded again (the torch path's
-   `out * torch.sigmoid(gate)`). It then sets counter[b, g] back to 0, so the module-level zeroed counter buffer
-   (`_counters`) is ready for the next call, graph replays included.
+   layers/rope.py `apply_rotary` does in torch.
+2. Online softmax in fp32 in base 2 (scores times scale * log2 e): o_s = sum_j 2^(x_j - m) v_j / l,
+   lse_s = m + log2 l.
+3. Finish: out = o cast to the compute dtype; with a gate (the last nq * hd columns of qkv), times sigmoid(gate)
+   rounded to the compute dtype and the product rounded again (the torch path's `out * torch.sigmoid(gate)`).
+   n_live == 1 (n <= c: short contexts): program 0 finishes alone from its registers; no counter, no partials.
+   n_live > 1: live splits write o_s (fp32 [r, hd]) and lse_s to scratch, and the last block reduces: after its
+   stores (a CTA barrier, then thread 0's acq_rel gpu-scope atomic) each program increments counter[b, g]; the one
+   that reads S - 1 is the last, its acquire makes every partial visible, and it merges them:
+   o = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M), M = max_s lse_s over the live splits (split 0 always holds key
+   0, so M is finite), loading [CB, r, hd] partials per step. It then sets counter[b, g] back to 0, so the
+   module-level zeroed counter buffer (`_counters`) is ready for the next call, graph replays included.
    Work per step: O(p_b) KV rows per sequence, plus O(B nq S hd) fp32 partials; never O(capacity).
 S (splits) comes from the SM count so that B * nkv * S programs fill the GPU (`CONFIG`), a function of shapes only.
 
 Dots run on bf16 tensor cores with fp32 accumulation; probabilities enter the P V dot rounded to the compute dtype
 (the usual flash-attention trade). fp32 inputs (CPU tests) and Triton's CPU interpreter (which mis-multiplies bf16
-dots) use exact fp32 dots instead. The references below are plain per-sequence torch loops over explicit buffers.
+dots) use exact fp32 dots instead; there (bf16) RNE_BITS rounds to nearest even before each cast, which the
+interpreter truncates. The reference below is a plain per-sequence torch loop over explicit buffers.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ft.runtime.gpu.fused_ops import _cast, _rne_bits
 from ft.runtime.layers.norm import rms_normalize
 from ft.runtime.layers.rope import apply_rotary
 
@@ -52,7 +58,6 @@ CONFIG = {
               256: {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2},
               "default": {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}},
     "programs_per_sm": 1, "min_splits": 1, "max_splits": 64,
-    "prep_warps": 1,
     # keys per split at least this (rounded up to BLOCK_N; 0 = just cdiv(length, S)): fewer live splits, fewer
     # partials to merge; fp32 elements the merging program loads per step ([CB, r, hd]); smallest counter buffer
     "min_chunk": 0, "combine_elems": 8192, "min_counters": 1024,
@@ -62,86 +67,107 @@ _COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
 
 
 @triton.jit
-def _prep_kernel(qkv, row_stride, q_out, qw, kw, eps, cos, sin, cs_stride, tables, tab_s0, tab_s1, positions,
-                 NQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, RD: tl.constexpr, BLOCK_D: tl.constexpr,
-                 Q_NORM: tl.constexpr, K_NORM: tl.constexpr):
-    b = tl.program_id(0)
-    h = tl.program_id(1)                     # < NQ: q head h; else kv head h - NQ (k at the same offset h * HD)
-    dt = q_out.dtype.element_ty
-    d = tl.arange(0, BLOCK_D)
-    dm = d < HD
-    HALF: tl.constexpr = RD // 2
-    partner = tl.where(d < HALF, d + HALF, d - HALF)          # rotate_half partner of dim d < RD
-    pm = d < RD
-    row = qkv + b.to(tl.int64) * row_stride + h * HD
-    x = tl.load(row + d, mask=dm, other=0.0).to(tl.float32)
-    xp = tl.load(row + partner, mask=pm, other=0.0).to(tl.float32)
-    is_q = h < NQ
-    if Q_NORM or K_NORM:
-        rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / HD + eps)
-        w = tl.full((BLOCK_D,), 1.0, tl.float32)
-        wp = tl.full((BLOCK_D,), 1.0, tl.float32)
-        if Q_NORM:
-            w = tl.where(is_q, tl.load(qw + d, mask=dm, other=0.0), w)
-            wp = tl.where(is_q, tl.load(qw + partner, mask=pm, other=0.0), wp)
-        if K_NORM:
-            w = tl.where(is_q, w, tl.load(kw + d, mask=dm, other=0.0))
-            wp = tl.where(is_q, wp, tl.load(kw + partner, mask=pm, other=0.0))
-        if Q_NORM and K_NORM:
-            normed = h >= 0
-        elif Q_NORM:
-            normed = is_q
-        else:
-            normed = h >= NQ
-        x = tl.where(normed, (x * rstd * w).to(dt).to(tl.float32), x)
-        xp = tl.where(normed, (xp * rstd * wp).to(dt).to(tl.float32), xp)
-    y = x
+def _load_head(head, hm, w, cos_row, sin_row, NORM: tl.constexpr, HD: tl.constexpr, RD: tl.constexpr,
+               BLOCK_D: tl.constexpr):
+    """`_norm_rope`'s loads, apart from its math so that they all go out at once (before the norm's reduction).
+    head [M, 1]: pointers to M heads' first dims in a qkv row, hm [M, 1] their mask; w the norm weight [HD] (NORM);
+    cos_row / sin_row [RD] -> x fp32 [M, BLOCK_D], its rotate_half partners xp, w at d and at the partner, cos, sin
+    (fp32 [1, BLOCK_D]; placeholders where unused)."""
+    d = tl.arange(0, BLOCK_D)[None, :]
+    x = tl.load(head + d, mask=hm & (d < HD), other=0.0).to(tl.float32)
+    xp, wd, wp, c, sn = x, 1.0, 1.0, 1.0, 0.0
+    if NORM:
+        wd = tl.load(w + d, mask=d < HD, other=0.0)
     if RD > 0:
-        c = tl.load(cos + b.to(tl.int64) * cs_stride + d, mask=pm, other=0.0).to(tl.float32)
-        s = tl.load(sin + b.to(tl.int64) * cs_stride + d, mask=pm, other=0.0).to(tl.float32)
-        rot = tl.where(d < HALF, -xp, xp)
-        ry = (x * c).to(dt).to(tl.float32) + (rot * s).to(dt).to(tl.float32)
-        y = tl.where(pm, ry, x)
-    if h < NQ:
-        tl.store(q_out + (b.to(tl.int64) * NQ + h) * HD + d, y.to(dt), mask=dm)
-    else:
-        g = h - NQ
-        pos = tl.load(positions + b)
-        kbuf = tl.load(tables + b * tab_s1).to(tl.int64).to(tl.pointer_type(dt))
-        vbuf = tl.load(tables + tab_s0 + b * tab_s1).to(tl.int64).to(tl.pointer_type(dt))
-        off = (pos.to(tl.int64) * NKV + g) * HD + d
-        tl.store(kbuf + off, y.to(dt), mask=dm)
-        tl.store(vbuf + off, tl.load(row + NKV * HD + d, mask=dm), mask=dm)
+        HALF: tl.constexpr = RD // 2
+        partner = tl.where(d < HALF, d + HALF, d - HALF)        # the partner of dim d < RD
+        pm = d < RD
+        xp = tl.load(head + partner, mask=hm & pm, other=0.0).to(tl.float32)
+        c = tl.load(cos_row + d, mask=pm, other=0.0).to(tl.float32)
+        sn = tl.load(sin_row + d, mask=pm, other=0.0).to(tl.float32)
+        if NORM:
+            wp = tl.load(w + partner, mask=pm, other=0.0)
+    return x, xp, wd, wp, c, sn
 
 
 @triton.jit
-def _decode_kernel(q, tables, tab_s0, tab_s1, positions, o_part, lse_part, counters, out, gate, gate_stride,
-                   qk_scale,
-                   NQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, R: tl.constexpr, R_PAD: tl.constexpr,
-                   R2: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                   MIN_CHUNK: tl.constexpr, CB: tl.constexpr, GATE: tl.constexpr, DOT_F32: tl.constexpr):
+def _norm_rope(x, xp, wd, wp, c, sn, eps, dt: tl.constexpr, NORM: tl.constexpr, HD: tl.constexpr,
+               RD: tl.constexpr, BLOCK_D: tl.constexpr, RNE_BITS: tl.constexpr):
+    """rope(norm(x)) [M, BLOCK_D] in the compute dtype dt (step 1), from `_load_head`'s loads."""
+    d = tl.arange(0, BLOCK_D)[None, :]
+    if NORM:
+        rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / HD + eps)[:, None]
+        x = _cast(x * rstd * wd, dt, RNE_BITS).to(tl.float32)
+        xp = _cast(xp * rstd * wp, dt, RNE_BITS).to(tl.float32)
+    if RD > 0:
+        rot = tl.where(d < RD // 2, -xp, xp)
+        y = _cast(x * c, dt, RNE_BITS).to(tl.float32) + _cast(rot * sn, dt, RNE_BITS).to(tl.float32)
+        x = tl.where(d < RD, y, x)
+    return _cast(x, dt, RNE_BITS)
+
+
+@triton.jit
+def _finish(o, gt, out, heads, hm, d, HD: tl.constexpr, GATE: tl.constexpr, RNE_BITS: tl.constexpr):
+    """o fp32 [M, BLOCK_D]: the attention of query heads `heads` [M] (mask hm) of one sequence, gt their gate (fp32,
+    used when GATE); out points at that sequence's output row -> stores the gated output (step 3)."""
+    dt = out.dtype.element_ty
+    y = _cast(o, dt, RNE_BITS)
+    if GATE:
+        y = _cast(y.to(tl.float32) * _cast(1.0 / (1.0 + tl.exp(-gt)), dt, RNE_BITS).to(tl.float32), dt, RNE_BITS)
+    tl.store(out + heads[:, None] * HD + d[None, :], y, mask=hm[:, None] & (d < HD)[None, :])
+
+
+@triton.jit
+def _decode_kernel(qkv, row_stride, gate_off, qw, kw, eps, cos, sin, cs_stride, tables, tab_s0, tab_s1, positions,
+                   o_part, lse_part, counters, out, qk_scale,
+                   NQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, RD: tl.constexpr, R: tl.constexpr,
+                   R_PAD: tl.constexpr, R2: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_D: tl.constexpr, MIN_CHUNK: tl.constexpr, CB: tl.constexpr, Q_NORM: tl.constexpr,
+                   K_NORM: tl.constexpr, GATE: tl.constexpr, DOT_F32: tl.constexpr, RNE_BITS: tl.constexpr):
     s = tl.program_id(0)
     bg = tl.program_id(1)
     b = bg // NKV
     g = bg % NKV
-    dt = q.dtype.element_ty
-    length = (tl.load(positions + b) + 1).to(tl.int32)
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(length, S), BLOCK_N) * BLOCK_N, MIN_CHUNK)
-    start = s * chunk
+    dt = qkv.dtype.element_ty
+    # The q prep doesn't depend on p_b: its loads go out with the position's and the buffer addresses' (one round
+    # trip, not two), and every program computes its q tile (empty splits too: none waits on the position first).
+    pos = tl.load(positions + b)
+    kbuf = tl.load(tables + b * tab_s1).to(tl.pointer_type(dt))
+    vbuf = tl.load(tables + tab_s0 + b * tab_s1).to(tl.pointer_type(dt))
     d = tl.arange(0, BLOCK_D)
     dm = d < HD
+    row = qkv + b.to(tl.int64) * row_stride                     # this token's [q | k | v | gate] row
+    cos_row = cos + b.to(tl.int64) * cs_stride
+    sin_row = sin + b.to(tl.int64) * cs_stride
+    rows = tl.arange(0, R_PAD)                                  # query heads g*R + rows, rows >= R are padding
+    rm = rows < R
+    heads = g * R + rows
+    qx, qxp, qwd, qwp, c, sn = _load_head(row + (heads * HD)[:, None], rm[:, None], qw, cos_row, sin_row,
+                                          Q_NORM, HD, RD, BLOCK_D)
+    if GATE:    # for split 0, the only one that may finish alone (below)
+        gt = tl.load(row + gate_off + heads[:, None] * HD + d[None, :],
+                     mask=(rows < tl.where(s == 0, R, 0))[:, None] & dm[None, :], other=0.0).to(tl.float32)
+    else:
+        gt = 0.0
+    qt = _norm_rope(qx, qxp, qwd, qwp, c, sn, eps, dt, Q_NORM, HD, RD, BLOCK_D, RNE_BITS)   # [R_PAD, BD]
+    length = (pos + 1).to(tl.int32)
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(length, S), BLOCK_N) * BLOCK_N, MIN_CHUNK)
+    n_live = tl.cdiv(length, chunk)                             # splits 0 .. n_live - 1 hold keys
+    start = s * chunk
+    out_row = out + b.to(tl.int64) * NQ * HD
     base = bg.to(tl.int64) * S                                  # partial row (bg * S + s) * R + head-in-group
-    # The buffer addresses don't depend on the position: load them alongside it (one round trip, not two).
-    kaddr = tl.load(tables + b * tab_s1)
-    vaddr = tl.load(tables + tab_s0 + b * tab_s1)
-    if start < length:                                          # an empty split only counts itself in (below)
+    if start < length:
+        if s == n_live - 1:                                     # holds key p_b: write its k and v first
+            kx, kxp, kwd, kwp, c, sn = _load_head(row + (NQ + g) * HD + tl.zeros((1, 1), tl.int32),
+                                                  tl.arange(0, 1)[:, None] < 1, kw, cos_row, sin_row,
+                                                  K_NORM, HD, RD, BLOCK_D)
+            v_new = tl.load(row + (NQ + NKV + g) * HD + d, mask=dm)
+            k_new = _norm_rope(kx, kxp, kwd, kwp, c, sn, eps, dt, K_NORM, HD, RD, BLOCK_D, RNE_BITS)  # [1, BD]
+            at = (pos * NKV + g) * HD + d
+            tl.store(kbuf + at[None, :], k_new, mask=dm[None, :])
+            tl.store(vbuf + at, v_new, mask=dm)
+            tl.debug_barrier()                                  # the key loop below reads row p_b back
         end = tl.minimum(start + chunk, length)
-        rows = tl.arange(0, R_PAD)                              # query heads g*R + rows, rows >= R are padding
-        rm = rows < R
-        heads = (b * NQ + g * R + rows).to(tl.int64)
-        qt = tl.load(q + heads[:, None] * HD + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0)  # [R_PAD, BD]
-        kbuf = kaddr.to(tl.int64).to(tl.pointer_type(dt))
-        vbuf = vaddr.to(tl.int64).to(tl.pointer_type(dt))
         m = tl.full((R_PAD,), float("-inf"), tl.float32)
         l = tl.zeros((R_PAD,), tl.float32)
         acc = tl.zeros((R_PAD, BLOCK_D), tl.float32)
@@ -167,65 +193,45 @@ def _decode_kernel(q, tables, tab_s0, tab_s1, positions, o_part, lse_part, count
                 pv = tl.dot(p.to(dt), vt)
             acc = acc * alpha[:, None] + pv
             m = m_new
-        part = (base + s) * R + rows                            # l > 0 on every row: the split holds a live key
-        tl.store(o_part + part[:, None] * HD + d[None, :], acc / l[:, None], mask=rm[:, None] & dm[None, :])
-        tl.store(lse_part + part, m + tl.log2(l), mask=rm)
-    # Last block reduces: every program of (b, g) counts itself in; the barrier orders all of this CTA's partial
-    # stores before the (thread-0) release of the atomic, and the one that sees S - 1 acquires them all.
-    tl.debug_barrier()
-    count = tl.atomic_add(counters + bg, 1, sem="acq_rel", scope="gpu")
-    if count == S - 1:
-        n_live = tl.cdiv(length, chunk)                         # splits 0 .. n_live - 1 wrote partials
-        r2 = tl.arange(0, R2)
-        r2m = r2 < R
-        sp = tl.arange(0, S)
-        lse = tl.load(lse_part + (base + sp)[:, None] * R + r2[None, :], mask=(sp < n_live)[:, None] & r2m[None, :],
-                      other=float("-inf"), cache_modifier=".cg")                               # [S, R2]
-        big_m = tl.where(r2m, tl.max(lse, axis=0), 0.0)         # split 0 holds key 0: finite on real rows
-        den = tl.where(r2m, tl.sum(tl.exp2(lse - big_m[None, :]), axis=0), 1.0)
-        om = r2m[:, None] & dm[None, :]
-        if GATE:                                                # loaded before the partials' loop, not after
-            gt = tl.load(gate + b.to(tl.int64) * gate_stride + (g * R + r2)[:, None] * HD + d[None, :], mask=om,
-                         other=0.0).to(tl.float32)
-        acc = tl.zeros((CB, R2, BLOCK_D), tl.float32)          # summed over its CB axis once, after the loop
-        for s0 in range(0, n_live, CB):                         # CB splits x R heads x hd per load
-            sc = s0 + tl.arange(0, CB)
-            pm = (sc < n_live)[:, None] & r2m[None, :]
-            idx = (base + sc)[:, None] * R + r2[None, :]                                       # [CB, R2]
-            w = tl.exp2(tl.load(lse_part + idx, mask=pm, other=float("-inf"), cache_modifier=".cg")
-                        - big_m[None, :])
-            o = tl.load(o_part + idx[:, :, None] * HD + d[None, None, :], mask=pm[:, :, None] & dm[None, None, :],
-                        other=0.0, cache_modifier=".cg")                                        # [CB, R2, BD]
-            acc += w[:, :, None] * o
-        y = (tl.sum(acc, axis=0) / den[:, None]).to(dt)
-        heads2 = (b * NQ + g * R + r2).to(tl.int64)
-        if GATE:
-            sg = (1.0 / (1.0 + tl.exp(-gt))).to(dt).to(tl.float32)
-            y = (y.to(tl.float32) * sg).to(dt)
-        tl.store(out + heads2[:, None] * HD + d[None, :], y, mask=om)
-        tl.store(counters + bg, 0)                              # ready for the next call (next kernel on the stream)
-
-
-def prep_decode(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
-                cos: torch.Tensor | None, sin: torch.Tensor | None, tables: torch.Tensor, positions: torch.Tensor,
-                *, nq: int, nkv: int, hd: int) -> torch.Tensor:
-    """qkv [B, rows] (rows = [q | k | v | gate?], unit column stride); q_norm / k_norm fp32 [hd] or None; cos / sin
-    [B, rd] or None; tables int64 [2, B]; positions int64 [B] -> q [B, nq, hd] (module docstring, kernel 1). Writes k
-    and v at row positions[b] of sequence b's buffers."""
-    B = qkv.shape[0]
-    assert qkv.stride(1) == 1 and qkv.shape[1] >= (nq + 2 * nkv) * hd, (qkv.shape, nq, nkv, hd)
-    q = torch.empty(B, nq, hd, dtype=qkv.dtype, device=qkv.device)
-    rd = 0 if cos is None else cos.shape[1]
-    if rd:
-        assert cos.shape == sin.shape == (B, rd) and cos.stride(1) == sin.stride(1) == 1 and rd % 2 == 0
-        assert sin.stride(0) == cos.stride(0)
-    _prep_kernel[(B, nq + nkv)](
-        qkv, qkv.stride(0), q, qkv if q_norm is None else q_norm, qkv if k_norm is None else k_norm, float(eps),
-        qkv if cos is None else cos, qkv if sin is None else sin, 0 if cos is None else cos.stride(0),
-        tables, tables.stride(0), tables.stride(1), positions,
-        NQ=nq, NKV=nkv, HD=hd, RD=rd, BLOCK_D=triton.next_power_of_2(hd),
-        Q_NORM=q_norm is not None, K_NORM=k_norm is not None, num_warps=CONFIG["prep_warps"])
-    return q
+        o = acc / l[:, None]                                    # l > 0 on every row: the split holds a live key
+        if n_live == 1:
+            _finish(o, gt, out_row, heads, rm, d, HD, GATE, RNE_BITS)
+        else:
+            part = (base + s) * R + rows
+            tl.store(o_part + part[:, None] * HD + d[None, :], o, mask=rm[:, None] & dm[None, :])
+            tl.store(lse_part + part, m + tl.log2(l), mask=rm)
+    if n_live > 1:
+        # Last block reduces: every program of (b, g) counts itself in; the barrier orders all of this CTA's partial
+        # stores before the (thread-0) release of the atomic, and the one that sees S - 1 acquires them all.
+        tl.debug_barrier()
+        count = tl.atomic_add(counters + bg, 1, sem="acq_rel", scope="gpu")
+        if count == S - 1:
+            r2 = tl.arange(0, R2)
+            r2m = r2 < R
+            heads2 = g * R + r2
+            sp = tl.arange(0, S)
+            lse = tl.load(lse_part + (base + sp)[:, None] * R + r2[None, :],
+                          mask=(sp < n_live)[:, None] & r2m[None, :], other=float("-inf"),
+                          cache_modifier=".cg")                                                # [S, R2]
+            big_m = tl.where(r2m, tl.max(lse, axis=0), 0.0)     # split 0 holds key 0: finite on real rows
+            den = tl.where(r2m, tl.sum(tl.exp2(lse - big_m[None, :]), axis=0), 1.0)
+            if GATE:                                            # loaded before the partials' loop, not after
+                gt2 = tl.load(row + gate_off + heads2[:, None] * HD + d[None, :], mask=r2m[:, None] & dm[None, :],
+                              other=0.0).to(tl.float32)
+            else:
+                gt2 = 0.0
+            acc2 = tl.zeros((CB, R2, BLOCK_D), tl.float32)      # summed over its CB axis once, after the loop
+            for s0 in range(0, n_live, CB):                     # CB splits x R heads x hd per load
+                sc = s0 + tl.arange(0, CB)
+                pm = (sc < n_live)[:, None] & r2m[None, :]
+                idx = (base + sc)[:, None] * R + r2[None, :]                                   # [CB, R2]
+                w = tl.exp2(tl.load(lse_part + idx, mask=pm, other=float("-inf"), cache_modifier=".cg")
+                            - big_m[None, :])
+                o2 = tl.load(o_part + idx[:, :, None] * HD + d[None, None, :],
+                             mask=pm[:, :, None] & dm[None, None, :], other=0.0, cache_modifier=".cg")
+                acc2 += w[:, :, None] * o2                                                     # [CB, R2, BD]
+            _finish(tl.sum(acc2, axis=0) / den[:, None], gt2, out_row, heads2, r2m, d, HD, GATE, RNE_BITS)
+            tl.store(counters + bg, 0)                          # ready for the next call (next kernel on the stream)
 
 
 def num_splits(batch: int, nkv: int, device: torch.device) -> int:
@@ -254,44 +260,51 @@ def _counters(n: int, device: torch.device) -> torch.Tensor:
     return buf
 
 
-def decode_attention(q: torch.Tensor, tables: torch.Tensor, positions: torch.Tensor, *, nkv: int, scale: float,
-                     gate: torch.Tensor | None = None, splits: int | None = None,
+def decode_attention(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                     cos: torch.Tensor | None, sin: torch.Tensor | None, tables: torch.Tensor, positions: torch.Tensor,
+                     *, nq: int, nkv: int, hd: int, scale: float, gated: bool, splits: int | None = None,
                      tile: dict | None = None) -> torch.Tensor:
-    """q [B, nq, hd] (contiguous); tables int64 [2, B]; positions int64 [B]; gate [B, nq * hd] (unit column stride)
-    or None -> out [B, nq * hd] in q's dtype (module docstring, kernel 2). `splits` (a power of two) and `tile`
-    ({BLOCK_N, num_warps, num_stages[, min_chunk]}) override `num_splits` and CONFIG (tests, benchmark sweeps).
-    One launch; it uses a module-level counter buffer (`_counters`), so calls on one device must not run
-    concurrently on different streams."""
-    B, nq, hd = q.shape
-    assert q.is_contiguous() and nq % nkv == 0, (q.shape, nkv)
+    """qkv [B, rows] (rows = [q | k | v | gate if gated], unit column stride; the gate is the last nq * hd columns);
+    q_norm / k_norm fp32 [hd] or None; cos / sin [B, rd] or None; tables int64 [2, B]; positions int64 [B] -> out
+    [B, nq * hd] in qkv's dtype (module docstring). Writes k and v at row positions[b] of sequence b's buffers.
+    `splits` (a power of two) and `tile` ({BLOCK_N, num_warps, num_stages[, min_chunk]}) override `num_splits` and
+    CONFIG (tests, benchmark sweeps). One launch; it uses a module-level counter buffer (`_counters`), so calls on one
+    device must not run concurrently on different streams."""
+    B, width = qkv.shape
+    assert qkv.stride(1) == 1 and nq % nkv == 0 and width >= (nq + 2 * nkv + nq * gated) * hd, (qkv.shape, nq, nkv)
+    rd = 0 if cos is None else cos.shape[1]
+    if rd:
+        assert cos.shape == sin.shape == (B, rd) and cos.stride() == sin.stride() and cos.stride(1) == 1 and rd % 2 == 0
     r = nq // nkv
-    S = splits or num_splits(B, nkv, q.device)
+    S = splits or num_splits(B, nkv, qkv.device)
     assert S & (S - 1) == 0, S
     t = tile or CONFIG["tiles"].get(hd, CONFIG["tiles"]["default"])
     bn = t["BLOCK_N"]
-    min_chunk = t.get("min_chunk", CONFIG["min_chunk"])
-    min_chunk = triton.cdiv(min_chunk, bn) * bn                 # a multiple of BLOCK_N (0: cdiv(length, S) rounded)
+    min_chunk = triton.cdiv(t.get("min_chunk", CONFIG["min_chunk"]), bn) * bn    # a multiple of BLOCK_N (0: none)
     bd = triton.next_power_of_2(hd)
     r2 = triton.next_power_of_2(r)
     cb = max(1, min(S, CONFIG["combine_elems"] // (r2 * bd)))
-    o_part = torch.empty(B * nkv * S * r, hd, dtype=torch.float32, device=q.device)
-    lse = torch.empty(B * nkv * S * r, dtype=torch.float32, device=q.device)
-    out = torch.empty(B, nq * hd, dtype=q.dtype, device=q.device)
-    if gate is not None:
-        assert gate.shape == (B, nq * hd) and gate.stride(1) == 1, gate.shape
+    o_part = torch.empty(B * nkv * S * r, hd, dtype=torch.float32, device=qkv.device)
+    lse = torch.empty(B * nkv * S * r, dtype=torch.float32, device=qkv.device)
+    out = torch.empty(B, nq * hd, dtype=qkv.dtype, device=qkv.device)
     _decode_kernel[(S, B * nkv)](
-        q, tables, tables.stride(0), tables.stride(1), positions, o_part, lse, _counters(B * nkv, q.device), out,
-        out if gate is None else gate, 0 if gate is None else gate.stride(0), float(scale) * math.log2(math.e),
-        NQ=nq, NKV=nkv, HD=hd, R=r, R_PAD=max(16, r2), R2=r2, S=S, BLOCK_N=bn, BLOCK_D=bd, MIN_CHUNK=min_chunk,
-        CB=cb, GATE=gate is not None, DOT_F32=q.dtype == torch.float32 or not q.is_cuda,
-        num_warps=t["num_warps"], num_stages=t["num_stages"])
+        qkv, qkv.stride(0), width - nq * hd, qkv if q_norm is None else q_norm, qkv if k_norm is None else k_norm,
+        float(eps), qkv if cos is None else cos, qkv if sin is None else sin, 0 if cos is None else cos.stride(0),
+        tables, tables.stride(0), tables.stride(1), positions, o_part, lse, _counters(B * nkv, qkv.device), out,
+        float(scale) * math.log2(math.e),
+        NQ=nq, NKV=nkv, HD=hd, RD=rd, R=r, R_PAD=max(16, r2), R2=r2, S=S, BLOCK_N=bn, BLOCK_D=bd,
+        MIN_CHUNK=min_chunk, CB=cb, Q_NORM=q_norm is not None, K_NORM=k_norm is not None, GATE=gated,
+        DOT_F32=qkv.dtype == torch.float32 or not qkv.is_cuda, RNE_BITS=_rne_bits(qkv), num_warps=t["num_warps"],
+        num_stages=t["num_stages"])
     return out
 
 
-def prep_decode_ref(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
-                    cos: torch.Tensor | None, sin: torch.Tensor | None, kv: list[tuple[torch.Tensor, torch.Tensor]],
-                    positions: torch.Tensor, *, nq: int, nkv: int, hd: int) -> torch.Tensor:
-    """Torch reference of `prep_decode`, with kv[b] = sequence b's (k, v) buffers in place of `tables`."""
+def decode_attention_ref(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                         cos: torch.Tensor | None, sin: torch.Tensor | None,
+                         kv: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor, *, nq: int, nkv: int,
+                         hd: int, scale: float, gated: bool) -> torch.Tensor:
+    """Torch reference of `decode_attention`, with kv[b] = sequence b's (k, v) buffers in place of `tables`: the
+    layer's eager ops, then fp32 softmax attention per sequence over rows 0..positions[b]."""
     B, dtype = qkv.shape[0], qkv.dtype
     q = qkv[:, : nq * hd].reshape(B, nq, hd)
     k = qkv[:, nq * hd:(nq + nkv) * hd].reshape(B, nkv, hd)
@@ -302,20 +315,12 @@ def prep_decode_ref(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torc
         k = (rms_normalize(k, eps) * k_norm).to(dtype)
     if cos is not None:
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    r = nq // nkv
+    out = torch.empty(B, nq * hd, dtype=dtype, device=qkv.device)
     for b, p in enumerate(positions.tolist()):
         kv[b][0][p] = k[b]
         kv[b][1][p] = v[b]
-    return q.contiguous()
-
-
-def decode_attention_ref(q: torch.Tensor, kv: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor, *,
-                         nkv: int, scale: float, gate: torch.Tensor | None = None) -> torch.Tensor:
-    """Torch reference of `decode_attention` (fp32 softmax attention per sequence over rows 0..positions[b])."""
-    B, nq, hd = q.shape
-    r = nq // nkv
-    out = torch.empty(B, nq * hd, dtype=q.dtype, device=q.device)
-    for b, p in enumerate(positions.tolist()):
-        k, v = (t[: p + 1].float().repeat_interleave(r, dim=1) for t in kv[b])      # [p + 1, nq, hd]
-        w = (torch.einsum("hd,lhd->hl", q[b].float(), k) * scale).softmax(-1)
-        out[b] = torch.einsum("hl,lhd->hd", w, v).reshape(-1).to(q.dtype)
-    return out if gate is None else out * torch.sigmoid(gate)
+        kb, vb = (t[: p + 1].float().repeat_interleave(r, dim=1) for t in kv[b])            # [p + 1, nq, hd]
+        w = (torch.einsum("hd,lhd->hl", q[b].float(), kb) * scale).softmax(-1)
+        out[b] = torch.einsum("hl,lhd->hd", w, vb).reshape(-1).to(dtype)
+    return out * torch.sigmoid(qkv[:, -nq * hd:]) if gated else out

@@ -5,8 +5,8 @@ Per head: optional RMSNorm of q and k over head_dim (before RoPE), then (partial
 rows into its cache at positions `[past, past + T)` and its queries attend to cache rows `[0, past + T)`, query i
 seeing keys up to `past + i`. Gated attention multiplies the attention output by `sigmoid(gate)` before `o_proj`.
 
-Decode batches (`batch.decode`, one token per segment, `past` taken from `batch.positions`): with `_fused` set, two
-Triton kernels (`ft.runtime.gpu.decode_attention`) do norm + RoPE + the KV write, then split-K attention over each
+Decode batches (`batch.decode`, one token per segment, `past` taken from `batch.positions`): with `_fused` set, one
+Triton kernel (`ft.runtime.gpu.decode_attention`) does norm + RoPE + the KV write and split-K attention over each
 sequence's live rows only, finding buffers through `batch.tables` and lengths through `batch.positions` on the
 device (CUDA-graph replayable). Without `_fused` (CPU), the eager per-segment path below is the reference.
 """
@@ -73,16 +73,14 @@ class Attention(Op):
         return self.o_proj(out)
 
     def _fused_decode(self, qkv: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        """qkv [B, rows] of a decode batch -> attention output [B, nq·hd] (gated), via the two decode kernels."""
-        from ft.runtime.gpu.decode_attention import decode_attention, prep_decode
+        """qkv [B, rows] of a decode batch -> attention output [B, nq·hd] (gated), via the one decode kernel."""
+        from ft.runtime.gpu.decode_attention import decode_attention
 
-        tables = batch.tables[self._layer]                          # [2, B]: k / v buffer addresses
         norm = hasattr(self, "q_norm")
-        q = prep_decode(qkv, self.q_norm.weight if norm else None, self.k_norm.weight if norm else None, self._eps,
-                        batch.rope["cos"], batch.rope["sin"], tables, batch.positions,
-                        nq=self._nq, nkv=self._nkv, hd=self._hd)
-        gate = qkv[:, -self._nq * self._hd:] if self._gated else None
-        return decode_attention(q, tables, batch.positions, nkv=self._nkv, scale=self._hd ** -0.5, gate=gate)
+        return decode_attention(qkv, self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
+                                self._eps, batch.rope["cos"], batch.rope["sin"], batch.tables[self._layer],
+                                batch.positions, nq=self._nq, nkv=self._nkv, hd=self._hd, scale=self._hd ** -0.5,
+                                gated=self._gated)
 
 
 # Not cuDNN: its SDPA builds an execution plan per new key length, i.e. at every decode step (63 ms of host time per

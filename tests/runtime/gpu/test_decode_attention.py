@@ -1,6 +1,6 @@
-"""Full-attention decode kernels (`runtime/gpu/decode_attention.py`) against their torch references, and
-`Attention.__call__` fused vs reference on one decode batch. Without CUDA the kernels run under Triton's interpreter
-(conftest.py) on CPU tensors, fp32, at tiny sizes; the tables hold the CPU buffers' addresses."""
+"""The fused full-attention decode kernel (`runtime/gpu/decode_attention.py`) against its torch reference, and
+`Attention.__call__` fused vs reference on one decode batch. Without CUDA the kernel runs under Triton's interpreter
+(conftest.py) on CPU tensors at tiny sizes; the tables hold the CPU buffers' addresses."""
 
 from __future__ import annotations
 
@@ -11,8 +11,7 @@ triton = pytest.importorskip("triton")
 
 from ft.formats import ModelConfig  # noqa: E402
 from ft.runtime.gpu import decode_attention as da  # noqa: E402
-from ft.runtime.gpu.decode_attention import (  # noqa: E402
-    decode_attention, decode_attention_ref, num_splits, prep_decode, prep_decode_ref)
+from ft.runtime.gpu.decode_attention import decode_attention, decode_attention_ref, num_splits  # noqa: E402
 from ft.runtime.layers.attention import Attention  # noqa: E402
 from ft.runtime.layers.batch import ForwardBatch, SegmentRows, state_addresses  # noqa: E402
 from ft.runtime.layers.rope import Rotary  # noqa: E402
@@ -20,110 +19,66 @@ from ft.runtime.state import SequenceState  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
-DT = torch.float32
-TOL = 1e-4 if CUDA else 1e-5
+F32, BF16 = torch.float32, torch.bfloat16
+# Output tolerances, relative to max(1, max |out|): rounding order only, except for CUDA's bf16 dots (probabilities
+# rounded to bf16). k / v rows: rounding order (fp32), at most one bf16 ulp (a norm's sum order can flip one).
+TOL = {F32: 1e-4 if CUDA else 1e-5, BF16: 3e-2 if CUDA else 2 ** -7}
+KV_TOL = {F32: 1e-5, BF16: 2 ** -7}
 
 
-def _buffers(lengths, cap, nkv, hd, g, *, fill_past=float("nan")):
-    """Per sequence (k, v) [cap, nkv, hd]: random rows below its length, `fill_past` at and after it."""
-    kv = []
-    for n in lengths:
-        pair = []
-        for _ in range(2):
-            t = torch.randn(cap, nkv, hd, generator=g)
-            t[n:] = fill_past
-            pair.append(t.to(DEV, DT))
-        kv.append(tuple(pair))
-    return kv
+class Case:
+    """Random decode inputs: B sequences at `lengths` (position p_b = length - 1) with fresh buffers, rows before
+    p_b random and rows from p_b on NaN (a read of row p_b before its write, or past it, shows as NaN), and a twin
+    copy of the buffers for the reference."""
+
+    def __init__(self, seed, lengths, nq, nkv, hd, *, rd=None, norm="both", gated=False, dtype=F32, scale=4.0):
+        g = torch.Generator().manual_seed(seed)
+        rd = hd if rd is None else rd
+        B, cap = len(lengths), max(lengths) + 8
+        self.kw = dict(nq=nq, nkv=nkv, hd=hd, scale=hd ** -0.5 * scale, gated=gated)  # scale > 1: a peaked softmax
+        self.dtype, self.lengths = dtype, lengths
+        width = (nq + 2 * nkv + (nq if gated else 0)) * hd
+        # a column slice of a wider row (a row stride other than the width), a non-trivial RMS
+        self.qkv = (torch.randn(B, width + 16, generator=g) * 3 + 1).to(DEV, dtype)[:, 16:]
+        self.q_norm = (torch.rand(hd, generator=g) + 0.5).to(DEV) if norm in ("both", "q") else None
+        self.k_norm = (torch.rand(hd, generator=g) + 0.5).to(DEV) if norm in ("both", "k") else None
+        self.pos = torch.tensor(lengths, dtype=torch.int64, device=DEV) - 1
+        self.cos, self.sin = Rotary(rd, 10000.0).cos_sin(self.pos + 100, dtype) if rd else (None, None)
+        self.kv = []
+        for n in lengths:
+            pair = [torch.randn(cap, nkv, hd, generator=g) for _ in range(2)]
+            for t in pair:
+                t[n - 1:] = float("nan")
+            self.kv.append(tuple(t.to(DEV, dtype) for t in pair))
+        self.before = [tuple(t.clone() for t in pair) for pair in self.kv]
+        self.kv_ref = [tuple(t.clone() for t in pair) for pair in self.kv]
+        self.tables = torch.tensor([[k.data_ptr() for k, _ in self.kv], [v.data_ptr() for _, v in self.kv]],
+                                   dtype=torch.int64, device=DEV)
+
+    def run(self, splits=None, block_n=16, min_chunk=0):
+        tile = {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 1, "min_chunk": min_chunk}
+        return decode_attention(self.qkv, self.q_norm, self.k_norm, 1e-6, self.cos, self.sin, self.tables, self.pos,
+                                splits=splits, tile=tile, **self.kw)
+
+    def check(self, got):
+        """`got` against the reference; row p_b of each buffer as the reference wrote it, every other row as before."""
+        want = decode_attention_ref(self.qkv, self.q_norm, self.k_norm, 1e-6, self.cos, self.sin, self.kv_ref,
+                                    self.pos, **self.kw)
+        _close(got, want, TOL[self.dtype])
+        for n, pair, ref, before in zip(self.lengths, self.kv, self.kv_ref, self.before):
+            for t, t_ref, t0 in zip(pair, ref, before):
+                _close(t[n - 1], t_ref[n - 1], KV_TOL[self.dtype])
+                keep = torch.ones(t.shape[0], dtype=torch.bool, device=DEV)
+                keep[n - 1] = False
+                torch.testing.assert_close(t[keep], t0[keep], rtol=0, atol=0, equal_nan=True)  # nothing else touched
+        v = self.qkv[:, (self.kw["nq"] + self.kw["nkv"]) * self.kw["hd"]:][:, : self.kw["nkv"] * self.kw["hd"]]
+        for b, n in enumerate(self.lengths):
+            assert torch.equal(self.kv[b][1][n - 1].reshape(-1), v[b])  # v passes through unchanged
 
 
-def _tables(kv):
-    return torch.tensor([[k.data_ptr() for k, _ in kv], [v.data_ptr() for _, v in kv]], dtype=torch.int64,
-                        device=DEV)
-
-
-def _close(got, want, tol=TOL):
+def _close(got, want, tol=TOL[F32]):
     assert got.shape == want.shape and torch.isfinite(got).all()
     assert (got.float() - want.float()).abs().max() <= tol * max(1.0, want.float().abs().max())
-
-
-# nq, nkv, hd, rd (partial rotary when < hd, 0 = none), norm ("both", "q", "none"), gate rows, positions
-PREP = [
-    (4, 4, 32, 32, "both", False, [0]),
-    (4, 2, 32, 16, "both", True, [5, 0, 12]),
-    (8, 2, 64, 64, "none", False, [3, 9]),
-    (4, 1, 64, 16, "q", True, [7]),
-    (2, 2, 32, 0, "both", False, [1, 2]),
-]
-
-
-@pytest.mark.parametrize("nq,nkv,hd,rd,norm,gated,positions", PREP)
-def test_prep_decode_matches_reference(nq, nkv, hd, rd, norm, gated, positions):
-    g = torch.Generator().manual_seed(nq * 100 + hd + len(positions))
-    B, cap = len(positions), 16
-    rows = (nq + 2 * nkv + (nq if gated else 0)) * hd
-    qkv = (torch.randn(B, rows, generator=g) * 3 + 1).to(DEV, DT)  # a non-trivial RMS
-    qn = (torch.rand(hd, generator=g) + 0.5).to(DEV) if norm in ("both", "q") else None
-    kn = (torch.rand(hd, generator=g) + 0.5).to(DEV) if norm == "both" else None
-    pos = torch.tensor(positions, dtype=torch.int64, device=DEV)
-    if rd:
-        cos, sin = Rotary(rd, 10000.0).cos_sin(pos + 100, DT)
-    else:
-        cos = sin = None
-    kv = _buffers([cap] * B, cap, nkv, hd, g)  # fully random: every row not written must stay as it was
-    kv_ref = [tuple(t.clone() for t in pair) for pair in kv]
-    before = [tuple(t.clone() for t in pair) for pair in kv]
-    q = prep_decode(qkv, qn, kn, 1e-6, cos, sin, _tables(kv), pos, nq=nq, nkv=nkv, hd=hd)
-    q_ref = prep_decode_ref(qkv, qn, kn, 1e-6, cos, sin, kv_ref, pos, nq=nq, nkv=nkv, hd=hd)
-    _close(q, q_ref)
-    for b, p in enumerate(positions):
-        for t, t_ref, t0 in zip(kv[b], kv_ref[b], before[b]):
-            _close(t[p], t_ref[p])
-            assert not torch.equal(t[p], t0[p])
-            keep = torch.ones(cap, dtype=torch.bool)
-            keep[p] = False
-            assert torch.equal(t[keep], t0[keep])  # nothing else touched
-    # v passes through unchanged
-    v = qkv[:, (nq + nkv) * hd:(nq + 2 * nkv) * hd].reshape(B, nkv, hd)
-    for b, p in enumerate(positions):
-        assert torch.equal(kv[b][1][p], v[b])
-
-
-# nq, nkv, hd, lengths (keys 0..length-1 live), splits, BLOCK_N, gated
-ATTN = [
-    (4, 4, 32, [1], 4, 16, False),
-    (4, 2, 32, [37, 1, 70], 4, 16, True),   # 70: partial block, an empty split; 37: 3 live splits of 4
-    (8, 2, 64, [16, 33], 2, 16, False),
-    (4, 1, 64, [100], 8, 32, True),
-    (2, 1, 32, [5, 300], None, 32, False),  # num_splits() on the CPU
-    (2, 2, 32, [2051], 4, 64, True),        # many blocks per split
-]
-
-
-@pytest.mark.parametrize("nq,nkv,hd,lengths,splits,block_n,gated", ATTN)
-def test_decode_attention_matches_reference(nq, nkv, hd, lengths, splits, block_n, gated):
-    g = torch.Generator().manual_seed(sum(lengths) + nq)
-    B, cap = len(lengths), max(lengths) + 40
-    kv = _buffers(lengths, cap, nkv, hd, g)  # NaN past each length: a read beyond it would show
-    q = torch.randn(B, nq, hd, generator=g).to(DEV, DT)
-    pos = torch.tensor(lengths, dtype=torch.int64, device=DEV) - 1
-    gate = None
-    if gated:  # a column slice of a wider row, as in qkv
-        gate = (torch.randn(B, 3 * nq * hd, generator=g) * 2).to(DEV, DT)[:, nq * hd:2 * nq * hd]
-    scale = hd ** -0.5 * 4  # peaked softmax: the running max matters
-    tile = {"BLOCK_N": block_n, "num_warps": 4, "num_stages": 1}
-    got = decode_attention(q, _tables(kv), pos, nkv=nkv, scale=scale, gate=gate, splits=splits, tile=tile)
-    want = decode_attention_ref(q, kv, pos, nkv=nkv, scale=scale, gate=gate)
-    _close(got, want)
-
-
-def _attn_case(g, lengths, nq, nkv, hd, gated):
-    B, cap = len(lengths), max(lengths) + 8
-    kv = _buffers(lengths, cap, nkv, hd, g)
-    q = torch.randn(B, nq, hd, generator=g).to(DEV, DT)
-    pos = torch.tensor(lengths, dtype=torch.int64, device=DEV) - 1
-    gate = (torch.randn(B, nq * hd, generator=g) * 2).to(DEV, DT) if gated else None
-    return kv, q, pos, gate
 
 
 def _counters_zero():
@@ -131,20 +86,56 @@ def _counters_zero():
         assert not buf.any()  # the last program of each (b, g) reset its counter
 
 
+# nq, nkv, hd, rd (partial rotary when < hd, 0 = none), norm ("both", "q", "k", "none"), gated, lengths, splits,
+# BLOCK_N, dtype
+CASES = [
+    (4, 4, 32, 32, "both", False, [1], 4, 16, F32),            # one key: split 0 writes it and reads it back
+    (4, 2, 32, 16, "both", True, [37, 1, 70], 4, 16, F32),     # 37: 3 live splits of 4; 70: partial block, an empty
+    (8, 2, 64, 64, "none", False, [16, 33], 2, 16, F32),       # split; 16: one live split (finishes alone)
+    (4, 1, 64, 16, "q", True, [100], 8, 32, F32),              # r = 4
+    (2, 1, 32, 0, "both", False, [5, 300], None, 32, F32),     # no rotary; num_splits() on the CPU
+    (2, 2, 32, 32, "k", True, [2051], 4, 64, F32),             # many blocks per split
+    (4, 2, 32, 16, "both", True, [3, 90, 40], 4, 16, BF16),
+    (8, 2, 64, 64, "both", False, [20, 17], 2, 16, BF16),
+]
+
+
+@pytest.mark.parametrize("nq,nkv,hd,rd,norm,gated,lengths,splits,block_n,dtype", CASES)
+def test_decode_attention_matches_reference(nq, nkv, hd, rd, norm, gated, lengths, splits, block_n, dtype):
+    c = Case(sum(lengths) + nq + rd, lengths, nq, nkv, hd, rd=rd, norm=norm, gated=gated, dtype=dtype)
+    c.check(c.run(splits, block_n))
+    _counters_zero()
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_one_live_split_equals_the_merge(monkeypatch, gated):
+    """The same contexts through the path where program 0 finishes alone (S = 1; or S = 8 with min_chunk >= every
+    length, seven empty programs) and through the partials' merge (S = 8): equal up to fp32 rounding order. The
+    alone path must not touch the counters: a sentinel value in them stays."""
+    c = Case(5 + gated, [1, 30, 77], 4, 2, 32, rd=16, gated=gated)
+    merged = c.run(8)
+    c.check(merged)
+    _counters_zero()
+    sentinel = torch.full((1024,), 7, dtype=torch.int32, device=DEV)
+    monkeypatch.setattr(da, "_counters", lambda n, device: sentinel)
+    for splits, min_chunk in [(1, 0), (8, 80)]:
+        alone = c.run(splits, min_chunk=min_chunk)
+        c.check(alone)
+        _close(alone, merged, 1e-6)
+        assert (sentinel == 7).all()
+
+
 def test_decode_attention_repeated_calls_reset_the_counters():
     """Back-to-back calls share the module's counter buffer: each must leave it zeroed for the next, across length
-    changes (splits live in one call, empty in the next) and batch changes (B * nkv programs per split)."""
-    g = torch.Generator().manual_seed(11)
-    nq, nkv, hd, S = 4, 2, 32, 8
-    tile = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1}
-    for lengths, gated in [([100, 3], True), ([5, 200], False), ([1], True), ([64, 17, 129, 2], False),
-                           ([300, 1, 40], True), ([7], False)]:
-        kv, q, pos, gate = _attn_case(g, lengths, nq, nkv, hd, gated)
-        got = decode_attention(q, _tables(kv), pos, nkv=nkv, scale=hd ** -0.5, gate=gate, splits=S, tile=tile)
-        _close(got, decode_attention_ref(q, kv, pos, nkv=nkv, scale=hd ** -0.5, gate=gate))
+    changes (splits live in one call, empty in the next; one live split or several) and batch changes (B * nkv
+    programs per split)."""
+    for i, (lengths, gated) in enumerate([([100, 3], True), ([5, 200], False), ([1], True), ([64, 17, 129, 2], False),
+                                          ([300, 1, 40], True), ([7], False)]):
+        c = Case(11 + i, lengths, 4, 2, 32, rd=32, gated=gated, scale=1.0)
+        got = c.run(8)
+        c.check(got)
         _counters_zero()
-    # the same inputs twice give the same output bit for bit
-    again = decode_attention(q, _tables(kv), pos, nkv=nkv, scale=hd ** -0.5, gate=gate, splits=S, tile=tile)
+    again = c.run(8)  # the same inputs twice (row p_b rewritten with the same values): the same output bit for bit
     assert torch.equal(again, got)
 
 
@@ -153,12 +144,8 @@ def test_decode_attention_min_chunk_and_chunked_merge(monkeypatch, min_chunk, co
     """min_chunk (rounded up to BLOCK_N) leaves more splits empty; a small combine_elems makes the last program
     merge the partials over several [CB, r, hd] steps, with a partial last step."""
     monkeypatch.setitem(da.CONFIG, "combine_elems", combine_elems)
-    g = torch.Generator().manual_seed(min_chunk + combine_elems)
-    nq, nkv, hd = 4, 2, 32
-    kv, q, pos, gate = _attn_case(g, [1, 50, 333, 1000], nq, nkv, hd, True)
-    tile = {"BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "min_chunk": min_chunk}
-    got = decode_attention(q, _tables(kv), pos, nkv=nkv, scale=hd ** -0.5 * 4, gate=gate, splits=16, tile=tile)
-    _close(got, decode_attention_ref(q, kv, pos, nkv=nkv, scale=hd ** -0.5 * 4, gate=gate))
+    c = Case(min_chunk + combine_elems, [1, 50, 333, 1000], 4, 2, 32, rd=16, gated=True)
+    c.check(c.run(16, min_chunk=min_chunk))
     _counters_zero()
 
 
@@ -186,8 +173,8 @@ def test_attention_fused_decode_matches_reference(gated):
     layer = 1
     attn = Attention(cfg, layer)
     H = cfg.hidden_size
-    attn.qkv_proj.weight = (torch.randn(attn.expected_rows, H, generator=g) * 0.3).to(DEV, DT)
-    attn.o_proj.weight = (torch.randn(H, cfg.num_heads * cfg.head_dim, generator=g) * 0.3).to(DEV, DT)
+    attn.qkv_proj.weight = (torch.randn(attn.expected_rows, H, generator=g) * 0.3).to(DEV, F32)
+    attn.o_proj.weight = (torch.randn(H, cfg.num_heads * cfg.head_dim, generator=g) * 0.3).to(DEV, F32)
     attn.q_norm.weight = (torch.rand(cfg.head_dim, generator=g) + 0.5).to(DEV)
     attn.k_norm.weight = (torch.rand(cfg.head_dim, generator=g) + 0.5).to(DEV)
     rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
@@ -195,23 +182,23 @@ def test_attention_fused_decode_matches_reference(gated):
     def batch_of(x_rows, segments, positions, tables=None):
         pos = torch.tensor(positions, dtype=torch.int64, device=DEV)
         b = ForwardBatch(segments, pos, tables=tables)
-        b.rope["cos"], b.rope["sin"] = rotary.cos_sin(pos, DT)
+        b.rope["cos"], b.rope["sin"] = rotary.cos_sin(pos, F32)
         return b
 
     # three sequences prefilled eagerly to lengths 1, 19 and 40
     lengths = [1, 19, 40]
-    states = [SequenceState(cfg, 64, dtype=DT, device=torch.device(DEV)) for _ in lengths]
+    states = [SequenceState(cfg, 64, dtype=F32, device=torch.device(DEV)) for _ in lengths]
     for st, n in zip(states, lengths):
-        x = torch.randn(n, H, generator=g).to(DEV, DT)
+        x = torch.randn(n, H, generator=g).to(DEV, F32)
         attn(x, batch_of(x, [SegmentRows(0, n, 0, st)], list(range(n))))
         st.length = n
-    twins = [SequenceState(cfg, 64, dtype=DT, device=torch.device(DEV)) for _ in lengths]
+    twins = [SequenceState(cfg, 64, dtype=F32, device=torch.device(DEV)) for _ in lengths]
     for st, tw in zip(states, twins):
         for i, (k, v) in st.kv.items():
             tw.kv[i][0].copy_(k)
             tw.kv[i][1].copy_(v)
 
-    x = torch.randn(len(lengths), H, generator=g).to(DEV, DT)
+    x = torch.randn(len(lengths), H, generator=g).to(DEV, F32)
     outs = []
     for fused, sts in [(False, states), (True, twins)]:
         tables = torch.stack([state_addresses(s, cfg.num_layers) for s in sts], -1).to(DEV)   # [L, 2, B]
