@@ -152,6 +152,16 @@ def fused(g):
         f.rms_norm(qkv[:, : g["nq"] * g["hd"]].view(T, g["nq"], g["hd"]), torch.ones(g["hd"]), 1e-6)
 
 
+def router(g):
+    from ft.runtime.gpu.router import MAX_TOKENS, router_topk
+
+    H, E = g["H"], g["E"]
+    for T in (1, 2, 8, MAX_TOKENS):
+        x = torch.zeros(T, H, dtype=BF16)
+        for extra in (None, torch.zeros(1, H, dtype=BF16)):
+            router_topk(x, torch.zeros(E, H, dtype=BF16), g["k"], True, extra)
+
+
 def attention(g):
     from ft.runtime.gpu import decode_attention as da
 
@@ -162,11 +172,10 @@ def attention(g):
         norm = torch.ones(hd) if g["qk_norm"] else None
         cos = torch.zeros(B, g["rd"]) if g["rd"] else None
         tables, pos = _addr(2 * B).view(2, B), torch.zeros(B, dtype=torch.int64)
-        q = da.prep_decode(qkv, norm, norm, 1e-6, cos, cos, tables, pos, nq=nq, nkv=nkv, hd=hd)
         want = triton.cdiv(da.CONFIG["programs_per_sm"] * SMS, B * nkv)
         S = max(da.CONFIG["min_splits"], min(da.CONFIG["max_splits"], triton.next_power_of_2(want)))
-        gate = qkv[:, -nq * hd:] if g["gated"] else None
-        da.decode_attention(q, tables, pos, nkv=nkv, scale=hd ** -0.5, gate=gate, splits=S)
+        da.decode_attention(qkv, norm, norm, 1e-6, cos, cos, tables, pos, nq=nq, nkv=nkv, hd=hd, scale=hd ** -0.5,
+                            gated=g["gated"], splits=S)
 
 
 def deltanet(g):
@@ -235,7 +244,7 @@ def dense(g):
                        torch.ones(N), None)
 
 
-GROUPS = {"fused": fused, "attention": attention, "deltanet": deltanet, "moe": moe, "dense": dense}
+GROUPS = {"fused": fused, "router": router, "attention": attention, "deltanet": deltanet, "moe": moe, "dense": dense}
 
 
 def main(argv=None) -> int:

@@ -83,25 +83,36 @@ def _rms_norm_kernel(x, sxa, sxb, d, sda, w, s_out, y, R, B, D, eps,
 
 
 @triton.jit
+def _softmax_topk(z, valid, K: tl.constexpr, RENORM: tl.constexpr, BLOCK_K: tl.constexpr):
+    # z fp32 [R, BE] logits (-inf where not valid; every row holds a valid lane) -> (top_w fp32 [R, BK], top_i int32
+    # [R, BK]): softmax over each row, then K rounds of (max and the lowest id holding it, knock it out); lanes >= K
+    # hold 0. Shared by _route_kernel and runtime/gpu/router.py.
+    e = tl.arange(0, z.shape[1])[None, :]
+    ex = tl.exp(z - tl.max(z, axis=1)[:, None])                                    # invalid lanes: exp(-inf) = 0
+    p = ex / tl.sum(ex, axis=1)[:, None]
+    p = tl.where(valid, p, -1.0)                                                   # invalid lanes never win
+    j = tl.arange(0, BLOCK_K)[None, :]
+    top_w = tl.zeros((z.shape[0], BLOCK_K), dtype=tl.float32)
+    top_i = tl.zeros((z.shape[0], BLOCK_K), dtype=tl.int32)
+    for i in tl.static_range(K):
+        best, idx = tl.max(p, axis=1, return_indices=True, return_indices_tie_break_left=True)  # ties: lowest id
+        top_w = tl.where(j == i, best[:, None], top_w)
+        top_i = tl.where(j == i, idx[:, None], top_i)
+        p = tl.where(e == idx[:, None], -2.0, p)
+    if RENORM:
+        top_w = top_w / tl.sum(top_w, axis=1)[:, None]                             # lanes >= K hold 0
+    return top_w, top_i
+
+
+@triton.jit
 def _route_kernel(logits, stride, ids, wts, E, K: tl.constexpr, RENORM: tl.constexpr,
                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
-    # one token row: softmax over E in fp32, then K rounds of (max and the lowest id holding it, knock it out)
+    # one token row per program, as a [1, BLOCK_E] block for _softmax_topk
     row = tl.program_id(0).to(tl.int64)
-    e = tl.arange(0, BLOCK_E)
+    e = tl.arange(0, BLOCK_E)[None, :]
     z = tl.load(logits + row * stride + e, mask=e < E, other=float("-inf")).to(tl.float32)
-    ex = tl.exp(z - tl.max(z, axis=0))                                             # padded lanes: exp(-inf) = 0
-    p = ex / tl.sum(ex, axis=0)
-    p = tl.where(e < E, p, -1.0)                                                   # padded lanes never win
-    j = tl.arange(0, BLOCK_K)
-    top_w = tl.zeros((BLOCK_K,), dtype=tl.float32)
-    top_i = tl.zeros((BLOCK_K,), dtype=tl.int32)
-    for i in tl.static_range(K):
-        best, idx = tl.max(p, axis=0, return_indices=True, return_indices_tie_break_left=True)  # ties: lowest id
-        top_w = tl.where(j == i, best, top_w)
-        top_i = tl.where(j == i, idx, top_i)
-        p = tl.where(e == idx, -2.0, p)
-    if RENORM:
-        top_w = top_w / tl.sum(top_w, axis=0)                                      # lanes >= K hold 0
+    top_w, top_i = _softmax_topk(z, e < E, K, RENORM, BLOCK_K)
+    j = tl.arange(0, BLOCK_K)[None, :]
     tl.store(wts + row * K + j, top_w, mask=j < K)
     tl.store(ids + row * K + j, top_i.to(tl.int64), mask=j < K)
 

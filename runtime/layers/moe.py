@@ -7,8 +7,10 @@ implements `experts(layer, x [T, H], topk_ids [T, k] int64, topk_weights [T, k] 
 qwen3_5_moe): `y += sigmoid(shared_expert_gate · x) · shared_expert(x)`.
 
 With `_fused` set (CUDA) the routing (softmax, top-k, renorm) and the shared expert's gated add are one Triton launch
-each (`ft.runtime.gpu.fused_ops.route_topk`, `sigmoid_gate_add`); `route` and the torch expression are the
-reference. Ties among probabilities may select different ids of equal weight (see `route_topk`).
+each (`ft.runtime.gpu.fused_ops.route_topk`, `sigmoid_gate_add`); at decode sizes (T <= `router.MAX_TOKENS`, plain
+bias-free router) the router GEMV, the routing and the shared expert gate's GEMV are one launch together
+(`ft.runtime.gpu.router.router_topk`). `route` and the torch expressions are the reference. Ties among probabilities
+may select different ids of equal weight (see `route_topk`).
 """
 
 from __future__ import annotations
@@ -60,15 +62,29 @@ class SparseMoe(Op):
         self._top_k, self._renorm = cfg.num_experts_per_tok, cfg.norm_topk_prob
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shared_gate = None                                 # [T, 1] when the fused router computed it
         if self._fused:
-            from ft.runtime.gpu import fused_ops
-            ids, weights = fused_ops.route_topk(self.gate(x), self._top_k, self._renorm)   # x [T, H]
+            from ft.runtime.gpu import fused_ops, router
+            if x.shape[0] <= router.MAX_TOKENS and _plain(self.gate, x):                   # decode: one launch
+                sg = getattr(self, "shared_expert_gate", None)
+                extra = sg.weight if sg is not None and _plain(sg, x) else None
+                ids, weights, shared_gate = router.router_topk(x, self.gate.weight, self._top_k, self._renorm, extra)
+            else:
+                ids, weights = fused_ops.route_topk(self.gate(x), self._top_k, self._renorm)   # x [T, H]
         else:
             ids, weights = route(self.gate(x), self._top_k, self._renorm)
         y = self.experts(x, ids, weights)
         if hasattr(self, "shared_expert"):
-            gate, shared = self.shared_expert_gate(x), self.shared_expert(x)              # [T, 1], [T, H]
+            gate = self.shared_expert_gate(x) if shared_gate is None else shared_gate     # [T, 1]
+            shared = self.shared_expert(x)                                                 # [T, H]
             if self._fused:
                 return fused_ops.sigmoid_gate_add(y, gate, shared)
             y = y + torch.sigmoid(gate) * shared
         return y
+
+
+def _plain(linear: Linear, x: torch.Tensor) -> bool:
+    """The fused router reads `linear.weight` directly: a plain (not kept quantized), bias-free, contiguous weight in
+    x's dtype."""
+    w = linear.weight
+    return not linear.stays_quantized and linear.bias is None and w.dtype == x.dtype and w.is_contiguous()

@@ -125,16 +125,18 @@ def test_sigmoid_gate_add(dtype, T, H):
 # ---- model level: the fused path inside the decoder layers --------------------------------------------------------
 @pytest.fixture
 def counted(monkeypatch):
-    """Counts calls of each fused function (the layers import them at call time, so the patch is seen)."""
-    calls = {}
-    for name in ("rms_norm", "add_rms_norm", "route_topk", "silu_mul", "sigmoid_gate_add"):
-        fn = getattr(fo, name)
+    """Counts calls of each fused function (the layers import them at call time, so the patch is seen); the decode
+    router (`router.router_topk`, routing at T <= router.MAX_TOKENS) counts as "route_topk"."""
+    from ft.runtime.gpu import router
 
-        def wrapped(*a, _fn=fn, _name=name, **kw):
-            calls[_name] = calls.get(_name, 0) + 1
+    calls = {}
+    for mod, name, key in [(fo, n, n) for n in ("rms_norm", "add_rms_norm", "route_topk", "silu_mul",
+                                                "sigmoid_gate_add")] + [(router, "router_topk", "route_topk")]:
+        def wrapped(*a, _fn=getattr(mod, name), _key=key, **kw):
+            calls[_key] = calls.get(_key, 0) + 1
             return _fn(*a, **kw)
 
-        monkeypatch.setattr(fo, name, wrapped)
+        monkeypatch.setattr(mod, name, wrapped)
     return calls
 
 

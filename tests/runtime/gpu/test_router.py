@@ -1,0 +1,176 @@
+"""The one-launch decode router (`ft.runtime.gpu.router.router_topk`) against its PyTorch reference, and
+`SparseMoe` with `_fused` on against the reference path. Without CUDA the kernel runs under Triton's interpreter
+(conftest.py sets TRITON_INTERPRET) on CPU tensors; sizes are tiny.
+
+Inputs are multiples of 1/16 with |v| <= 1, so every dot over H (<= 2048) is a multiple of 1/256 below 2^11, exact
+in fp32 whatever the summation order: the rounded logits, and so extra_logit, must equal the reference bit for bit in
+every dtype. In bf16 a logit in [1, 2) that is an odd multiple of 1/256 sits exactly halfway between two bf16 values,
+which checks round-to-nearest-even (truncation fails these tests). Exact ties between rounded logits do occur; the
+expected ids are then those of a stable descending sort (ties by ascending id)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from ft.runtime.gpu import fused_ops as fo  # noqa: E402
+from ft.runtime.gpu import router  # noqa: E402
+from ft.runtime.layers.linear import Linear  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _sixteenths(*shape, seed, dtype):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(-16, 17, shape, generator=g) / 16).to(dtype).to(DEV)
+
+
+def _check(x, weight, k, renorm, extra=None, rtol=2e-6, tiles=None):
+    ids, w, xl = router.router_topk(x, weight, k, renorm, extra, tiles=tiles)
+    ids_ref, w_ref, xl_ref = router.router_topk_ref(x, weight, k, renorm, extra)
+    T = x.shape[0]
+    assert ids.shape == w.shape == (T, k) and ids.dtype == torch.int64 and w.dtype == torch.float32
+    probs = torch.softmax(torch.nn.functional.linear(x, weight), -1, dtype=torch.float32)
+    want_ids = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :k]     # ties: lowest id first
+    assert torch.equal(ids.cpu(), want_ids.cpu())
+    torch.testing.assert_close(w.cpu(), w_ref.cpu(), rtol=rtol, atol=1e-7)
+    if extra is None:
+        assert xl is None
+    else:
+        assert xl.shape == (T, 1) and xl.dtype == x.dtype
+        assert torch.equal(xl.cpu(), xl_ref.cpu())
+    return ids, w
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,E,H", [(1, 8, 32), (3, 60, 96), (16, 64, 32), (3, 64, 96)])
+def test_router_topk(dtype, T, E, H):
+    x = _sixteenths(T, H, seed=T * E + H, dtype=dtype)
+    weight = _sixteenths(E, H, seed=E, dtype=dtype)
+    extra = _sixteenths(1, H, seed=H, dtype=dtype)
+    for i, k in enumerate((1, 2, 4)):
+        for renorm in (False, True):
+            _, w = _check(x, weight, k, renorm, extra if (i + renorm) % 2 else None)
+            if renorm:
+                torch.testing.assert_close(w.sum(-1).cpu(), torch.ones(T), rtol=1e-6, atol=0)
+
+
+def test_router_topk_random_fp32():
+    # general values: sums differ from cuBLAS / torch by summation order only
+    g = torch.Generator().manual_seed(1)
+    x, weight, extra = (torch.randn(*s, generator=g).to(DEV) for s in ((5, 96), (60, 96), (1, 96)))
+    ids, w, xl = router.router_topk(x, weight, 4, True, extra)
+    ids_ref, w_ref, xl_ref = router.router_topk_ref(x, weight, 4, True, extra)
+    assert torch.equal(ids.cpu(), ids_ref.cpu())
+    torch.testing.assert_close(w.cpu(), w_ref.cpu(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(xl.cpu(), xl_ref.cpu(), rtol=1e-5, atol=1e-5)
+
+
+def test_router_topk_ties_and_repeat_calls():
+    # x = e_0: logits are weight[:, 0]; experts 1, 4, 6 tie first and 2, 5 fourth -> ids by ascending id
+    x = torch.zeros(2, 32, device=DEV)
+    x[:, 0] = 1.0
+    weight = torch.zeros(8, 32, device=DEV)
+    weight[:, 0] = torch.tensor([0.0, 2.0, 1.0, -1.0, 2.0, 1.0, 2.0, 0.5])
+    for _ in range(2):  # the second call finds the counter zeroed again
+        ids, _ = _check(x, weight, 4, True)
+        assert ids.cpu().tolist() == [[1, 4, 6, 2]] * 2
+        assert int(router._counter(x.device)) == 0
+    x2, w2 = _sixteenths(3, 96, seed=5, dtype=torch.bfloat16), _sixteenths(60, 96, seed=6, dtype=torch.bfloat16)
+    _check(x2, w2, 2, False, _sixteenths(1, 96, seed=7, dtype=torch.bfloat16))   # other shapes, same counter
+
+
+def test_router_topk_tiles_and_bounds():
+    x, weight = _sixteenths(4, 96, seed=8, dtype=torch.float32), _sixteenths(60, 96, seed=9, dtype=torch.float32)
+    extra = _sixteenths(1, 96, seed=10, dtype=torch.float32)
+    # many programs and K steps; the last program padded past row E; one token row per top-k step
+    for tiles in ({"BLOCK_E": 2, "BLOCK_K": 16, "num_warps": 2}, {"BLOCK_E": 8, "BLOCK_K": 64}, {"topk_elems": 64}):
+        _check(x, weight, 3, True, extra, tiles=tiles)
+    big = _sixteenths(router.MAX_TOKENS + 1, 96, seed=11, dtype=torch.float32)  # prefill size: the reference
+    got, want = router.router_topk(big, weight, 3, False), router.router_topk_ref(big, weight, 3, False)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+# ---- the layer: SparseMoe with _fused on (router_topk at T <= MAX_TOKENS) against the reference path -------------
+def _moe(dtype, shared: bool):
+    from ft.formats.config import ModelConfig
+    from ft.runtime.layers.moe import BoundExperts, SparseMoe
+
+    E, H, I = 12, 32, 16
+    cfg = ModelConfig(
+        family="qwen3_5_moe", vocab_size=16, hidden_size=H, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+        rms_norm_eps=1e-6, rope_theta=10000.0, rotary_dim=16, max_position_embeddings=64,
+        layer_types=("full_attention",), mlp_types=("moe",), attn_qkv_bias=False, attn_qk_norm=True,
+        attn_output_gate=False, num_experts=E, num_experts_per_tok=3, moe_intermediate_size=I, norm_topk_prob=True,
+        shared_expert_intermediate_size=I if shared else 0, intermediate_size=0, linear_num_key_heads=0,
+        linear_num_value_heads=0, linear_key_head_dim=0, linear_value_head_dim=0, linear_conv_kernel_dim=0,
+        tie_word_embeddings=True, bos_token_id=None, eos_token_ids=(1,))
+    moe = SparseMoe(cfg)
+    moe.gate.weight = _sixteenths(E, H, seed=20, dtype=dtype)
+    scale = torch.arange(1, E + 1, dtype=dtype, device=DEV) / E
+
+    def experts(layer, x, ids, weights):   # expert e scales x by (e + 1) / E: y = sum_j w_j scale[ids_j] x
+        return ((weights * scale[ids].float()).sum(-1, keepdim=True) * x.float()).to(x.dtype)
+
+    moe.experts = BoundExperts(experts, 0)
+    if shared:
+        moe.shared_expert.gate_up_proj.weight = _sixteenths(2 * I, H, seed=21, dtype=dtype)
+        moe.shared_expert.down_proj.weight = _sixteenths(H, I, seed=22, dtype=dtype)
+        moe.shared_expert_gate.weight = _sixteenths(1, H, seed=23, dtype=dtype)
+    return moe
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("T", [1, 5, router.MAX_TOKENS + 2])
+def test_sparse_moe_fused_matches_reference(monkeypatch, dtype, shared, T):
+    moe = _moe(dtype, shared)
+    x = _sixteenths(T, 32, seed=T, dtype=dtype)
+    moe._fused = False
+    ref = moe(x)
+    calls = {"router_topk": 0, "route_topk": 0, "gate_linear": 0}
+    for mod, name in ((router, "router_topk"), (fo, "route_topk")):
+        def counted(*a, _fn=getattr(mod, name), _name=name, **kw):
+            calls[_name] += 1
+            return _fn(*a, **kw)
+        monkeypatch.setattr(mod, name, counted)
+    if shared:
+        sg, linear_call = moe.shared_expert_gate, Linear.__call__
+
+        def gate_call(self, x):
+            calls["gate_linear"] += self is sg
+            return linear_call(self, x)
+        monkeypatch.setattr(Linear, "__call__", gate_call)
+    moe._fused = True
+    got = moe(x)
+    decode = T <= router.MAX_TOKENS
+    assert (calls["router_topk"], calls["route_topk"]) == ((1, 0) if decode else (0, 1))
+    assert calls["gate_linear"] == (shared and not decode)   # the shared gate's GEMV rides along in router_topk
+    if dtype == torch.float32 or not shared:
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    else:  # sigmoid_gate_add may round its product one bf16 ulp away from torch (large relative where y cancels it)
+        assert (got.float() - ref.float()).abs().max() <= 2 ** -7 * ref.float().abs().max()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("T", [1, 8])
+def test_router_topk_cuda_model_shape(T):
+    # E = 256, H = 2048, bf16, top-8 with renorm and the shared gate: the decode shape of the target models
+    x, weight = _sixteenths(T, 2048, seed=T, dtype=torch.bfloat16), _sixteenths(256, 2048, seed=2, dtype=torch.bfloat16)
+    extra = _sixteenths(1, 2048, seed=3, dtype=torch.bfloat16)
+    for _ in range(2):  # exact sums: equal to the reference but for the last ulp of exp
+        _check(x, weight, 8, True, extra, rtol=1e-5)
+    g = torch.Generator(device="cuda").manual_seed(T)
+    x = torch.randn(T, 2048, generator=g, device="cuda").to(torch.bfloat16)
+    weight = (torch.randn(256, 2048, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
+    extra = (torch.randn(1, 2048, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
+    ids, w, xl = router.router_topk(x, weight, 8, True, extra)
+    ids_ref, w_ref, xl_ref = router.router_topk_ref(x, weight, 8, True, extra)
+    # general values: cuBLAS sums in another order, so a logit may round one bf16 ulp apart (rarely), which moves
+    # every weight a little and may swap near-equal ids (bf16 logits also tie exactly at times)
+    assert (ids == ids_ref).float().mean() >= 0.9
+    assert (w - w_ref).abs().max() <= 2e-2 * w_ref.max()
+    assert ((xl.float() - xl_ref.float()).abs() <= xl_ref.float().abs() * 2 ** -7 + 1e-6).all()
+    assert int(router._counter(x.device)) == 0
