@@ -54,6 +54,12 @@ class Embedding(Op):
     def keep_on_host(self, target: torch.device) -> None:
         self._target = target
 
+    @property
+    def host_table(self) -> torch.Tensor | None:
+        """The table [V, H] when it stays in host memory for a CUDA model (decode graphs gather rows from it into their
+        own page-locked inputs), else None."""
+        return self.weight if self._target is not None and self._target.type == "cuda" else None
+
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         if self._target is None:
             return F.embedding(_to_device(ids, self.weight.device), self.weight)
@@ -127,7 +133,7 @@ class CausalLM(Op):
         Each segment continues its state at `state.length`; the states advance by `num_tokens` on success."""
         decode = all(seg.num_tokens == 1 and seg.logits == "last" for seg in segments)
         if self.graphs is not None and decode:
-            self._plan(input_ids, segments, on_device=False)  # validates
+            self._check(input_ids, segments)
             logits = self.graphs.step(input_ids, [seg.state for seg in segments])  # None: not replayable
             if logits is not None:
                 for seg in segments:
@@ -156,15 +162,13 @@ class CausalLM(Op):
             h, delta = layer(h, delta, batch)
         return h, delta
 
-    def _plan(self, input_ids: torch.Tensor, segments: list[Segment], *, on_device: bool = True,
-              tables: bool = False) -> ForwardBatch:
-        """Validate the segments -> the batch. `tables`: a decode batch (every segment one token), whose layers find
-        the states' buffers through device-side tables (`ForwardBatch.tables`)."""
+    def _check(self, input_ids: torch.Tensor, segments: list[Segment]) -> list[SegmentRows]:
+        """Validate the segments against their states and input_ids -> the rows of each segment."""
         if input_ids.dim() != 1 or input_ids.dtype not in (torch.int64, torch.int32):
             raise ValueError(f"input_ids must be a 1-D integer tensor, got {input_ids.dtype} {tuple(input_ids.shape)}")
         if not segments:
             raise ValueError("forward needs at least one segment")
-        rows, positions, start, seen = [], [], 0, set()
+        rows, start, seen = [], 0, set()
         for i, seg in enumerate(segments):
             st = seg.state
             if not isinstance(st, SequenceState) or st.freed or st.config is not self._config:
@@ -181,15 +185,19 @@ class CausalLM(Op):
                 raise ValueError(f"segment {i}: {st.length} + {seg.num_tokens} tokens exceed the state's KV "
                                  f"capacity {st.capacity}; call state.ensure_capacity first")
             rows.append(SegmentRows(start, seg.num_tokens, st.length, st))
-            positions.append(torch.arange(st.length, st.length + seg.num_tokens))
             start += seg.num_tokens
         if start != input_ids.shape[0]:
             raise ValueError(f"segments cover {start} tokens but input_ids has {input_ids.shape[0]}")
-        if int(input_ids.min()) < 0 or int(input_ids.max()) >= self._config.vocab_size:
+        lo, hi = torch.aminmax(input_ids)
+        if int(lo) < 0 or int(hi) >= self._config.vocab_size:
             raise ValueError(f"token ids must be in [0, {self._config.vocab_size})")
-        positions = torch.cat(positions)
-        if not on_device:
-            return ForwardBatch(rows, positions)
+        return rows
+
+    def _plan(self, input_ids: torch.Tensor, segments: list[Segment], *, tables: bool = False) -> ForwardBatch:
+        """Validate the segments -> the batch. `tables`: a decode batch (every segment one token), whose layers find
+        the states' buffers through device-side tables (`ForwardBatch.tables`)."""
+        rows = self._check(input_ids, segments)
+        positions = torch.cat([torch.arange(r.past, r.past + r.num_tokens) for r in rows])
         if tables:  # positions and tables in one host buffer: one copy
             both = torch.cat([positions, torch.stack([seg.state.addresses() for seg in segments], -1).reshape(-1)])
             both = _to_device(both, self._device)
@@ -235,6 +243,10 @@ class CausalLM(Op):
         if host:
             self.embed_tokens.keep_on_host(device)
         self._dtype, self._device = dtype, device
+        if device.type == "cuda":  # (on the CPU the weights stay zero-copy views of the mmap)
+            for _, op in self.named_ops():
+                if callable(getattr(op, "stack_linears", None)):
+                    op.stack_linears()
         self.set_fused(device.type == "cuda")
         self._check_shapes()
 

@@ -44,13 +44,14 @@ def uses_device_plan(ex, layer: int, num_tokens: int) -> bool:
             and o.mode in ("resident", "static") and 0 < num_tokens * ex.k <= MAX_DEVICE_PAIRS)
 
 
-def count_call(ex, num_tokens: int) -> None:
-    """What a call whose routing stays on the device counts at once (calls, tokens, pairs); advances the clock."""
+def count_call(ex, num_tokens: int, calls: int = 1) -> None:
+    """What `calls` layer calls whose routing stays on the device count at once (calls, tokens, pairs); advances the
+    clock by one per call."""
     c = ex.counters
-    c["calls"] += 1
-    c["tokens"] += num_tokens
-    c["pairs"] += num_tokens * ex.k
-    ex.cache.tick()
+    c["calls"] += calls
+    c["tokens"] += calls * num_tokens
+    c["pairs"] += calls * num_tokens * ex.k
+    ex.cache.clock += calls
 
 
 def uses_device_prefill(ex, layer: int, num_tokens: int) -> bool:

@@ -9,8 +9,8 @@ What is captured, once per batch size G in `batch_sizes` (1, 2, 4, 8 ... up to t
 [L, 2, G] and its position through the static `positions` [G]; nothing in the graph depends on which sequences
 run or how long they are. So a graph is never captured again: not when a sequence grows (its KV buffers are
 reallocated: the next step's tables hold the new addresses), not when another sequence joins.
-Per step, outside the graph: the embedding gather (`embed_tokens`: its table may stay in host memory) into the static
-input rows; positions and tables, written into one page-locked host buffer and copied with one non-blocking copy;
+Per step, outside the graph: the embedding rows, positions and tables, written into one page-locked host buffer and
+copied with one non-blocking copy (`_Captured`);
 the experts' host bookkeeping (`before_replay`: the device slot table is uploaded if admits changed it;
 `after_replay`, which runs while the GPU replays: call counters; mode mapped queues this replay's routing read-back,
 reads back the previous steps' and admits experts).
@@ -68,8 +68,7 @@ def before_replay(ex) -> None:
 def after_replay(ex, num_tokens: int) -> None:
     """Right after the replay was queued, so this host work overlaps the GPU running it: counters; mode mapped
     queues the replay's routing read-back, then reads back what has arrived (the previous steps') and admits."""
-    for _ in ex.moe_layers:
-        count_call(ex, num_tokens)
+    count_call(ex, num_tokens, calls=len(ex.moe_layers))
     if ex.mapped is not None:
         ex.mapped.after_replay(num_tokens)
 
@@ -84,31 +83,39 @@ def bucket_sizes(max_batch: int) -> tuple[int, ...]:
 
 
 class _Captured:
-    """The static inputs and outputs of the graph of batch size G."""
+    """The static inputs and outputs of the graph of batch size G.
+
+    Inputs live in one device buffer, written by ONE non-blocking copy from a page-locked twin per step:
+        bytes [0, G*H*e)    h: the G rows' embeddings [G, H] (compute dtype, e bytes each)
+        then int64          positions [G], tables [L, 2, G]
+    A host-resident embedding table (`Embedding.host_table`) is gathered straight into the twin (a host memcpy of
+    G rows, no copy of its own); a device table is gathered on the device into h (tied embeddings)."""
 
     def __init__(self, model, size: int, scratch) -> None:
-        dev, L = model.device, model.config.num_layers
+        dev, L, H = model.device, model.config.num_layers, model.config.hidden_size
         self.size = size
-        self.h = torch.zeros(size, model.config.hidden_size, dtype=model.dtype, device=dev)  # embeddings
-        # positions [G] and tables [L, 2, G] in one buffer, so one copy moves both
-        self.inputs = torch.zeros(size + 2 * L * size, dtype=torch.int64, device=dev)
+        hbytes = -(-size * H * model.dtype.itemsize // 16) * 16  # the int64 part starts 16-byte aligned
+        nbytes = hbytes + 8 * (size + 2 * L * size)
         pin = dev.type == "cuda"
-        self.staging = torch.zeros(self.inputs.shape, dtype=torch.int64, pin_memory=pin)
+        self.inputs = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
+        self.staging = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
         self.copied = torch.cuda.Event() if pin else None
-        self.pos, self.tables = self.inputs[:size], self.inputs[size:].view(L, 2, size)
-        staged = self.staging.numpy()
+        self.h = self.inputs[:size * H * model.dtype.itemsize].view(model.dtype).view(size, H)
+        ints = self.inputs[hbytes:].view(torch.int64)
+        self.pos, self.tables = ints[:size], ints[size:].view(L, 2, size)
+        self._h = self.staging[:size * H * model.dtype.itemsize].view(model.dtype).view(size, H)
+        staged = self.staging[hbytes:].view(torch.int64).numpy()
         self._pos, self._tables = staged[:size], staged[size:].reshape(L, 2, size)
         self._scratch = scratch.addresses().numpy()
+        self._table = model.embed_tokens.host_table  # [V, H] on the host, or None (gathered on the device)
+        self._embed = model.embed_tokens
         self.batch = ForwardBatch([SegmentRows(i, 1, 0, scratch) for i in range(size)], self.pos, tables=self.tables)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None  # fp32 [G, V], the graph's output buffer
 
-    def load(self, h: torch.Tensor, states: list) -> None:
+    def load(self, input_ids: torch.Tensor, states: list) -> None:
         """Write the step's inputs: embeddings of the B live rows (zeros after them), positions, tables."""
-        b, size = h.shape[0], self.size
-        self.h[:b].copy_(h)
-        if b < size:
-            self.h[b:].zero_()
+        b = len(states)
         if self.copied is not None:
             self.copied.synchronize()  # the previous step's copy has left the staging buffer
         pos, tables = self._pos, self._tables  # numpy views of the page-locked staging buffer (cheap host writes)
@@ -116,10 +123,18 @@ class _Captured:
         for i, st in enumerate(states):
             pos[i] = st.length
             tables[:, :, i] = st.addresses().numpy()
-        tables[:, :, len(states):] = self._scratch[:, :, None]
+        tables[:, :, b:] = self._scratch[:, :, None]
+        if self._table is not None:
+            torch.index_select(self._table, 0, input_ids.cpu(), out=self._h[:b])
+            if b < self.size:
+                self._h[b:].zero_()  # zero embeddings keep padding rows finite
         self.inputs.copy_(self.staging, non_blocking=self.copied is not None)
         if self.copied is not None:
             self.copied.record()
+        if self._table is None:
+            self.h[:b].copy_(self._embed(input_ids))
+            if b < self.size:
+                self.h[b:].zero_()
 
 
 class DecodeGraphs:
@@ -130,7 +145,19 @@ class DecodeGraphs:
         self._graphs: dict[int, _Captured] = {}
         self._scratch = model.new_state(1)  # buffers of the padding rows
         self.failed: str | None = None  # why a capture failed; graphs stay off for this model after one
+        self._ready: dict[tuple, bool] = {}  # `graph_ready` of calls that cannot change (no mapped banks)
         self.counters = {"replays": 0, "captures": 0, "capture_s": 0.0, "eager_steps": 0}
+
+    def ready(self, size: int) -> bool:
+        """`graph_ready(experts, size)`, remembered per (size, path switch, options) unless banks are mapped (they
+        become ready one by one): a walk over every MoE layer costs tens of us of host time per step."""
+        ex = self.ex
+        if ex.mapped is not None:
+            return graph_ready(ex, size)
+        key = (size, ex.device_plan, ex.opts)
+        if key not in self._ready:
+            self._ready[key] = graph_ready(ex, size)
+        return self._ready[key]
 
     def size_for(self, batch: int) -> int | None:
         return next((g for g in self.batch_sizes if g >= batch), None)
@@ -145,7 +172,7 @@ class DecodeGraphs:
         """One decode token for each of `states` (input_ids [B], validated by the model) -> fp32 logits [B, V], or
         None when the step cannot be replayed (the caller runs it eagerly). Does not advance the states' lengths."""
         size = self.size_for(len(states))
-        if size is None or self.failed is not None or not graph_ready(self.ex, size):
+        if size is None or self.failed is not None or not self.ready(size):
             self.counters["eager_steps"] += 1
             return None
         g = self._graphs.get(size) or self._try_capture(size)
@@ -153,7 +180,7 @@ class DecodeGraphs:
             self.counters["eager_steps"] += 1
             return None
         before_replay(self.ex)
-        g.load(self.model.embed_tokens(input_ids), states)
+        g.load(input_ids, states)
         if g.graph is not None:
             g.graph.replay()
         else:  # capture=False: the same decode batch, eagerly, over the live states' rows
@@ -185,7 +212,7 @@ class DecodeGraphs:
     def _capture(self, size: int) -> _Captured | None:
         t0 = time.perf_counter()
         g = _Captured(self.model, size, self._scratch)
-        g.load(g.h[:0], [])  # every row a padding row: the warm-up touches only the scratch state
+        g.load(torch.zeros(0, dtype=torch.int64), [])  # all rows padding: the warm-up touches only the scratch state
         if self.capture:
             before_replay(self.ex)
             side = torch.cuda.Stream()
