@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ft.formats.config import ModelConfig
 from ft.runtime.layers.base import REQUIRED, Op
 from ft.runtime.layers.batch import ForwardBatch
-from ft.runtime.layers.linear import Linear
+from ft.runtime.layers.linear import Linear, stack_rows
 from ft.runtime.layers.norm import RMSNormGated
 
 CHUNK = 64
@@ -116,6 +116,11 @@ class GatedDeltaNet(Op):
         self._hk, self._hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self._dk, self._dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self._key_dim, self._value_dim = self._hk * self._dk, self._hv * self._dv
+        self._qkvzba: torch.Tensor | None = None  # both input projections' rows, stacked (`stack_linears`)
+
+    def stack_linears(self) -> None:
+        """At load, on a GPU: in_proj_qkvz and in_proj_ba become views of one weight, one GEMM per call."""
+        self._qkvzba = stack_rows([self.in_proj_qkvz, self.in_proj_ba])
 
     @property
     def conv_dim(self) -> int:
@@ -123,8 +128,11 @@ class GatedDeltaNet(Op):
 
     def __call__(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         n = x.shape[0]                                                          # x [N, H]
-        mixed, z = self.in_proj_qkvz(x).split([self.conv_dim, self._value_dim], dim=-1)
-        b, a = self.in_proj_ba(x).split([self._hv, self._hv], dim=-1)
+        if self._qkvzba is not None:
+            mixed, z, b, a = F.linear(x, self._qkvzba).split([self.conv_dim, self._value_dim, self._hv, self._hv], -1)
+        else:
+            mixed, z = self.in_proj_qkvz(x).split([self.conv_dim, self._value_dim], dim=-1)
+            b, a = self.in_proj_ba(x).split([self._hv, self._hv], dim=-1)
         if batch.decode and self._fused:      # one token per sequence, states found through the tables on the device
             from ft.runtime.gpu.deltanet_decode import gdn_decode
             core = gdn_decode(mixed, z, b, a, self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight,

@@ -142,3 +142,20 @@ class Linear(Op):
             bias = None if self.bias is None else self.bias[r0:r1]
             y[..., r0:r1] = F.linear(x, self._dequant(r0, r1, self._scheme).to(self._dtype), bias)
         return y
+
+
+def stack_rows(linears: list[Linear]) -> torch.Tensor | None:
+    """One weight [sum of the outs, in] whose row blocks ARE the given linears' weights (each becomes a view of its
+    block), so projections of the same input run as one GEMM (at decode: one launch instead of several); None, with
+    nothing changed, unless every linear is plain (not kept quantized), bias-free, and of one dtype, device and
+    in-features."""
+    ws = [op.weight for op in linears]
+    if any(op.stays_quantized or op.bias is not None for op in linears) or \
+            len({(w.dtype, w.device, w.shape[1]) for w in ws}) != 1:
+        return None
+    stacked = torch.cat(ws)
+    start = 0
+    for op, w in zip(linears, ws):
+        op.weight = stacked[start:start + w.shape[0]]
+        start += w.shape[0]
+    return stacked

@@ -144,3 +144,25 @@ def test_layer_batches_segments_independently():
     both = layer(torch.cat([xa, xb]), ForwardBatch([SegmentRows(0, 7, 0, sa2), SegmentRows(7, 3, 0, sb2)],
                                                    torch.cat([torch.arange(7), torch.arange(3)])))
     assert (both - torch.cat([alone_a, alone_b])).abs().max() < 1e-5
+
+
+def test_stacked_input_projections_give_the_same_output():
+    """`stack_linears` (done at load on a GPU): one GEMM over both input projections' rows, whose weights become views
+    of the stacked one; a quantized or biased projection is left alone."""
+    layer = _random_layer()
+    x = torch.randn(5, 24)
+    want = layer(x, ForwardBatch([SegmentRows(0, 5, 0, _fresh_state(layer))], torch.arange(5)))
+    qkvz, ba = layer.in_proj_qkvz.weight.clone(), layer.in_proj_ba.weight.clone()
+    layer.stack_linears()
+    stacked = layer._qkvzba
+    assert stacked is not None and stacked.shape == (qkvz.shape[0] + ba.shape[0], 24)
+    assert layer.in_proj_qkvz.weight.data_ptr() == stacked.data_ptr()
+    assert torch.equal(layer.in_proj_qkvz.weight, qkvz) and torch.equal(layer.in_proj_ba.weight, ba)
+    got = layer(x, ForwardBatch([SegmentRows(0, 5, 0, _fresh_state(layer))], torch.arange(5)))
+    assert (got - want).abs().max() < 1e-5
+
+    biased = _random_layer()
+    biased.in_proj_ba.bias = torch.zeros(biased.in_proj_ba.weight.shape[0])
+    before = biased.in_proj_ba.weight
+    biased.stack_linears()
+    assert biased._qkvzba is None and biased.in_proj_ba.weight is before
