@@ -87,7 +87,7 @@ def bench_rows(*, hidden: int = 2048, inter: int = 512, num_experts: int = 256, 
                check_tokens: int = 64, peak_tflops: float = 790.0, log=print) -> list[dict]:
     """The benchmark's rows (see the module docstring). device "cpu" (interpreter, tiny shapes, `time_ms` stubbed)
     only exercises this code in tests."""
-    from ft.runtime.gpu.kernel_bench import _bench_records
+    from kernel_bench import _bench_records
     from ft.runtime.gpu.moe_reference import moe_ref
     from ft.runtime.gpu.host_plan import moe_nvfp4
     from ft.runtime.gpu.nvfp4_triton import TILE_CONFIGS, moe_blocks, pick_blocks

@@ -88,7 +88,7 @@ def stage_bw(seconds: float, timeout: float) -> dict:
 
 
 def stage_kernel() -> list[dict]:
-    from ft.runtime.gpu.kernel_bench import bench_kernel
+    from kernel_bench import bench_kernel
 
     return bench_kernel()
 

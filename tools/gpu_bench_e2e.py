@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from belady import belady
 from gpu_bench_parts import (GIB, attach, build_checkpoint, check_logits, chunked_prefill, engine_budget, ftw_path,
                              greedy, scaled_slots)
 
 from ft.formats import FtwReader
-from ft.runtime.gpu.belady import belady
 from ft.runtime.gpu.graphs import DecodeGraphs
 from ft.runtime.gpu.hybrid import GpuExperts
 from ft.runtime.gpu.offload_config import OffloadConfig

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
-from ft.runtime.gpu.belady import belady, load_trace, replay, save_trace
+from belady import belady, load_trace, replay, save_trace  # tools/belady.py (conftest puts tools/ on the path)
 from ft.runtime.gpu.expert_cache import ExpertCache, plan_num_slots
 
 

@@ -93,7 +93,7 @@ def test_kept_quantized_linear_runs_the_gemv_for_decode_rows(scheme, monkeypatch
 
 
 def test_dense_benchmark_rows(monkeypatch):
-    from ft.runtime.gpu import kernel_bench
+    import kernel_bench  # tools/kernel_bench.py (conftest puts tools/ on the path)
     from ft.runtime.layers import linear as linear_mod
 
     monkeypatch.setattr(kernel_bench, "_time_ms", lambda fn: 2.0)

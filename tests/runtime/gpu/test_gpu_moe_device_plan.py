@@ -307,7 +307,7 @@ def test_cuda_resident_call_is_sync_free_and_capturable(reader):
 @pytest.mark.skipif(not INTERP, reason="needs Triton's interpreter on a machine without CUDA")
 def test_decode_bench_rows_check_out(monkeypatch):
     # the GPU benchmark's own code path at a tiny shape: every row's check must pass (timing stubbed)
-    from ft.runtime.gpu import kernel_bench
+    import kernel_bench  # tools/kernel_bench.py (conftest puts tools/ on the path)
 
     monkeypatch.setattr(kernel_bench, "_time_ms", lambda fn: 1.0)
     rows = kernel_bench.bench_decode_device(hidden=64, inter=32, num_experts=6, top_k=3, tokens=(2,),

@@ -17,10 +17,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .benchbw import _synthetic_records
-from .moe_reference import moe_ref
-from .pinning import device_pointer
-from .record_layout import RecordLayout
+from ft.runtime.gpu.benchbw import _synthetic_records
+from ft.runtime.gpu.moe_reference import moe_ref
+from ft.runtime.gpu.pinning import device_pointer
+from ft.runtime.gpu.record_layout import RecordLayout
 
 
 def _time_ms(fn, iters: int = 50) -> float:
@@ -45,7 +45,7 @@ def _bench_records(layout: RecordLayout, num_experts: int, seed: int, g: torch.G
 
 def bench_kernel(*, hidden: int = 2048, inter: int = 512, num_experts: int = 256, top_k: int = 8,
                  tokens: tuple[int, ...] = (1, 4, 512, 2048), seed: int = 0, decode_device: bool = True) -> list[dict]:
-    from .host_plan import moe_nvfp4
+    from ft.runtime.gpu.host_plan import moe_nvfp4
 
     dev = torch.device("cuda")
     layout = RecordLayout.packed(hidden, inter)
@@ -149,9 +149,9 @@ def bench_decode_device(*, hidden: int = 2048, inter: int = 512, num_experts: in
                         device: str = "cuda") -> list[dict]:
     """Decode shapes (T * top_k <= 64): host-planned call with its routing sync vs the device-planned kernels.
     `device="cpu"` (Triton interpreter, tiny shapes, `_time_ms` replaced) only exercises this code in tests."""
-    from .gather import gather_missing
-    from .nvfp4_decode import moe_nvfp4_device
-    from .host_plan import moe_nvfp4
+    from ft.runtime.gpu.gather import gather_missing
+    from ft.runtime.gpu.nvfp4_decode import moe_nvfp4_device
+    from ft.runtime.gpu.host_plan import moe_nvfp4
 
     dev = torch.device(device)
     layout = RecordLayout.packed(hidden, inter)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .expert_cache import ExpertCache
+from ft.runtime.gpu.expert_cache import ExpertCache
 
 Trace = list[tuple[int, np.ndarray]]
 _NEVER = 1 << 62
