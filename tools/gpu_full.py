@@ -2,14 +2,16 @@
 bound. One command on the GPU machine (see tools/gpu_full.sh):
 
     python tools/gpu_full.py --out DIR [--models qwen3moe-35b-geom,qwen3.6-35b-a3b] [--routing uniform]
-                             [--stages tests,models,kernels] [--deadline-s 560] [--quick]
+                             [--stages tests,models,kernels] [--deadline-s 560] [--quick] [--budgets 8,12]
 
 Stages (run in the order given):
   kernels  the kernel benchmarks (tools/bench_*.py): each kernel's us per call and GB/s or TFLOP/s vs the peak
   tests    the GPU-runtime tests (tests/runtime/gpu: the real kernels on the GPU)
   models   per model: synth (NVFP4, full size) -> ft checkpoint -> load resident (CUDA graphs for batch 1..8) ->
            decode batch 1 at a short and an 8k context, batch 4 and 8 aggregate, prefill of 512 / 4k / 16k tokens
-           (4k chunks); graphed vs eager greedy tokens, fused kernels vs the PyTorch reference ops (max |dlogit|)
+           (4k chunks); graphed vs eager greedy tokens, fused kernels vs the PyTorch reference ops (max |dlogit|,
+           also with the reference's routing forced on the fused path); where a step's host time goes; with
+           --budgets, the default scheduler at each VRAM budget (decode, prefill 4k, peak device memory)
 Each decode row carries its bound: bytes read per token (dense weights, routed experts' records, KV or DeltaNet state)
 over the HBM read rate measured in the same run, and the ratio to llama.cpp's number for the same placement
 (qwen3moe-35b-geom only: same geometry as llama.cpp's table).
@@ -34,8 +36,10 @@ GIB = 1 << 30
 ARCH = {"qwen3moe-35b-geom": "qwen3_moe", "qwen3.6-35b-a3b": "qwen3_5_moe"}
 # llama.cpp on the same H200, same geometry (qwen3moe, Q4_0 experts), all experts on the GPU:
 # tg128, pp512, pp4096 (-ub 4096); ../shared reference table "llama.cpp on our GPU test machine"
-LLAMA_CPP = {"decode_b1": 360.0, "prefill_512": 7443.0, "prefill_4096": 11924.0}
-KERNEL_BENCHES = ("bench_attention", "bench_moe_decode", "bench_fused_ops", "bench_deltanet", "bench_moe_prefill")
+LLAMA_CPP = {"decode_b1": 360.0, "prefill_512": 7443.0, "prefill_4096": 11924.0,
+             "decode_8gib": 84.5, "decode_12gib": 123.0}  # -ncmoe 24 / 14: the experts that fit 8 / 12 GiB
+KERNEL_BENCHES = ("bench_attention", "bench_router", "bench_dense", "bench_moe_decode", "bench_fused_ops",
+                  "bench_deltanet", "bench_moe_prefill")
 T0 = time.perf_counter()
 
 
@@ -100,6 +104,7 @@ def main() -> None:
     ap.add_argument("--benches", default=",".join(KERNEL_BENCHES), help="kernel benchmarks of stage kernels")
     ap.add_argument("--tests", default="tests/runtime/gpu", help="comma-separated pytest paths of stage tests")
     ap.add_argument("--quick", action="store_true", help="kernel benchmarks without their config sweeps")
+    ap.add_argument("--budgets", default="", help="comma-separated VRAM budgets in GiB to run each model at too")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -142,7 +147,8 @@ def main() -> None:
                     ftw = build(args.work, preset, args.routing)
                     res["models"][preset] = bench_model(ftw, preset, hbm_gbs=res["hbm_read_gbs"], log=log,
                                                         llama=LLAMA_CPP if preset == "qwen3moe-35b-geom" else None,
-                                                        deadline=T0 + args.deadline_s)
+                                                        deadline=T0 + args.deadline_s,
+                                                        budgets=tuple(float(b) for b in args.budgets.split(",") if b))
                 except Exception:  # noqa: BLE001 - the next model and stage still run
                     res["models"][preset] = {"error": traceback.format_exc()[-3000:]}
                     log(f"{preset} failed:\n{res['models'][preset]['error']}")

@@ -18,21 +18,9 @@ from ft.formats import FtwReader
 from ft.runtime.gpu.engine_setup import load_offloaded
 from ft.runtime.gpu.offload_config import OffloadConfig
 from ft.runtime.model import Segment
-
-CHUNK = 4096
-GEN = torch.Generator().manual_seed(0)
-
-
-def _ids(n: int, vocab: int) -> list[int]:
-    return torch.randint(0, vocab, (n,), generator=GEN).tolist()
-
-
-def _prefill(model, state, ids: list[int]) -> torch.Tensor:
-    logits = None
-    for i in range(0, len(ids), CHUNK):
-        part = ids[i:i + CHUNK]
-        logits = model.forward(torch.tensor(part), [Segment(state, len(part))])[0]
-    return logits
+from gpu_full_checks import CHUNK, agreement, host_profile, profile
+from gpu_full_checks import ids as _ids
+from gpu_full_checks import prefill as _prefill
 
 
 def decode(model, batch: int, context: int, steps: int, warmup: int = 3) -> dict:
@@ -78,7 +66,7 @@ def replay_ms(model, size: int, reps: int = 20) -> float | None:
     g = model.graphs._graphs.get(size) if model.graphs is not None else None
     if g is None or g.graph is None:
         return None
-    g.load(g.h[:0], [])  # every row on the scratch state: never the buffers of a freed sequence
+    g.load(torch.zeros(0, dtype=torch.int64), [])  # every row on the scratch state: never the buffers of a freed sequence
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     g.graph.replay()
     start.record()
@@ -110,84 +98,41 @@ def step_bytes(model, ex, batch: int, context: int) -> dict:
             "total": dense[0] + experts + kv + state}
 
 
-def agreement(model, steps: int = 32) -> dict:
-    """Teacher-forced logits of three paths on the same tokens (a 64-token prompt, then `steps` decode steps fed the
-    graphed path's greedy tokens): graphed vs eager (same kernels), and the fused kernels vs the PyTorch reference
-    ops. Per pair: max |dlogit| over the prefill's last position and every decode step, and the share of positions
-    whose argmax agrees. (Free-running greedy runs would compare different inputs after the first flip.)"""
-    V = model.config.vocab_size
-    prompt = _ids(64, V)
-
-    def run(fused: bool, graphs, feed: list[int] | None) -> tuple[list[int], torch.Tensor]:
-        model.set_fused(fused)
-        saved, model.graphs = model.graphs, graphs
-        st = model.new_state(len(prompt) + steps + 2)
-        rows = [_prefill(model, st, prompt)[-1].float()]
-        toks = [int(rows[0].argmax())] if feed is None else list(feed)
-        for i in range(steps):
-            lg = model.forward(torch.tensor([toks[i]]), [Segment(st, 1)])[0][-1].float()
-            rows.append(lg)
-            if feed is None:
-                toks.append(int(lg.argmax()))
-        st.free()
-        model.graphs = saved
-        return toks, torch.stack(rows).cpu()
-
-    feed, graphed = run(True, model.graphs, None)
-    _, eager = run(True, None, feed)
-    _, ref = run(False, None, feed)
-    model.set_fused(True)
-
-    def compare(a: torch.Tensor, b: torch.Tensor) -> dict:
-        return {"max_dlogit": float((a - b).abs().max()), "prefill_max_dlogit": float((a[0] - b[0]).abs().max()),
-                "argmax_agree": float((a.argmax(-1) == b.argmax(-1)).float().mean())}
-
-    return {"positions": steps + 1, "logit_scale": float(ref.abs().max()),
-            "graphed_vs_eager": compare(graphed, eager), "fused_vs_reference": compare(eager, ref)}
-
-
-def profile(model, *, context: int = 512, steps: int = 8, prefill_tokens: int = 4096) -> dict:
-    """CUDA time per kernel (torch.profiler): eager batch-1 decode steps (the graph replays the same kernels) and one
-    prefill chunk -> the top kernels, in us per step / per chunk, so the gap to the bound can be split by cause."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
-
-    V = model.config.vocab_size
-    saved, model.graphs = model.graphs, None
-    out = {}
+def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64) -> dict:
+    """The default scheduler (`ft serve --vram-budget`) at `gib` GiB: decode batch 1 at a 32-token context once the
+    banks are page-locked, prefill of 4096 tokens, and the process's peak device memory (allocator peak plus the CUDA
+    context: total - free at the end, after emptying the cache; what nvidia-smi shows) against the budget."""
+    torch.cuda.reset_peak_memory_stats()
+    t = time.perf_counter()
+    model, ex = load_offloaded(FtwReader(ftw), device="cuda", vram_budget=int(gib * (1 << 30)), memory_ratio=0.9,
+                               offload=None, kv_reserve_tokens=8192, max_running_requests=8, cuda_graphs=True)
+    res: dict = {"budget_gib": gib, "mode": ex.opts.mode, "load_s": time.perf_counter() - t}
+    res["pin"] = {k: v for k, v in ex.wait_pinned(timeout=120).items() if isinstance(v, (int, float, str))}
+    res["pinned_after_s"] = time.perf_counter() - t
     try:
-        st = model.new_state(context + steps + 2)
-        tok = int(_prefill(model, st, _ids(context, V))[-1].argmax())
-        model.forward(torch.tensor([tok]), [Segment(st, 1)])  # warm
-        torch.cuda.synchronize()
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                tok = int(model.forward(torch.tensor([tok]), [Segment(st, 1)])[0][-1].argmax())
-            torch.cuda.synchronize()
-        st.free()
-        out["decode_us_per_step"] = _top(prof, steps)
-        st = model.new_state(prefill_tokens + 1)
-        ids = _ids(prefill_tokens, V)
-        torch.cuda.synchronize()
-        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-            _prefill(model, st, ids)
-            torch.cuda.synchronize()
-        st.free()
-        out[f"prefill_{prefill_tokens}_us"] = _top(prof, 1)
+        r = decode(model, 1, 32, steps, warmup=16)
+        r.pop("tokens")
+        res["decode"] = r
+        res["prefill"] = prefill(model, 4096, repeat=1)
+        if llama and f"decode_{gib:g}gib" in llama:
+            res["decode"]["vs_llama_cpp"] = r["tok_s"] / llama[f"decode_{gib:g}gib"]
+        res["moe"] = {k: v for k, v in ex.stats().items() if isinstance(v, (int, float))}
     finally:
-        model.graphs = saved
-    return out
+        ex.close()
+        del model, ex
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        res["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / (1 << 30)
+        res["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / (1 << 30)
+        res["context_gib"] = (total - free) / (1 << 30)  # what stays: the CUDA context and its module images
+        res["peak_device_gib"] = res["peak_reserved_gib"] + res["context_gib"]
+    log(f"budget {gib:g} GiB ({res['mode']}): decode {res['decode']['tok_s']:.1f} tok/s, prefill 4096 "
+        f"{res['prefill']['tok_s']:.0f} tok/s, peak {res['peak_device_gib']:.2f} GiB incl. context")
+    return res
 
 
-def _top(prof, per: int, n: int = 25) -> dict:
-    rows = sorted(((e.key, e.device_time_total / per, e.count / per) for e in prof.key_averages()
-                   if e.device_time_total > 0), key=lambda r: -r[1])
-    total = sum(r[1] for r in rows)
-    return {"total_us": total, "kernels": [{"name": k[:90], "us": round(us, 1), "calls": round(c, 1)}
-                                           for k, us, c in rows[:n]]}
-
-
-def bench_model(ftw, preset: str, *, hbm_gbs: float, log, llama: dict | None, deadline: float) -> dict:
+def bench_model(ftw, preset: str, *, hbm_gbs: float, log, llama: dict | None, deadline: float,
+                budgets: tuple[float, ...] = ()) -> dict:
     reader = FtwReader(ftw)
     t = time.perf_counter()
     model, ex = load_offloaded(reader, device="cuda", vram_budget=None, memory_ratio=0.9,
@@ -240,6 +185,12 @@ def bench_model(ftw, preset: str, *, hbm_gbs: float, log, llama: dict | None, de
     res["prefill"] = pre
     if time.perf_counter() < deadline - 45:
         try:
+            res["host_profile"] = host_profile(model)
+            log(f"{preset}: host profile {res['host_profile']['wall_us_per_step']:.0f} us/step: " + ", ".join(
+                f"{k['name'][:30]} {k['us']:.0f}" for k in res["host_profile"]["cpu_self_us_per_step"][:8]))
+        except Exception:  # noqa: BLE001
+            res["host_profile"] = {"error": traceback.format_exc()[-2000:]}
+        try:
             res["profile"] = profile(model)
             top = res["profile"]["decode_us_per_step"]
             log(f"{preset}: decode kernels {top['total_us']:.0f} us/step: " + ", ".join(
@@ -255,4 +206,13 @@ def bench_model(ftw, preset: str, *, hbm_gbs: float, log, llama: dict | None, de
     ex.close()
     del model, ex
     torch.cuda.empty_cache()
+    res["budgets"] = []
+    for gib in budgets:
+        if time.perf_counter() > deadline - 90:
+            break
+        try:
+            res["budgets"].append(bench_budget(ftw, gib, log=log, llama=llama))
+        except Exception:  # noqa: BLE001
+            res["budgets"].append({"budget_gib": gib, "error": traceback.format_exc()[-2000:]})
+            log(f"budget {gib} GiB failed:\n{res['budgets'][-1]['error']}")
     return res

@@ -1,0 +1,186 @@
+"""The checks of tools/gpu_full.py on a loaded full-size model: agreement of the GPU paths, and where a decode step's
+time goes (CUDA time per kernel; host time per call around a graph replay).
+
+Shared with gpu_full_models.py: the seeded random token ids and the chunked prefill.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import pstats
+import time
+
+import torch
+
+from ft.runtime.layers import moe
+from ft.runtime.model import Segment
+
+CHUNK = 4096
+GEN = torch.Generator().manual_seed(0)
+
+
+def ids(n: int, vocab: int) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=GEN).tolist()
+
+
+def prefill(model, state, tokens: list[int]) -> torch.Tensor:
+    """Prefill `tokens` in CHUNK-token forwards -> the last chunk's logits."""
+    logits = None
+    for i in range(0, len(tokens), CHUNK):
+        part = tokens[i:i + CHUNK]
+        logits = model.forward(torch.tensor(part), [Segment(state, len(part))])[0]
+    return logits
+
+
+class _Routing:
+    """Wraps every MoE layer's experts call (`BoundExperts.__call__`): records each call's (ids, weights), or
+    replaces them with a recorded run's, call by call (so two paths can be compared with identical routing)."""
+
+    def __init__(self, replay: list | None = None) -> None:
+        self.calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.replay = replay
+
+    def __enter__(self):
+        self._orig = moe.BoundExperts.__call__
+        orig, me = self._orig, self
+
+        def call(bound, x, topk_ids, topk_weights):
+            if me.replay is not None:
+                topk_ids, topk_weights = me.replay[len(me.calls)]
+            me.calls.append((topk_ids.clone(), topk_weights.clone()))
+            return orig(bound, x, topk_ids, topk_weights)
+
+        moe.BoundExperts.__call__ = call
+        return self
+
+    def __exit__(self, *exc) -> None:
+        moe.BoundExperts.__call__ = self._orig
+
+
+def agreement(model, steps: int = 32) -> dict:
+    """Teacher-forced logits of the paths on the same tokens (a 64-token prompt, then `steps` decode steps fed the
+    graphed path's greedy tokens): graphed vs eager (same kernels), the fused kernels vs the PyTorch reference ops,
+    and the fused kernels vs the reference with the reference's routing forced on them (every MoE call gets the
+    reference's expert ids and weights), which separates routing flips from numerical error. Per pair: max |dlogit|
+    over the prefill's last position and every decode step, and the share of positions whose argmax agrees; plus the
+    share of (token, layer) routing choices where the fused path picked a different expert set."""
+    V = model.config.vocab_size
+    prompt = ids(64, V)
+
+    def run(fused: bool, graphs, feed: list[int] | None) -> tuple[list[int], torch.Tensor]:
+        model.set_fused(fused)
+        saved, model.graphs = model.graphs, graphs
+        st = model.new_state(len(prompt) + steps + 2)
+        rows = [prefill(model, st, prompt)[-1].float()]
+        toks = [int(rows[0].argmax())] if feed is None else list(feed)
+        for i in range(steps):
+            lg = model.forward(torch.tensor([toks[i]]), [Segment(st, 1)])[0][-1].float()
+            rows.append(lg)
+            if feed is None:
+                toks.append(int(lg.argmax()))
+        st.free()
+        model.graphs = saved
+        return toks, torch.stack(rows).cpu()
+
+    feed, graphed = run(True, model.graphs, None)
+    with _Routing() as fused_routes:
+        _, eager = run(True, None, feed)
+    with _Routing() as ref_routes:
+        _, ref = run(False, None, feed)
+    with _Routing(replay=ref_routes.calls):
+        _, forced = run(True, None, feed)
+    model.set_fused(True)
+
+    def compare(a: torch.Tensor, b: torch.Tensor) -> dict:
+        return {"max_dlogit": float((a - b).abs().max()), "prefill_max_dlogit": float((a[0] - b[0]).abs().max()),
+                "argmax_agree": float((a.argmax(-1) == b.argmax(-1)).float().mean())}
+
+    differ = total = 0
+    for (fi, _), (ri, _) in zip(fused_routes.calls, ref_routes.calls):
+        differ += int((fi.sort(-1).values != ri.sort(-1).values).any(-1).sum())
+        total += fi.shape[0]
+    return {"positions": steps + 1, "logit_scale": float(ref.abs().max()),
+            "graphed_vs_eager": compare(graphed, eager), "fused_vs_reference": compare(eager, ref),
+            "fused_vs_reference_same_routing": compare(forced, ref),
+            "routing_sets_differ": differ / max(total, 1)}
+
+
+def profile(model, *, context: int = 512, steps: int = 8, prefill_tokens: int = 4096) -> dict:
+    """CUDA time per kernel (torch.profiler): eager batch-1 decode steps (the graph replays the same kernels) and one
+    prefill chunk -> the top kernels, in us per step / per chunk, so the gap to the bound can be split by cause."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    V = model.config.vocab_size
+    saved, model.graphs = model.graphs, None
+    out = {}
+    try:
+        st = model.new_state(context + steps + 2)
+        tok = int(prefill(model, st, ids(context, V))[-1].argmax())
+        model.forward(torch.tensor([tok]), [Segment(st, 1)])  # warm
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                tok = int(model.forward(torch.tensor([tok]), [Segment(st, 1)])[0][-1].argmax())
+            torch.cuda.synchronize()
+        st.free()
+        out["decode_us_per_step"] = _top(prof, steps)
+        st = model.new_state(prefill_tokens + 1)
+        toks = ids(prefill_tokens, V)
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            prefill(model, st, toks)
+            torch.cuda.synchronize()
+        st.free()
+        out[f"prefill_{prefill_tokens}_us"] = _top(prof, 1)
+    finally:
+        model.graphs = saved
+    return out
+
+
+def _top(prof, per: int, n: int = 25) -> dict:
+    rows = sorted(((e.key, e.device_time_total / per, e.count / per) for e in prof.key_averages()
+                   if e.device_time_total > 0), key=lambda r: -r[1])
+    total = sum(r[1] for r in rows)
+    return {"total_us": total, "kernels": [{"name": k[:90], "us": round(us, 1), "calls": round(c, 1)}
+                                           for k, us, c in rows[:n]]}
+
+
+def host_profile(model, *, steps: int = 40, context: int = 32) -> dict:
+    """Where a graphed batch-1 decode step's host time goes, as the benchmark's step runs it (forward, argmax, ids
+    back): wall time per step; CPU time per call of the CUDA runtime and aten ops (torch.profiler, self CPU time per
+    step); Python time per function (cProfile, tottime per step)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    V = model.config.vocab_size
+    st = model.new_state(context + 3 * steps + 8)
+    tok = [int(prefill(model, st, ids(context, V))[-1].argmax())]
+
+    def step() -> None:
+        logits = model.forward(torch.tensor(tok), [Segment(st, 1)])
+        tok[:] = torch.cat([lg[-1:] for lg in logits]).argmax(-1).tolist()
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(steps):
+        step()
+    wall = (time.perf_counter() - t) / steps
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+    cpu = sorted(((e.key, e.self_cpu_time_total / steps, e.count / steps) for e in prof.key_averages()
+                  if e.self_cpu_time_total > 0), key=lambda r: -r[1])
+    prof_py = cProfile.Profile()
+    prof_py.runcall(lambda: [step() for _ in range(steps)])
+    stats = pstats.Stats(prof_py)
+    py = sorted(((f"{fn[0].rsplit('/', 1)[-1]}:{fn[1]}({fn[2]})", v[2] / steps * 1e6, v[0] / steps)
+                 for fn, v in stats.stats.items()), key=lambda r: -r[1])
+    st.free()
+    return {"wall_us_per_step": wall * 1e6,
+            "cpu_self_us_per_step": [{"name": k[:80], "us": round(us, 1), "calls": round(c, 1)}
+                                     for k, us, c in cpu[:20]],
+            "python_tottime_us_per_step": [{"fn": k[:80], "us": round(us, 1), "calls": round(c, 1)}
+                                           for k, us, c in py[:20]]}
