@@ -38,38 +38,32 @@ from ft.runtime.kv import ContextOverflowError, KvBudget, QueueFullError
 from ft.runtime.model import Segment, load_model
 from ft.runtime.request import Request, StopStringFilter, TokenEvent
 from ft.runtime.sampling import RequestSampler, SamplingParams, sample
+from ft.runtime.settings import EngineSettings
 from ft.runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("ft.engine")
 
-__all__ = ["Engine", "SamplingParams", "TokenEvent", "ContextOverflowError", "QueueFullError", "generate",
-           "GenerationResult"]
+__all__ = ["Engine", "EngineSettings", "SamplingParams", "TokenEvent", "ContextOverflowError", "QueueFullError",
+           "generate", "GenerationResult"]
 
 
 class Engine:
-    """Serves one FTW model. `experts` replaces the default CPU experts; on CUDA the engine builds the GPU expert
-    scheduler itself, sized from `vram_budget` bytes (dense weights, KV, buffers and expert slots all count) or, when
-    it is None, `memory_ratio` x the free VRAM at start; `offload` (an OffloadConfig) picks its mode, and also runs it
-    on the CPU emulation path; `dense_weights` ("dequantized" or "quantized") overrides its `dense`; `offload_mode`
-    picks the mode of the default scheduler (`offload_config.FLAG_MODES`; default mapped); `cuda_graphs` lets it
-    replay one-token decode steps from captured CUDA graphs (`ft.runtime.gpu.graphs`).
-    `max_output_tokens` clamps every request's max_tokens (a larger request is not refused). `kv_block_tokens` is the step in which KV reservations grow (see `ft.runtime.kv`)."""
+    """Serves one FTW with `settings` (`ft.runtime.settings.EngineSettings`: device, KV budget, batch and queue bounds,
+    and on CUDA the VRAM budget, dense weights, offload mode, CUDA graphs). `experts` replaces the default CPU experts;
+    on CUDA the engine builds the GPU expert scheduler itself, sized from `settings.vram_budget` bytes (dense weights,
+    KV, buffers and expert slots all count) or, when it is None, `memory_ratio` x the free VRAM at start; `offload`
+    (an OffloadConfig, for tests and benchmarks) replaces the scheduler options the settings imply (but for
+    dense_weights, which still apply), and also runs the scheduler on the CPU emulation path. Decode steps replay
+    captured CUDA graphs (`ft.runtime.gpu.graphs`) unless `settings.cuda_graphs` is off. `max_output_tokens` clamps
+    every request's max_tokens (a larger request is not refused); `kv_block_tokens` is the step in which KV
+    reservations grow (see `ft.runtime.kv`)."""
 
-    def __init__(self, ftw_dir: str | Path | FtwReader, *, device: str = "cpu", kv_reserve_tokens: int = 8192,
-                 max_prefill_length: int = 2048, max_running_requests: int = 4,
-                 max_output_tokens: int = 32768, max_queued_requests: int = 64, experts: Any = None,
-                 vram_budget: int | None = None, memory_ratio: float = 0.9, offload: Any = None,
-                 kv_block_tokens: int = 256, dense_weights: str | None = None, offload_mode: str | None = None,
-                 cuda_graphs: bool = True) -> None:
-        for name, value in (("kv_reserve_tokens", kv_reserve_tokens), ("max_prefill_length", max_prefill_length),
-                            ("max_running_requests", max_running_requests), ("max_output_tokens",
-                            max_output_tokens), ("max_queued_requests", max_queued_requests),
-                            ("kv_block_tokens", kv_block_tokens)):
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
+    def __init__(self, ftw_dir: str | Path | FtwReader, settings: EngineSettings | None = None, *,
+                 experts: Any = None, offload: Any = None) -> None:
+        s = self.settings = settings or EngineSettings()
         reader = ftw_dir if isinstance(ftw_dir, FtwReader) else FtwReader(Path(ftw_dir))
         model = None
-        if experts is None and (torch.device(device).type == "cuda" or offload is not None):
+        if experts is None and (s.cuda or offload is not None):
             from ft.runtime.gpu.engine_setup import load_offloaded, unsupported_reason
 
             why = unsupported_reason(reader)
@@ -77,25 +71,26 @@ class Engine:
                 raise ValueError(f"{reader.path}: the GPU expert scheduler cannot serve this model: {why}")
             if why is None:
                 model, experts = load_offloaded(
-                    reader, device=device, vram_budget=vram_budget, memory_ratio=memory_ratio, offload=offload,
-                    kv_reserve_tokens=kv_reserve_tokens, max_running_requests=max_running_requests,
-                    dense_weights=dense_weights, mode=offload_mode, cuda_graphs=cuda_graphs)
+                    reader, device=s.device, vram_budget=s.vram_budget, memory_ratio=s.memory_ratio, offload=offload,
+                    kv_reserve_tokens=s.kv_reserve_tokens, max_running_requests=s.max_running_requests,
+                    dense_weights=s.dense_weights, mode=s.offload_mode,
+                    cuda_graphs=s.cuda_graphs)
             else:
                 log.warning("%s; routed experts run on the CPU", why)
-        self.model = model if model is not None else load_model(reader, device=device, experts=experts)
+        self.model = model if model is not None else load_model(reader, device=s.device, experts=experts)
         self._experts = experts  # None = the model's CPU experts
         self.config = self.model.config
         self.tokenizer = Tokenizer.from_reader(reader)
         self.generation_config: dict = dict(reader.generation)  # generation_config.json defaults
         self.model_name = Path(reader.path).name.removesuffix(".ftw")  # the directory the user named
-        self.device = torch.device(device)
+        self.device = torch.device(s.device)
         self.eos_token_ids = frozenset(self.config.eos_token_ids) | frozenset(
             self.generation_config.get("eos_token_ids") or ())
-        self.kv = KvBudget(kv_reserve_tokens, self.config.max_position_embeddings, kv_block_tokens)
-        self.max_prefill_length = max_prefill_length
-        self.max_running_requests = max_running_requests
-        self.max_output_tokens = max_output_tokens
-        self.max_queued_requests = max_queued_requests
+        self.kv = KvBudget(s.kv_reserve_tokens, self.config.max_position_embeddings, s.kv_block_tokens)
+        self.max_prefill_length = s.max_prefill_length
+        self.max_running_requests = s.max_running_requests
+        self.max_output_tokens = s.max_output_tokens
+        self.max_queued_requests = s.max_queued_requests
         self._waiting: deque[Request] = deque()  # preempted requests come back at the head
         self._running: list[Request] = []  # admission order
         self._aborted: list[Request] = []  # abort events still to emit

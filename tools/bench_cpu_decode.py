@@ -98,15 +98,15 @@ def build_ftw(arch: str, preset: str, work: Path) -> Path:
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, object]:
     from ft.formats import FtwReader
-    from ft.runtime.engine import Engine, SamplingParams, generate
+    from ft.runtime.engine import Engine, EngineSettings, SamplingParams, generate
 
     print(f"synthesizing {args.arch}/{args.preset} and compiling to FTW in {work} ...", flush=True)
     t0 = time.perf_counter()
     ftw = build_ftw(args.arch, args.preset, work)
     print(f"  built in {time.perf_counter() - t0:.1f} s", flush=True)
     reader = FtwReader(ftw)
-    engine = Engine(reader, kv_reserve_tokens=args.prompt_tokens + args.new_tokens + 16,
-                    max_prefill_length=args.prompt_tokens)
+    engine = Engine(reader, EngineSettings(kv_reserve_tokens=args.prompt_tokens + args.new_tokens + 16,
+                                           max_prefill_length=args.prompt_tokens))
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, engine.config.vocab_size, (args.prompt_tokens,), generator=gen).tolist()
     params = SamplingParams(max_tokens=args.new_tokens, temperature=0, ignore_eos=True)

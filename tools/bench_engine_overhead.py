@@ -103,7 +103,7 @@ def offload_compare(ftw: Path, prompt: list[int], tokens: int, repeats: int, slo
     """The GPU expert scheduler's CPU emulation (mode offload, `slots` slots, prefetch on) under the engine and under
     the direct loop: ms per decode step and the scheduler's counters per run (prefill + decode, same work in both)."""
     from ft.formats import FtwReader
-    from ft.runtime.engine import Engine, SamplingParams
+    from ft.runtime.engine import Engine, EngineSettings, SamplingParams
     from ft.runtime.gpu.hybrid import GpuExperts
     from ft.runtime.gpu.offload_config import OffloadConfig
     from ft.runtime.model import load_model
@@ -112,7 +112,7 @@ def offload_compare(ftw: Path, prompt: list[int], tokens: int, repeats: int, slo
     opts = OffloadConfig(mode="offload", num_slots=slots, prefetch=True)
     ex = GpuExperts(reader, opts, device="cpu")
     model = load_model(reader, device="cpu", experts=ex)
-    engine = Engine(reader, device="cpu", offload=opts)
+    engine = Engine(reader, EngineSettings(device="cpu"), offload=opts)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     keys = ("calls", "hits", "misses", "fetched", "prefetch_issued", "prefill_streamed", "bytes_h2d")
     out = {}
@@ -135,11 +135,11 @@ def offload_compare(ftw: Path, prompt: list[int], tokens: int, repeats: int, slo
 def measure(args) -> dict:
     from bench_cpu_decode import _result_args, machine_info
 
-    from ft.runtime.engine import Engine, SamplingParams
+    from ft.runtime.engine import Engine, EngineSettings, SamplingParams
 
     torch.set_num_threads(args.threads)
     ftw = build_ftw(Path(args.work), args.layers)
-    engine = Engine(ftw, device="cpu", max_running_requests=max(args.batch), kv_reserve_tokens=16384)
+    engine = Engine(ftw, EngineSettings(device="cpu", max_running_requests=max(args.batch), kv_reserve_tokens=16384))
     cfg = engine.config
     g = torch.Generator().manual_seed(1)
     rows = []

@@ -138,12 +138,12 @@ def engine_run(ftw: Path, reader: FtwReader, *, budget_gib: float, log, tokens: 
 
     from engine_probe import PHASES, engine_round
 
-    from ft.runtime.engine import Engine, SamplingParams, generate
+    from ft.runtime.engine import Engine, EngineSettings, SamplingParams, generate
 
     budget, sc = engine_budget(reader, budget_gib)
     t = time.perf_counter()
     offload = None if pin else OffloadConfig(mode="hybrid", pin_host_bytes=0)  # pin=False: no page-locked banks
-    eng = Engine(reader, device="cuda", vram_budget=budget, kv_reserve_tokens=8192, offload=offload)
+    eng = Engine(reader, EngineSettings(device="cuda", vram_budget=budget, kv_reserve_tokens=8192), offload=offload)
     load_s = time.perf_counter() - t  # the engine serves while its banks are page-locked on a thread
     getattr(eng._experts, "wait_pinned", lambda: None)()  # time the steady state
     g = torch.Generator().manual_seed(3)

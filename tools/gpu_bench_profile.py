@@ -215,7 +215,7 @@ def stage_profile(args, bw_profile: dict, out: Path, res: dict, plan, log=print)
     import gpu_bench_parts as e2e
 
     from ft.formats import FtwReader
-    from ft.runtime.engine import Engine
+    from ft.runtime.engine import Engine, EngineSettings
     from ft.runtime.gpu.hybrid import GpuExperts
     from ft.runtime.gpu.offload_config import OffloadConfig
     from ft.runtime.model import load_model
@@ -274,14 +274,14 @@ def stage_profile(args, bw_profile: dict, out: Path, res: dict, plan, log=print)
     gc.collect()
     kv = max(8192, len(prompt) + 4 * n + 16)
     budget, _ = e2e.engine_budget(reader, gib, kv_tokens=kv)
-    engines = ((f"engine{gib:g}", dict(vram_budget=budget, offload=OffloadConfig(mode="hybrid", **pin) if pin else None)
-                if cuda else dict(offload=OffloadConfig(mode="hybrid", num_slots=sc["num_slots"],
-                                                        prefill_slots=args.prefill_slots))),
-               ("engine_resident", dict() if cuda else dict(offload=OffloadConfig(mode="resident"))))
-    for name, kw in engines:
+    engines = ((f"engine{gib:g}", (budget, OffloadConfig(mode="hybrid", **pin) if pin else None) if cuda
+                else (None, OffloadConfig(mode="hybrid", num_slots=sc["num_slots"], prefill_slots=args.prefill_slots))),
+               ("engine_resident", (None, None if cuda else OffloadConfig(mode="resident"))))
+    for name, (vram, offload) in engines:
         if not plan.admit(f"profile:{name}", per_path + 5):
             continue
-        eng = Engine(reader, device=args.device, kv_reserve_tokens=kv, **kw)
+        eng = Engine(reader, EngineSettings(device=args.device, kv_reserve_tokens=kv, vram_budget=vram),
+                     offload=offload)
         getattr(eng._experts, "wait_pinned", lambda: None)()
         with tagged(eng.model, eng):
             step = engine_step(eng, prompt, n, n)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ft.runtime.settings import DENSE_WEIGHTS as DENSE
+from ft.runtime.settings import OFFLOAD_MODES as FLAG_MODES  # what --offload-mode may ask for (resident: all fits)
+
 MODES = ("hybrid", "offload", "mapped", "cpu", "static", "resident")
-DENSE = ("dequantized", "quantized")
-FLAG_MODES = ("hybrid", "mapped", "offload", "cpu")  # what --offload-mode may ask for (resident: chosen when all fits)
 GIB = 1 << 30
 
 

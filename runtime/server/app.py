@@ -9,7 +9,6 @@ bound while the weights load. See specs/server.md.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import time
 from collections.abc import Callable
@@ -32,22 +31,10 @@ def load_engine(settings: ServeSettings) -> Any:
     """Build the engine from the serve flags (runs on the engine-loop thread)."""
     from ft.runtime.engine import Engine
 
-    kwargs: dict[str, Any] = dict(device=settings.device, kv_reserve_tokens=settings.kv_reserve_tokens,
-                                  max_prefill_length=settings.max_prefill_length,
-                                  max_running_requests=settings.max_running_requests,
-                                  max_output_tokens=settings.max_output_tokens,
-                                  max_queued_requests=settings.max_queued_requests)
-    if settings.device.startswith("cuda"):
-        if "memory_ratio" in inspect.signature(Engine).parameters:
-            kwargs.update(memory_ratio=settings.memory_ratio, vram_budget=settings.vram_budget,
-                          dense_weights=settings.dense_weights, offload_mode=settings.offload_mode,
-                          cuda_graphs=settings.cuda_graphs)
-        else:
-            log.warning("this engine does not size its CUDA budget by --memory-ratio; the flag has no effect")
     t0 = time.perf_counter()
-    engine = Engine(settings.ftw, **kwargs)
+    engine = Engine(settings.ftw, settings.engine)
     log.info("engine loaded in %.1f s (device %s, KV budget %d tokens)", time.perf_counter() - t0,
-             settings.device, settings.kv_reserve_tokens)
+             settings.engine.device, settings.engine.kv_reserve_tokens)
     return engine
 
 
@@ -79,7 +66,7 @@ def _model_card(state: ServerState) -> dict:
     created = int(state.loop.loaded_at or state.metrics.started)
     return {"id": state.model_name, "object": "model", "created": created, "owned_by": "ft",
             "max_model_len": engine.max_context, "context_length": engine.max_context,
-            "max_output_tokens": state.settings.max_output_tokens}
+            "max_output_tokens": state.settings.engine.max_output_tokens}
 
 
 def _ops_router() -> APIRouter:

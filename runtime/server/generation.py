@@ -89,7 +89,7 @@ def sampling_params(state: ServerState, *, max_tokens: int | None, stop: Any = N
 
     if temperature is None and gen.get("do_sample") is False:
         temperature = 0.0
-    limit = state.settings.max_output_tokens
+    limit = state.settings.engine.max_output_tokens
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     try:
         return SamplingParams(

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ft.runtime.engine import ContextOverflowError, Engine, QueueFullError, SamplingParams, generate
+from ft.runtime.engine import (ContextOverflowError, Engine, EngineSettings, QueueFullError, SamplingParams,
+                               generate)
 from ft.runtime.kv import KvBudget
 from ft.runtime.request import StopStringFilter
 
@@ -20,7 +21,7 @@ def ftw(ftw_for):
 
 @pytest.fixture(scope="module")
 def engine(ftw):
-    return Engine(ftw, kv_reserve_tokens=256, max_prefill_length=64)
+    return Engine(ftw, EngineSettings(kv_reserve_tokens=256, max_prefill_length=64))
 
 
 def _run_all(engine: Engine) -> dict[str, list]:
@@ -91,8 +92,8 @@ def test_kv_budget_grows_in_blocks_then_takes_what_is_left():
 def test_chunked_prefill_gives_identical_greedy_tokens(ftw_for, arch):
     path = ftw_for(arch, "none")
     prompt = PROMPTS[0]
-    results = [generate(Engine(path, kv_reserve_tokens=128, max_prefill_length=n), prompt, GREEDY).token_ids
-               for n in (64, 7, 3, 1)]
+    results = [generate(Engine(path, EngineSettings(kv_reserve_tokens=128, max_prefill_length=n)), prompt,
+                        GREEDY).token_ids for n in (64, 7, 3, 1)]
     assert all(r == results[0] for r in results), results
     assert len(results[0]) == GREEDY.max_tokens
 
@@ -113,7 +114,7 @@ def test_batched_decode_equals_each_request_alone(engine):
 
 
 def test_long_prompt_prefill_interleaves_with_running_decode(ftw):
-    eng = Engine(ftw, kv_reserve_tokens=256, max_prefill_length=4)
+    eng = Engine(ftw, EngineSettings(kv_reserve_tokens=256, max_prefill_length=4))
     eng.add_request("short", PROMPTS[3], GREEDY)
     eng.step()  # short: prefilled, first token
     eng.add_request("long", PROMPTS[0], GREEDY)
@@ -129,7 +130,7 @@ def test_stop_token_ids_and_eos(ftw, engine):
     res = generate(engine, PROMPTS[0], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
                                                        stop_token_ids=(stop_tok,)))
     assert res.finish_reason == "stop" and res.token_ids == ref[: first + 1]
-    eos_engine = Engine(ftw, kv_reserve_tokens=256)
+    eos_engine = Engine(ftw, EngineSettings(kv_reserve_tokens=256))
     assert eos_engine.eos_token_ids >= set(eos_engine.config.eos_token_ids)
     eos_engine.eos_token_ids = frozenset({stop_tok})  # pretend the model's EOS is that token
     res = generate(eos_engine, PROMPTS[0], SamplingParams(max_tokens=12, temperature=0))
@@ -159,17 +160,17 @@ def test_stop_string_across_tokens_is_trimmed(engine):
 def test_max_tokens_length_and_clamp(ftw, engine):
     res = generate(engine, PROMPTS[1], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     assert res.finish_reason == "length" and len(res.token_ids) == 3
-    clamped = Engine(ftw, kv_reserve_tokens=256, max_output_tokens=5)
+    clamped = Engine(ftw, EngineSettings(kv_reserve_tokens=256, max_output_tokens=5))
     res = generate(clamped, PROMPTS[1], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
     assert res.finish_reason == "length" and len(res.token_ids) == 5
     # The KV budget caps the sequence too: 60 prompt tokens in a 64-token budget leave room for 4.
-    tight = Engine(ftw, kv_reserve_tokens=64)
+    tight = Engine(ftw, EngineSettings(kv_reserve_tokens=64))
     res = generate(tight, [11] * 60, SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
     assert res.finish_reason == "length" and len(res.token_ids) == 4
 
 
 def test_context_overflow_message_is_exact(ftw):
-    eng = Engine(ftw, kv_reserve_tokens=64)
+    eng = Engine(ftw, EngineSettings(kv_reserve_tokens=64))
     with pytest.raises(ContextOverflowError) as e:
         eng.add_request("big", [5] * 100, GREEDY)
     assert str(e.value) == "prompt is 100 tokens; the KV budget is 64; raise --kv-reserve-tokens"
@@ -177,7 +178,7 @@ def test_context_overflow_message_is_exact(ftw):
 
 
 def test_queue_full_and_fifo_waiting_for_kv(ftw):
-    eng = Engine(ftw, kv_reserve_tokens=64, max_queued_requests=2)  # KV block: 8 tokens
+    eng = Engine(ftw, EngineSettings(kv_reserve_tokens=64, max_queued_requests=2))  # KV block: 8 tokens
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     eng.add_request("a", [9] * 40, params)  # reserves 48 (40 + 1, rounded to a block)
     eng.add_request("b", PROMPTS[0], params)  # needs 24 + 8 of headroom: must wait for "a"
@@ -189,7 +190,7 @@ def test_queue_full_and_fifo_waiting_for_kv(ftw):
     eng.add_request("c", PROMPTS[1], params)  # the queue has room again; c waits behind b (FIFO)
     events = _run_all(eng)
     assert [ev.finish_reason for ev in events["a"]][-1] == "length"
-    alone = generate(Engine(ftw, kv_reserve_tokens=64), PROMPTS[0], params).token_ids
+    alone = generate(Engine(ftw, EngineSettings(kv_reserve_tokens=64)), PROMPTS[0], params).token_ids
     assert [ev.token_id for ev in events["b"]] == alone
     assert eng.stats()["kv_tokens_used"] == 0
 
@@ -253,7 +254,7 @@ def test_custom_experts_are_used_and_their_counters_reach_stats(ftw, engine):
             return {"calls": self.calls}
 
     experts = CountingExperts(reader, reader.config, dtype=reader.tensor("embed_tokens.weight").dtype)
-    eng = Engine(reader, kv_reserve_tokens=256, experts=experts)
+    eng = Engine(reader, EngineSettings(kv_reserve_tokens=256), experts=experts)
     res = generate(eng, PROMPTS[1], GREEDY)
     assert res.token_ids == generate(engine, PROMPTS[1], GREEDY).token_ids
     assert eng.stats()["moe"]["calls"] == experts.calls > 0

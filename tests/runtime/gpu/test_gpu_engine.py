@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ft.formats import FtwReader
-from ft.runtime.engine import Engine, SamplingParams, generate
+from ft.runtime.engine import Engine, EngineSettings, SamplingParams, generate
 from ft.runtime.gpu.engine_setup import _weight_bytes
 from ft.runtime.gpu.offload_config import OffloadConfig
 from ft.runtime.gpu.sizing import dense_weight_bytes, parse_bytes, plan_vram, state_bytes
@@ -46,8 +46,9 @@ def test_state_bytes_match_a_real_state(ftw_for):
         assert SequenceState(cfg, n, dtype=torch.bfloat16, device=torch.device("cpu")).nbytes == per_seq + n * per_token
 
 
-def _engine(ftw, **kw):
-    return Engine(ftw, device="cpu", kv_reserve_tokens=256, max_prefill_length=8, max_running_requests=2, **kw)
+def _engine(ftw, offload=None, **kw):
+    settings = EngineSettings(device="cpu", kv_reserve_tokens=256, max_prefill_length=8, max_running_requests=2, **kw)
+    return Engine(ftw, settings, offload=offload)
 
 
 def test_engine_sizes_slots_from_the_budget_and_reports_counters(ftw_for):
@@ -87,7 +88,7 @@ def test_engine_goes_resident_when_everything_fits_and_refuses_too_small(ftw_for
     with pytest.raises(ValueError, match="smaller than the fixed allocations"):
         _engine(ftw, vram_budget=1 << 20, offload=OffloadConfig(mode="hybrid", vram_budget=1 << 20))
     assert "moe" not in _engine(ftw, vram_budget=64 * GIB).stats()  # CPU without `offload`: plain CPU experts
-    eng = Engine(ftw, device="cpu", vram_budget=64 * GIB, memory_ratio=0.9,
+    eng = Engine(ftw, EngineSettings(device="cpu", vram_budget=64 * GIB, memory_ratio=0.9),
                  offload=OffloadConfig(mode="resident", prefetch=False))
     ex = eng._experts
     assert ex.num_slots == len(ex.moe_layers) * ex.E and ex.vram_plan.cached_fraction == 1.0
@@ -130,7 +131,7 @@ def test_cuda_engine_resident_and_hybrid(ftw_for):
     prompt = [5, 17, 3, 99, 42, 7, 11, 2, 9, 4]
     exp = generate(_engine(ftw), prompt, params)
     kw = dict(device="cuda", kv_reserve_tokens=256, max_prefill_length=8, max_running_requests=2)
-    eng = Engine(ftw, memory_ratio=0.5, **kw)  # a tiny model: everything fits -> resident
+    eng = Engine(ftw, EngineSettings(memory_ratio=0.5, **kw))  # a tiny model: everything fits -> resident
     plan, ex = eng._experts.vram_plan, eng._experts
     assert ex.opts.mode == "resident" and plan.dense > 0
     got = generate(eng, prompt, params)
@@ -139,7 +140,7 @@ def test_cuda_engine_resident_and_hybrid(ftw_for):
     eng.close()
     assert not plan.dense_quantized
     budget = plan.dense + plan.kv + plan.prefill_buffers + plan.reserve + 5 * ex.layout.stride + 4096
-    eng = Engine(ftw, vram_budget=budget, offload_mode="hybrid", **kw)
+    eng = Engine(ftw, EngineSettings(vram_budget=budget, offload_mode="hybrid", **kw))
     ex2 = eng._experts  # allocator rounding moves the measured dense bytes a little between loads
     assert ex2.opts.mode == "hybrid" and ex2.num_slots == ex2.vram_plan.num_slots and 4 <= ex2.num_slots <= 7
     got = generate(eng, prompt, params)
@@ -147,7 +148,7 @@ def test_cuda_engine_resident_and_hybrid(ftw_for):
     assert got.token_ids[0] == exp.token_ids[0] and moe["misses"] > 0
     assert moe["fetched"] + moe["cpu_experts"] == moe["misses"] and moe["uploads"] >= moe["fetched"]
     eng.close()
-    eng = Engine(ftw, vram_budget=budget, **kw)  # the default mode
+    eng = Engine(ftw, EngineSettings(vram_budget=budget, **kw))  # the default mode
     eng._experts.wait_pinned()  # then decode reads misses in place (banks pinned and verified)
     got = generate(eng, prompt, params)
     eng._experts.settle()
@@ -155,7 +156,7 @@ def test_cuda_engine_resident_and_hybrid(ftw_for):
     assert eng._experts.opts.mode == "mapped" and moe["bytes_mapped"] > 0
     assert got.token_ids == resident_tokens  # the same device kernel whichever memory an expert is read from
     eng.close()
-    eng = Engine(ftw, vram_budget=budget, offload=OffloadConfig(dense="quantized"), **kw)
+    eng = Engine(ftw, EngineSettings(vram_budget=budget, dense_weights="quantized", **kw))
     ex3 = eng._experts  # the bytes the dense weights no longer take go to the cache
     assert ex3.vram_plan.dense_quantized and ex3.vram_plan.dense < plan.dense and ex3.num_slots > ex2.num_slots
     assert generate(eng, prompt, params).token_ids[0] == exp.token_ids[0]
@@ -188,7 +189,7 @@ def test_engine_with_quantized_dense_weights_decodes_the_same_tokens(ftw_for):
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     prompt = [5, 17, 3, 99, 42, 7, 11, 2, 9, 4]
     runs = {}
-    for dense in ("dequantized", "quantized"):  # the engine's dense_weights (the CLI's --dense-weights) wins
+    for dense in ("dequantized", "quantized"):  # the settings' dense_weights (--dense-weights) apply to `offload`
         eng = _engine(ftw, vram_budget=64 * GIB, offload=OffloadConfig(mode="resident", prefetch=False),
                       dense_weights=dense)
         runs[dense] = (generate(eng, prompt, params).token_ids, eng._experts.vram_plan)

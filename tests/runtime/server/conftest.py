@@ -20,6 +20,7 @@ import uvicorn
 
 from ft.runtime.server.app import create_app
 from ft.runtime.server.state import ServeSettings
+from ft.runtime.settings import EngineSettings
 
 
 class LiveServer:
@@ -81,8 +82,9 @@ class LiveServer:
         return {"Authorization": f"Bearer {key}"} if key else {}
 
 
-def _live(ftw: Path, **overrides: Any):
-    settings = ServeSettings(ftw=ftw, port=0, keepalive_s=2.0, **overrides)
+def _live(ftw: Path, served_model_name: str, api_key: str | None = None, **engine: Any):
+    settings = ServeSettings(ftw=ftw, engine=EngineSettings(**engine), port=0, keepalive_s=2.0,
+                             served_model_name=served_model_name, api_key=api_key)
     live = LiveServer(settings).start()
     try:
         yield live

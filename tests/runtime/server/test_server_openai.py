@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from ft.runtime.engine import Engine, SamplingParams, generate
+from ft.runtime.engine import Engine, EngineSettings, SamplingParams, generate
 from ft.runtime.server.parsers import ParserSpec, parse_all
 
 MODEL = "tiny-qwen3"
@@ -24,7 +24,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 @pytest.fixture(scope="module")
 def engine(qwen3_ftw):
     """A second engine on the same FTW: the reference the server must reproduce."""
-    return Engine(qwen3_ftw, kv_reserve_tokens=4096)
+    return Engine(qwen3_ftw, EngineSettings(kv_reserve_tokens=4096))
 
 
 def _reference_chat(engine, messages, max_tokens, tools=None):

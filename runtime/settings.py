@@ -1,0 +1,105 @@
+"""The engine's settings: one frozen dataclass, validated once, from which `ft serve` and `ft generate` build flags.
+
+    settings = EngineSettings(device="cuda", vram_budget="8GiB", max_running_requests=8)
+    engine = Engine(ftw_dir, settings)
+
+Every field carries its command-line flag and help text (`metadata`); `ft.cli.engine_flags` turns the fields into typer
+options, so a setting is declared once, here. Construction checks every value and raises one ValueError naming every
+flag that is off; after that nothing downstream re-validates. Normalisation also happens here: `vram_budget` may be
+given as text ("8GiB", "12e9") and is stored in bytes; `device` "auto" becomes "cuda" when torch sees a GPU, else "cpu".
+Fields marked "CUDA only" are ignored on the CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+DENSE_WEIGHTS = ("dequantized", "quantized")
+OFFLOAD_MODES = ("hybrid", "mapped", "offload", "cpu")  # --offload-mode choices (resident: chosen when all fits)
+
+
+def _opt(default, flag: str, help: str, **extra):  # noqa: A002 - the typer keyword
+    return field(default=default, metadata={"flag": flag, "help": help, **extra})
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    device: str = _opt("cpu", "--device", "auto (cuda if available, else cpu), cpu, or cuda[:N].", cli_default="auto")
+    kv_reserve_tokens: int = _opt(8192, "--kv-reserve-tokens",
+                                  "KV budget in tokens shared by all running requests; each request reserves prompt + "
+                                  "max_tokens (capped by the context) on admission.")
+    max_prefill_length: int = _opt(2048, "--max-prefill-length",
+                                   "Prompt tokens per prefill chunk; chunks interleave with decoding.")
+    max_running_requests: int = _opt(4, "--max-running-requests", "Requests decoded together in one batch.")
+    max_output_tokens: int = _opt(32768, "--max-output-tokens",
+                                  "Per-request output cap; larger max_tokens values are clamped to it.")
+    max_queued_requests: int = _opt(64, "--max-queued-requests",
+                                    "Waiting requests beyond which new ones are refused (OpenAI 429, Anthropic 529 "
+                                    "overloaded_error).")
+    kv_block_tokens: int = _opt(256, "--kv-block-tokens", "Step in which a request's KV reservation grows.")
+    memory_ratio: float = _opt(0.9, "--memory-ratio",
+                               "CUDA only: share of free GPU memory for weights + expert cache + KV when "
+                               "--vram-budget is not given, in (0, 1].")
+    vram_budget: int | str | None = _opt(None, "--vram-budget",
+                                         "CUDA only: VRAM for everything the engine allocates (dense weights, KV, "
+                                         "expert cache), e.g. 8GiB or 12e9; overrides --memory-ratio.", cli_type=str)
+    dense_weights: str = _opt("dequantized", "--dense-weights",
+                              "CUDA only: quantized dense linears (FP8 / NVFP4 in ModelOpt checkpoints) dequantized "
+                              "to bf16 at load, or kept as stored and dequantized per call: 2-4x less VRAM for them, "
+                              "left to the expert cache, for extra work per step.")
+    offload_mode: str = _opt("mapped", "--offload-mode",
+                             "CUDA only: how expert-cache misses are served. hybrid: split between PCIe fetches and "
+                             "CPU compute; mapped: the GPU copies them from page-locked host memory without waiting "
+                             "for the host; offload: every miss fetched; cpu: every miss on the CPU.")
+    cuda_graphs: bool = _opt(True, "--cuda-graphs/--enforce-eager",
+                             "CUDA only: replay one-token decode steps from CUDA graphs captured at start (when every "
+                             "MoE layer is sync-free: modes resident and mapped), or never (--enforce-eager).")
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("kv_reserve_tokens", "max_prefill_length", "max_running_requests", "max_output_tokens",
+                     "max_queued_requests", "kv_block_tokens"):
+            if getattr(self, name) < 1:
+                problems.append(f"{flag(name)} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.memory_ratio <= 1:
+            problems.append(f"--memory-ratio must be in (0, 1], got {self.memory_ratio}")
+        if self.dense_weights not in DENSE_WEIGHTS:
+            problems.append(f"--dense-weights {self.dense_weights!r}; use {' or '.join(DENSE_WEIGHTS)}")
+        if self.offload_mode not in OFFLOAD_MODES:
+            problems.append(f"--offload-mode {self.offload_mode!r}; use one of {', '.join(OFFLOAD_MODES)}")
+        if self.vram_budget is not None:
+            from ft.runtime.gpu.sizing import parse_bytes
+
+            try:
+                object.__setattr__(self, "vram_budget", parse_bytes(self.vram_budget))
+            except ValueError as e:
+                problems.append(f"--vram-budget: {e}")
+        try:
+            object.__setattr__(self, "device", _resolve_device(self.device))
+        except ValueError as e:
+            problems.append(str(e))
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+
+def flag(name: str) -> str:
+    """The command-line flag of field `name` (its first spelling)."""
+    return next(f.metadata["flag"] for f in fields(EngineSettings) if f.name == name).split("/")[0]
+
+
+def _resolve_device(device: str) -> str:
+    if device != "auto" and device != "cpu" and not device.startswith("cuda"):
+        raise ValueError(f"--device {device!r}; use auto, cpu or cuda[:N]")
+    if device == "cpu":
+        return device
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {device}: torch sees no CUDA GPU on this machine")
+    return device
