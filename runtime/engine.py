@@ -74,7 +74,7 @@ class Engine:
                     reader, device=s.device, vram_budget=s.vram_budget, memory_ratio=s.memory_ratio, offload=offload,
                     kv_reserve_tokens=s.kv_reserve_tokens, max_running_requests=s.max_running_requests,
                     dense_weights=s.dense_weights, mode=s.offload_mode,
-                    cuda_graphs=s.cuda_graphs)
+                    cuda_graphs=s.cuda_graphs, pin_host_bytes=s.pinned_memory)
             else:
                 log.warning("%s; routed experts run on the CPU", why)
         self.model = model if model is not None else load_model(reader, device=s.device, experts=experts)

@@ -5,8 +5,9 @@
 
 Every field carries its command-line flag and help text (`metadata`); `ft.cli.engine_flags` turns the fields into typer
 options, so a setting is declared once, here. Construction checks every value and raises one ValueError naming every
-flag that is off; after that nothing downstream re-validates. Normalisation also happens here: `vram_budget` may be
-given as text ("8GiB", "12e9") and is stored in bytes; `device` "auto" becomes "cuda" when torch sees a GPU, else "cpu".
+flag that is off; after that nothing downstream re-validates. Normalisation also happens here: `vram_budget` and
+`pinned_memory` may be given as text ("8GiB", "12e9") and are stored in bytes; `device` "auto" becomes "cuda" when
+torch sees a GPU, else "cpu".
 Fields marked "CUDA only" are ignored on the CPU.
 """
 
@@ -43,6 +44,10 @@ class EngineSettings:
     vram_budget: int | str | None = _opt(None, "--vram-budget",
                                          "CUDA only: VRAM for everything the engine allocates (dense weights, KV, "
                                          "expert cache), e.g. 8GiB or 12e9; overrides --memory-ratio.", cli_type=str)
+    pinned_memory: int | str | None = _opt(None, "--pinned-memory",
+                                           "CUDA only: host memory the expert banks may page-lock (it cannot be "
+                                           "swapped out), e.g. 8GiB; the rest is read through a pinned staging ring; "
+                                           "0 = none. Default: half of the memory available at start.", cli_type=str)
     dense_weights: str = _opt("dequantized", "--dense-weights",
                               "CUDA only: quantized dense linears (FP8 / NVFP4 in ModelOpt checkpoints) dequantized "
                               "to bf16 at load, or kept as stored and dequantized per call: 2-4x less VRAM for them, "
@@ -67,13 +72,17 @@ class EngineSettings:
             problems.append(f"--dense-weights {self.dense_weights!r}; use {' or '.join(DENSE_WEIGHTS)}")
         if self.offload_mode not in OFFLOAD_MODES:
             problems.append(f"--offload-mode {self.offload_mode!r}; use one of {', '.join(OFFLOAD_MODES)}")
-        if self.vram_budget is not None:
+        for name, zero_ok in (("vram_budget", False), ("pinned_memory", True)):
+            value = getattr(self, name)
+            if value is None:
+                continue
             from ft.runtime.gpu.sizing import parse_bytes
 
             try:
-                object.__setattr__(self, "vram_budget", parse_bytes(self.vram_budget))
+                value = 0 if zero_ok and str(value).strip() == "0" else parse_bytes(value)
+                object.__setattr__(self, name, value)
             except ValueError as e:
-                problems.append(f"--vram-budget: {e}")
+                problems.append(f"{flag(name)}: {e}")
         try:
             object.__setattr__(self, "device", _resolve_device(self.device))
         except ValueError as e:

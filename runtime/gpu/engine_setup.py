@@ -47,10 +47,12 @@ def _weight_bytes(model) -> int:
 
 def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, memory_ratio: float,
                    offload: OffloadConfig | None, kv_reserve_tokens: int, max_running_requests: int,
-                   dense_weights: str | None = None, mode: str | None = None, cuda_graphs: bool = True):
+                   dense_weights: str | None = None, mode: str | None = None, cuda_graphs: bool = True,
+                   pin_host_bytes: int | None = None):
     """-> (model, GpuExperts with its slot pool allocated; `experts.vram_plan` says how the budget was spent). On
     CUDA with `cuda_graphs`, the model replays sync-free decode steps of up to `max_running_requests` sequences from
-    CUDA graphs (`graphs.py`), captured here."""
+    CUDA graphs (`graphs.py`), captured here. `pin_host_bytes`: the host memory the default scheduler's banks may
+    page-lock (None: half of MemAvailable; ignored when `offload` is given, which says it itself)."""
     from ft.runtime.gpu.benchbw import load_profile
     from ft.runtime.model import load_model
 
@@ -64,7 +66,7 @@ def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, m
         budget = resolve_budget(dev, explicit, memory_ratio)
     if mode is not None and mode not in FLAG_MODES:
         raise ValueError(f"offload mode {mode!r}; use one of {', '.join(FLAG_MODES)}")
-    opts = offload or OffloadConfig(mode=mode or "mapped", vram_budget=budget)
+    opts = offload or OffloadConfig(mode=mode or "mapped", vram_budget=budget, pin_host_bytes=pin_host_bytes)
     if opts.vram_budget is None and budget is not None:
         opts = dataclasses.replace(opts, vram_budget=budget)
     if dense_weights is not None:

@@ -196,3 +196,18 @@ def test_engine_with_quantized_dense_weights_decodes_the_same_tokens(ftw_for):
         eng.close()
     (want, plain), (got, kept) = runs["dequantized"], runs["quantized"]
     assert got == want and kept.dense_quantized and not plain.dense_quantized and kept.dense < plain.dense
+
+
+def test_pinned_memory_setting_reaches_the_scheduler(ftw_for):
+    """`--pinned-memory` (EngineSettings.pinned_memory) caps what the default scheduler's banks page-lock."""
+    from ft.runtime.gpu.engine_setup import load_offloaded
+
+    s = EngineSettings(device="cpu", vram_budget="64GiB", pinned_memory="0", offload_mode="hybrid")
+    assert s.pinned_memory == 0 and EngineSettings(pinned_memory="2GiB").pinned_memory == 2 << 30
+    _, ex = load_offloaded(FtwReader(ftw_for("qwen3_5_moe", "nvfp4")), device=s.device, vram_budget=s.vram_budget,
+                           memory_ratio=s.memory_ratio, offload=None, kv_reserve_tokens=256, max_running_requests=2,
+                           mode=s.offload_mode, pin_host_bytes=s.pinned_memory)
+    assert ex.opts.pin_host_bytes == 0  # carried into the options (a tiny model fits: it goes resident)
+    ex.close()
+    with pytest.raises(ValueError, match="--pinned-memory"):
+        EngineSettings(pinned_memory="lots")
