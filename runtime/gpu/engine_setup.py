@@ -20,7 +20,7 @@ import torch
 from ft.formats import FtwReader
 
 from .hybrid import GpuExperts
-from .offload_config import FLAG_MODES, OffloadConfig
+from .offload_config import OffloadConfig
 from .sizing import plan_vram, resolve_budget, state_bytes
 
 log = logging.getLogger("ft.gpu")
@@ -64,8 +64,6 @@ def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, m
     budget = None
     if cuda or explicit is not None:
         budget = resolve_budget(dev, explicit, memory_ratio)
-    if mode is not None and mode not in FLAG_MODES:
-        raise ValueError(f"offload mode {mode!r}; use one of {', '.join(FLAG_MODES)}")
     opts = offload or OffloadConfig(mode=mode or "mapped", vram_budget=budget, pin_host_bytes=pin_host_bytes)
     if opts.vram_budget is None and budget is not None:
         opts = dataclasses.replace(opts, vram_budget=budget)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ft.runtime.settings import DENSE_WEIGHTS as DENSE
-from ft.runtime.settings import OFFLOAD_MODES as FLAG_MODES  # what --offload-mode may ask for (resident: all fits)
 
 MODES = ("hybrid", "offload", "mapped", "cpu", "static", "resident")
 GIB = 1 << 30
