@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 import logging
 from typing import Any
@@ -33,11 +34,13 @@ from typing import Any
 import torch
 
 from ft.formats import FtwReader
+from ft.runtime.engine_stats import EngineCounters
 from ft.runtime.generate import GenerationResult, generate
 from ft.runtime.kv import ContextOverflowError, KvBudget, QueueFullError
 from ft.runtime.model import Segment, load_model
 from ft.runtime.request import Request, StopStringFilter, TokenEvent
-from ft.runtime.sampling import RequestSampler, SamplingParams, sample
+from ft.runtime.sampling import (PendingSample, RequestSampler, SampleOutput, SamplingParams, _to_device, sample,
+                                  sample_async)
 from ft.runtime.settings import EngineSettings
 from ft.runtime.tokenizer import Tokenizer
 
@@ -45,6 +48,15 @@ log = logging.getLogger("ft.engine")
 
 __all__ = ["Engine", "EngineSettings", "SamplingParams", "TokenEvent", "ContextOverflowError", "QueueFullError",
            "generate", "GenerationResult"]
+
+
+@dataclass
+class _Inflight:
+    """A decode step whose tokens are still on the device: its requests (rows, in order), their pending sample, and
+    the host seconds spent on it not yet accounted."""
+    requests: list[Request]
+    pending: PendingSample
+    seconds: float
 
 
 class Engine:
@@ -94,13 +106,9 @@ class Engine:
         self._waiting: deque[Request] = deque()  # preempted requests come back at the head
         self._running: list[Request] = []  # admission order
         self._aborted: list[Request] = []  # abort events still to emit
+        self._inflight: _Inflight | None = None  # the decode step whose tokens are on their way (`step`)
         self._ids: set[str] = set()  # waiting + running
-        self._counters = dict(requests_total=0, requests_finished=0, requests_aborted=0,
-                              prompt_tokens_total=0, output_tokens_total=0, decode_tokens=0,
-                              prefill_tokens=0, steps=0, preemptions=0)
-        self._decode_s = 0.0  # time of decode-only steps
-        self._prefill_s = 0.0  # time of steps that ran a prefill chunk
-        self._ttfts: deque[float] = deque(maxlen=1024)
+        self._counters = EngineCounters()
 
     def close(self) -> None:
         """Stop the experts implementation's worker threads (GPU scheduler) and release pinned host memory."""
@@ -135,8 +143,8 @@ class Engine:
         )
         self._waiting.append(req)
         self._ids.add(request_id)
-        self._counters["requests_total"] += 1
-        self._counters["prompt_tokens_total"] += len(prompt_ids)
+        self._counters.add("requests_total")
+        self._counters.add("prompt_tokens_total", len(prompt_ids))
 
     def abort(self, request_id: str) -> None:
         """Drop a waiting (maybe preempted) or running request, free its KV now; its final event comes next step.
@@ -153,7 +161,7 @@ class Engine:
         self._release(req)
         self._ids.discard(request_id)
         self._aborted.append(req)
-        self._counters["requests_aborted"] += 1
+        self._counters.add("requests_aborted")
 
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running or self._aborted)
@@ -161,32 +169,88 @@ class Engine:
     # ---- the step -------------------------------------------------------------------------------------------
 
     def step(self) -> list[TokenEvent]:
-        """One iteration: abort events, admission, KV growth (may preempt), one forward: decodes + a prefill chunk."""
+        """One iteration: abort events, admission, KV growth (may preempt), one forward: decodes + a prefill chunk.
+
+        A step of decodes only is left in flight: its tokens are sampled on the device and come to the host during
+        the next call, which first launches the following decode step from those device tokens (`_continue`) when
+        nothing else has to happen first. So the GPU runs step n + 1 while the host turns step n's tokens into events,
+        and their events come one call later (a request that stops at step n has computed one token too many)."""
+        t0 = time.perf_counter()
         events = [r.abort_event() for r in self._aborted]
         self._aborted.clear()
+        landing, self._inflight = self._inflight, None
+        if landing is not None:
+            self._continue(landing)  # may put the next decode step in flight
+            events += self._land(landing, t0)
+            if self._inflight is not None:
+                return events
         self._admit()
         decodes, prefill = self._schedule(events)
         if not decodes and prefill is None:
             return events
 
-        t0 = time.perf_counter()
         input_ids, segments = self._prepare_inputs(decodes, prefill)
+        if prefill is None:
+            self._launch(decodes, torch.tensor(input_ids, dtype=torch.long), segments, since=t0)
+            return events
         # host ids: the forward validates them on the host and copies them without waiting for the GPU
         logits = self.model.forward(torch.tensor(input_ids, dtype=torch.long), segments)
         # Requests that sample this step: every decode, and the prefill request once its prompt is done.
         sampling = [(r, lg) for r, lg in zip(decodes, logits)]
-        if prefill is not None:
-            prefill.num_prefilled += segments[-1].num_tokens
-            if not prefill.is_prefilling:
-                sampling.append((prefill, logits[-1]))
+        prefill.num_prefilled += segments[-1].num_tokens
+        if not prefill.is_prefilling:
+            sampling.append((prefill, logits[-1]))
         if sampling:
             out = sample(torch.cat([lg[-1:] for _, lg in sampling]), [r.sampler for r, _ in sampling])
-            for j, (req, _) in enumerate(sampling):
-                events.append(req.accept(out.token_ids[j], out.logprobs[j], out.top_logprobs[j]))
-                if req.finish_reason is not None:
-                    self._finish(req)
-        self._account(time.perf_counter() - t0, [r for r, _ in sampling], len(decodes),
-                      segments[-1].num_tokens if prefill is not None else 0)
+            events += self._accept([r for r, _ in sampling], out)
+        self._counters.step(time.perf_counter() - t0, [r for r, _ in sampling], len(decodes),
+                             segments[-1].num_tokens)
+        return events
+
+    def _launch(self, decodes: list[Request], input_ids: torch.Tensor, segments: list[Segment], *,
+                since: float | None = None) -> None:
+        """Forward one decode token per request and queue their sampling: the step is in flight (`_Inflight`).
+        `since`: this call is the only one to account the launch's time from then (a continuation's time is the
+        landing call's)."""
+        logits = self.model.forward(input_ids, segments)
+        pending = sample_async(torch.cat(logits), [r.sampler for r in decodes])
+        self._inflight = _Inflight(decodes, pending, 0.0 if since is None else time.perf_counter() - since)
+
+    def _continue(self, landing: _Inflight) -> None:
+        """Launch the next decode step while `landing` is still in flight, from its device tokens, if that step is
+        what the synchronous path would run: no request waits to be admitted or is prefilling, and every running
+        request that will not finish by `landing`'s token has the KV to grow by one without preempting anyone."""
+        if any(r.is_prefilling for r in self._running) or (
+                self._waiting and len(self._running) < self.max_running_requests):
+            return
+        rows = {id(r): j for j, r in enumerate(landing.requests)}
+        decodes = [r for r in self._running if r.num_output_tokens + 1 < r.max_output_tokens]
+        if not decodes or any(id(r) not in rows for r in decodes):
+            return
+        for req in decodes:
+            need = req.state.length + 1
+            if not self.kv.try_grow(req.request_id, need, req.max_length):
+                return  # the synchronous path preempts or ends requests
+            req.state.ensure_capacity(need, at_most=self.kv.reserved(req.request_id))
+        ids = landing.pending.token_ids
+        if len(decodes) < len(landing.requests):
+            ids = ids.index_select(0, _to_device([rows[id(r)] for r in decodes], torch.long, ids.device))
+        self._launch(decodes, ids, [Segment(r.state, 1, logits="last") for r in decodes])
+
+    def _land(self, landing: _Inflight, t0: float) -> list[TokenEvent]:
+        """The tokens of a step in flight, as events of the requests still running (a request aborted or finished
+        since has no more tokens)."""
+        live = [(j, r) for j, r in enumerate(landing.requests) if r.finish_reason is None]
+        out = landing.pending.result()
+        self._counters.step(landing.seconds + time.perf_counter() - t0, [r for _, r in live], len(live), 0)
+        return self._accept([r for _, r in live], SampleOutput(*([col[j] for j, _ in live] for col in out)))
+
+    def _accept(self, requests: list[Request], out: SampleOutput) -> list[TokenEvent]:
+        events = []
+        for j, req in enumerate(requests):
+            events.append(req.accept(out.token_ids[j], out.logprobs[j], out.top_logprobs[j]))
+            if req.finish_reason is not None:
+                self._finish(req)
         return events
 
     def _admit(self) -> None:
@@ -235,7 +299,7 @@ class Engine:
         self._release(self._running.pop())
         req.preempt()
         self._waiting.appendleft(req)
-        self._counters["preemptions"] += 1
+        self._counters.add("preemptions")
 
     def _prepare_inputs(self, decodes: list[Request], prefill: Request | None) -> tuple[list[int], list]:
         """Concatenated input ids and one Segment per request: decodes first, then the prefill chunk."""
@@ -254,7 +318,7 @@ class Engine:
         self._running.remove(req)
         self._release(req)
         self._ids.discard(req.request_id)
-        self._counters["requests_finished"] += 1
+        self._counters.add("requests_finished")
 
     def _release(self, req: Request) -> None:
         """Free the state and the KV reservation (the request id stays in use)."""
@@ -263,40 +327,13 @@ class Engine:
             req.state = None
         self.kv.release(req.request_id)
 
-    def _account(self, seconds: float, sampled: list[Request], num_decodes: int, num_prefill: int) -> None:
-        c = self._counters
-        c["steps"] += 1
-        c["output_tokens_total"] += len(sampled)
-        for req in sampled:
-            if req.num_output_tokens == 1:
-                self._ttfts.append(req.first_token_time - req.arrival_time)
-        if num_prefill:
-            c["prefill_tokens"] += num_prefill
-            self._prefill_s += seconds
-        elif num_decodes:
-            c["decode_tokens"] += num_decodes
-            self._decode_s += seconds
-
     # ---- observability --------------------------------------------------------------------------------------
 
     def stats(self) -> dict:
-        """Counters since start. decode_tok_s covers decode-only steps; prefill_tok_s the steps with a prefill chunk
-        (those may also carry decodes). TTFT is measured from add_request over the last 1024 requests. "moe" holds
-        the experts implementation's own counters when it has any, "cuda_graphs" the decode graphs'. `preemptions`:
-        states dropped for KV (recompute)."""
-        c = self._counters
-        ttfts = sorted(self._ttfts)
-        out = {
-            "requests_total": c["requests_total"], "requests_finished": c["requests_finished"],
-            "requests_aborted": c["requests_aborted"], "running": len(self._running),
-            "waiting": len(self._waiting), "prompt_tokens_total": c["prompt_tokens_total"],
-            "output_tokens_total": c["output_tokens_total"], "steps": c["steps"],
-            "decode_tok_s": c["decode_tokens"] / self._decode_s if self._decode_s else 0.0,
-            "prefill_tok_s": c["prefill_tokens"] / self._prefill_s if self._prefill_s else 0.0,
-            "ttft_mean_s": sum(ttfts) / len(ttfts) if ttfts else None,
-            "ttft_p50_s": ttfts[len(ttfts) // 2] if ttfts else None,
-            "kv_tokens_used": self.kv.used, "kv_tokens_total": self.kv.total, "preemptions": c["preemptions"],
-        }
+        """Counters since start (`EngineCounters`), the queue and the KV budget. "moe" holds the experts
+        implementation's own counters when it has any, "cuda_graphs" the decode graphs'."""
+        out = self._counters.snapshot() | {"running": len(self._running), "waiting": len(self._waiting),
+                                           "kv_tokens_used": self.kv.used, "kv_tokens_total": self.kv.total}
         if callable(getattr(self._experts, "stats", None)):  # e.g. the GPU expert cache's hit/miss counters
             out["moe"] = self._experts.stats()
         if self.model.graphs is not None:  # CUDA-graph decode: replays, captures and their seconds, eager steps

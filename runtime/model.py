@@ -38,50 +38,37 @@ FP32_WEIGHTS = ("norm.weight", ".dt_bias", ".A_log")  # name suffixes kept in fp
 class Embedding(Op):
     """ids [N] -> rows [N, H] of `weight` [V, H].
 
-    Host-resident table (`keep_on_host`, for a model on a GPU whose LM head is a separate tensor): the table stays
-    the zero-copy mmap view and costs no VRAM (V x H bf16 is 0.95 GiB for a 248k vocab: a sixth of an 8 GiB card's
-    budget for experts), while a step needs only N rows of it. The rows are gathered on the host into a pinned buffer
-    and copied without blocking; an event guards the buffer until its copy is done (ids come from the host anyway).
+    Host-resident table (`keep_on_host`, for a model on a GPU whose LM head is a separate tensor): the table costs no
+    VRAM (V x H bf16 is 0.95 GiB for a 248k vocab: a sixth of an 8 GiB card's budget for experts), while a step needs
+    only N rows of it. It is copied once into page-locked memory and the GPU gathers the rows itself
+    (`ft.runtime.gpu.embedding`), so ids may be on the host or already on the device (sampled there), and the gather
+    can be captured in a decode graph. Where page-locking is refused, rows are gathered on the host and copied.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.weight: torch.Tensor = REQUIRED    # [V, H]
         self._target: torch.device | None = None  # set: weight stays on the host, outputs go to this device
-        self._pinned: torch.Tensor | None | bool = None  # [capacity, H] staging rows (CUDA); False: refused
-        self._copied: torch.cuda.Event | None = None
+        self._address: int | None = None  # device address of the page-locked table (CUDA)
 
     def keep_on_host(self, target: torch.device) -> None:
         self._target = target
+        if target.type == "cuda":
+            from ft.runtime.gpu.embedding import map_table
 
-    @property
-    def host_table(self) -> torch.Tensor | None:
-        """The table [V, H] when it stays in host memory for a CUDA model (decode graphs gather rows from it into their
-        own page-locked inputs), else None."""
-        return self.weight if self._target is not None and self._target.type == "cuda" else None
+            mapped = map_table(self.weight)
+            if mapped is not None:
+                self.weight, self._address = mapped
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         if self._target is None:
             return F.embedding(_to_device(ids, self.weight.device), self.weight)
-        ids = ids.cpu()
-        if self._target.type != "cuda" or self._pinned is False:
-            return F.embedding(ids, self.weight).to(self._target)
-        n = ids.numel()
-        if self._pinned is None or self._pinned.shape[0] < n:
-            try:
-                self._pinned = torch.empty(max(n, 64), self.weight.shape[1], dtype=self.weight.dtype,
-                                           pin_memory=True)
-            except RuntimeError:  # page-locking refused (e.g. a pin quota): plain copies from now on
-                self._pinned = False
-                return self(ids)
-        elif self._copied is not None:
-            self._copied.synchronize()  # the previous step's rows have left the buffer
-        rows = self._pinned[:n]
-        torch.index_select(self.weight, 0, ids, out=rows)
-        out = rows.to(self._target, non_blocking=True)
-        self._copied = torch.cuda.Event()
-        self._copied.record()
-        return out
+        if self._address is None:
+            return F.embedding(ids.cpu(), self.weight).to(self._target)
+        from ft.runtime.gpu.embedding import gather_rows
+
+        out = torch.empty(ids.numel(), self.weight.shape[1], dtype=self.weight.dtype, device=self._target)
+        return gather_rows(self._address, _to_device(ids, self._target), out)
 
 
 class CausalLM(Op):
@@ -188,9 +175,10 @@ class CausalLM(Op):
             start += seg.num_tokens
         if start != input_ids.shape[0]:
             raise ValueError(f"segments cover {start} tokens but input_ids has {input_ids.shape[0]}")
-        lo, hi = torch.aminmax(input_ids)
-        if int(lo) < 0 or int(hi) >= self._config.vocab_size:
-            raise ValueError(f"token ids must be in [0, {self._config.vocab_size})")
+        if input_ids.device.type == "cpu":  # ids on an accelerator were sampled there (< V): not read back
+            lo, hi = torch.aminmax(input_ids)
+            if int(lo) < 0 or int(hi) >= self._config.vocab_size:
+                raise ValueError(f"token ids must be in [0, {self._config.vocab_size})")
         return rows
 
     def _plan(self, input_ids: torch.Tensor, segments: list[Segment], *, tables: bool = False) -> ForwardBatch:

@@ -107,11 +107,13 @@ class RequestSampler:
                 self.seen[_to_device(prompt_ids, torch.long, device)] = True
             self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
 
-    def observe(self, token_id: int) -> None:
-        """Record one sampled output token."""
+    def observe(self, token_id: int | torch.Tensor) -> None:
+        """Record one sampled output token: an int, or a one-element int64 tensor on the sampler's device (a token
+        sampled there: recorded without reading it back)."""
         if self.seen is not None:
-            self.seen[token_id] = True
-            self.counts[token_id] += 1
+            t = torch.as_tensor(token_id, device=self.seen.device).reshape(1)
+            self.seen.index_fill_(0, t, True)
+            self.counts.index_add_(0, t, torch.ones(1, device=self.counts.device))
 
     def apply_penalties(self, row: torch.Tensor) -> torch.Tensor:
         """row: [V] float32 logits -> penalized copy (or the same tensor when no penalty is on)."""
@@ -215,12 +217,52 @@ def draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return (probs / torch.empty_like(probs).exponential_(1, generator=generator)).argmax(-1)
 
 
+class PendingSample:
+    """Tokens sampled on the device, on their way to the host: `token_ids` [B] int64 on the device (a decode step can
+    embed them before the host knows them) and `result()`, the host lists (waits only for this copy)."""
+
+    def __init__(self, token_ids: torch.Tensor, packed: torch.Tensor, params: list[SamplingParams], k: int) -> None:
+        self.token_ids = token_ids
+        self._params, self._k = params, k
+        self._host = packed.to("cpu", non_blocking=True)  # page-locked when packed is on a GPU
+        self._copied = None
+        if packed.device.type == "cuda":
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        self._result: SampleOutput | None = None
+
+    def result(self) -> SampleOutput:
+        if self._result is None:
+            if self._copied is not None:
+                self._copied.synchronize()
+            B, k, rows = len(self._params), self._k, self._host.tolist()
+            out_lp: list[float | None] = [None] * B
+            out_top: list[list[tuple[int, float]] | None] = [None] * B
+            if self._host.dim() == 1:  # token ids only
+                ids = rows
+            else:  # [token, its logprob, top-k ids, top-k logprobs] per row (`sample_async`)
+                ids = [int(r[0]) for r in rows]
+                for i, p in enumerate(self._params):
+                    if p.logprobs is not None:
+                        r, n = rows[i], p.logprobs
+                        out_lp[i] = r[1]
+                        out_top[i] = [(int(t), v) for t, v in zip(r[2:2 + n], r[2 + k:2 + k + n])]
+            self._result = SampleOutput(ids, out_lp, out_top)
+        return self._result
+
+
 def sample(logits: torch.Tensor, samplers: list[RequestSampler]) -> SampleOutput:
+    """`sample_async(logits, samplers).result()`: the tokens on the host."""
+    return sample_async(logits, samplers).result()
+
+
+def sample_async(logits: torch.Tensor, samplers: list[RequestSampler]) -> PendingSample:
     """logits: [B, V] float32 raw model logits, one row per request (in `samplers` order) -> one token per row.
 
-    Device work is queued without a sync; the results (tokens, and logprobs when any row asks) come to the host in ONE
-    transfer at the end. Vocab-sized work per step: greedy rows an argmax; penalties, sampling masks and logprobs
-    only for the rows (and settings) that use them.
+    Device work is queued without a sync, the penalties' statistics included (`observe` of the device tokens); the
+    results (tokens, and logprobs when any row asks) go to the host in ONE non-blocking copy (`PendingSample`).
+    Vocab-sized work per step: greedy rows an argmax; penalties, sampling masks and logprobs only for the rows (and
+    settings) that use them.
     """
     assert logits.dim() == 2 and logits.shape[0] == len(samplers), (logits.shape, len(samplers))
     logits = logits.float()
@@ -245,28 +287,19 @@ def sample(logits: torch.Tensor, samplers: list[RequestSampler]) -> SampleOutput
         probs = torch.softmax(masked, dim=-1)
         for j, i in enumerate(random_rows):
             token_ids[i] = draw(probs[j], samplers[i].generator)
+    for i, s in enumerate(samplers):
+        s.observe(token_ids[i:i + 1])
 
-    out_lp: list[float | None] = [None] * B
-    out_top: list[list[tuple[int, float]] | None] = [None] * B
     lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
     if not lp_rows:
-        ids = token_ids.tolist()
-    else:
-        # Raw logprobs (module docstring). One float64 row per request: [token, its logprob, top-k ids, top-k
-        # logprobs]; ids < 2**53 and float32 values are exact in float64.
-        raw = torch.log_softmax(logits, dim=-1)
-        chosen = token_ids.unsqueeze(-1)
-        k = max(params[i].logprobs for i in lp_rows)
-        cols = [chosen, raw.gather(-1, chosen)]
-        if k:
-            vals, idx = torch.topk(raw, k, dim=-1)
-            cols += [idx, vals]
-        packed = torch.cat([c.double() for c in cols], dim=-1).tolist()
-        ids = [int(r[0]) for r in packed]
-        for i in lp_rows:
-            r, n = packed[i], params[i].logprobs
-            out_lp[i] = r[1]
-            out_top[i] = [(int(t), v) for t, v in zip(r[2:2 + n], r[2 + k:2 + k + n])]
-    for s, t in zip(samplers, ids):
-        s.observe(t)
-    return SampleOutput(ids, out_lp, out_top)
+        return PendingSample(token_ids, token_ids, params, 0)
+    # Raw logprobs (module docstring). One float64 row per request: [token, its logprob, top-k ids, top-k logprobs];
+    # ids < 2**53 and float32 values are exact in float64.
+    raw = torch.log_softmax(logits, dim=-1)
+    chosen = token_ids.unsqueeze(-1)
+    k = max(params[i].logprobs for i in lp_rows)
+    cols = [chosen, raw.gather(-1, chosen)]
+    if k:
+        vals, idx = torch.topk(raw, k, dim=-1)
+        cols += [idx, vals]
+    return PendingSample(token_ids, torch.cat([c.double() for c in cols], dim=-1), params, k)

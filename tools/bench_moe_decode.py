@@ -222,7 +222,7 @@ def compile_configs(gu: dict, dn: dict, *, hidden=2048, inter=512, top_k=8, arch
                 consts = dict(KB=inter // 16, GP=triton.next_power_of_2(top_k), BN=b["BLOCK_N_D"],
                               BKB=nd._words(b["BLOCK_K_D"], inter))
                 warps, weights = b["WARPS_D"], triton.next_power_of_2(top_k) * b["BLOCK_N_D"] * inter
-            consts.update(INTERP=False, MAPPED=False)
+            consts.update(INTERP=False, MAPPED=False, PDL=True)
             sig, attrs = {}, {}
             for i, arg in enumerate(fn.arg_names):
                 v = consts.get(arg, vals.get(arg))

@@ -5,8 +5,8 @@
 The runtime's own launchers are called with CPU tensors of the real shapes while Triton's active driver is a stand-in
 reporting a CUDA target and every `kernel[grid](...)` is a warmup (compile, no launch). So each kernel is built with
 the constexprs, specialization (16-byte alignment, divisibility) and launch options a real call on the GPU uses. The
-few constexprs that the launchers set for Triton's CPU interpreter (DOT_F32, RNE_BITS, BITS, INTERP) are forced to
-their CUDA values. Prints one line per distinct compiled kernel: registers, stack (spill) bytes, shared memory, or
+few constexprs that the launchers set for Triton's CPU interpreter (DOT_F32, RNE_BITS, BITS, INTERP) and PDL
+(`ft.runtime.gpu.pdl`, off without a GPU) are forced to their CUDA values. Prints one line per distinct compiled kernel: registers, stack (spill) bytes, shared memory, or
 the error; exits 1 if any kernel failed to build. Needs `ft` importable (the venv, or PYTHONPATH on a site dir that
 maps the namespace as tools/gpu_run.sh does) and Triton's CUDA backend (its ptxas and cuobjdump ship in the wheel).
 """
@@ -30,7 +30,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-CUDA_VALUES = {"DOT_F32": False, "RNE_BITS": False, "BITS": False, "INTERP": False}  # interpreter-only switches
+CUDA_VALUES = {"DOT_F32": False, "RNE_BITS": False, "BITS": False, "INTERP": False, "PDL": True}  # launch switches
 SMS = 132  # H200: the SM count decode attention's split count is derived from
 BF16, F32 = torch.bfloat16, torch.float32
 

@@ -105,6 +105,8 @@ def main() -> None:
     ap.add_argument("--tests", default="tests/runtime/gpu", help="comma-separated pytest paths of stage tests")
     ap.add_argument("--quick", action="store_true", help="kernel benchmarks without their config sweeps")
     ap.add_argument("--budgets", default="", help="comma-separated VRAM budgets in GiB to run each model at too")
+    ap.add_argument("--skip-resident", action="store_true",
+                    help="models: only the --budgets rows (peak memory is then the budget engine's alone)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -148,7 +150,8 @@ def main() -> None:
                     res["models"][preset] = bench_model(ftw, preset, hbm_gbs=res["hbm_read_gbs"], log=log,
                                                         llama=LLAMA_CPP if preset == "qwen3moe-35b-geom" else None,
                                                         deadline=T0 + args.deadline_s,
-                                                        budgets=tuple(float(b) for b in args.budgets.split(",") if b))
+                                                        budgets=tuple(float(b) for b in args.budgets.split(",") if b),
+                                                        resident=not args.skip_resident)
                 except Exception:  # noqa: BLE001 - the next model and stage still run
                     res["models"][preset] = {"error": traceback.format_exc()[-3000:]}
                     log(f"{preset} failed:\n{res['models'][preset]['error']}")

@@ -1,7 +1,8 @@
-"""The per-model part of tools/gpu_full.py: load one full-size FTW resident and time decode and prefill.
+"""The per-model part of tools/gpu_full.py: serve one full-size FTW resident and at VRAM budgets; time decode, prefill.
 
-Decode steps are timed as the engine runs them: a forward of B one-token segments, greedy argmax, the ids back on the
-host (one sync per step). Tokens are random ids (seeded); routing of the synthetic checkpoint is as synthesized.
+Decode steps are timed through the engine, as `ft serve` runs them: B greedy requests, each step call launching the
+next decode step before it lands the previous one's tokens. Tokens are random ids (seeded); routing of the synthetic
+checkpoint is as synthesized.
 Bytes per decode step, for the HBM bound: every weight on the GPU outside the expert pool (read once per step), the
 routed experts' records (B=1: exactly top-k distinct experts per layer; B>1: the expected distinct count under uniform
 routing, E * (1 - (1 - k/E)^B)), the KV rows attended to and the DeltaNet states (read and written).
@@ -14,34 +15,66 @@ import traceback
 
 import torch
 
-from ft.formats import FtwReader
-from ft.runtime.gpu.engine_setup import load_offloaded
+from ft.runtime.engine import Engine, EngineSettings, SamplingParams
 from ft.runtime.gpu.offload_config import OffloadConfig
-from ft.runtime.model import Segment
 from gpu_full_checks import CHUNK, agreement, host_profile, profile
 from gpu_full_checks import ids as _ids
 from gpu_full_checks import prefill as _prefill
 
 
-def decode(model, batch: int, context: int, steps: int, warmup: int = 3) -> dict:
-    """B sequences with `context` prompt tokens each, then `steps` timed batched greedy steps."""
-    V = model.config.vocab_size
-    states = [model.new_state(context + warmup + steps + 2) for _ in range(batch)]
-    toks = [int(_prefill(model, st, _ids(context, V))[-1].argmax()) for st in states]
-    out, times = [], []
-    for i in range(warmup + steps):
-        torch.cuda.synchronize()
+def decode(eng: Engine, batch: int, context: int, steps: int, warmup: int = 3) -> dict:
+    """B requests with `context` prompt tokens each, decoded greedily through the engine as `ft serve` runs them
+    (steps in flight: each `step` call launches the next decode step, then lands the previous one's tokens); the
+    median call that landed B tokens is the step time."""
+    V = eng.config.vocab_size
+    params = SamplingParams(max_tokens=warmup + steps + 2, temperature=0, ignore_eos=True)
+    for i in range(batch):
+        eng.add_request(f"b{i}", _ids(context, V), params)
+    out: dict[str, list[int]] = {}
+    times = []
+    while eng.has_unfinished():
         t = time.perf_counter()
-        logits = model.forward(torch.tensor(toks), [Segment(st, 1) for st in states])
-        toks = torch.cat([lg[-1:] for lg in logits]).argmax(-1).tolist()
-        if i >= warmup:
-            times.append(time.perf_counter() - t)
-            out.append(toks)
-    for st in states:
-        st.free()
+        events = eng.step()
+        dt = time.perf_counter() - t
+        landed = [ev for ev in events if ev.token_id is not None]
+        for ev in landed:
+            out.setdefault(ev.request_id, []).append(ev.token_id)
+        if len(landed) == batch and min(len(v) for v in out.values()) > warmup and all(
+                ev.finish_reason is None for ev in landed):
+            times.append(dt)
     step = sorted(times)[len(times) // 2]
-    return {"batch": batch, "context": context, "steps": steps, "median_step_ms": 1e3 * step,
-            "mean_step_ms": 1e3 * sum(times) / len(times), "tok_s": batch / step, "tokens": out}
+    return {"batch": batch, "context": context, "steps": len(times), "median_step_ms": 1e3 * step,
+            "mean_step_ms": 1e3 * sum(times) / len(times), "tok_s": batch / step,
+            "tokens": [out[f"b{i}"][warmup:warmup + 8] for i in range(batch)]}
+
+
+def pdl_ab(eng: Engine) -> dict:
+    """Decode graphs captured with programmatic dependent launch (`ft.runtime.gpu.pdl`, the default where supported)
+    against the same graphs without it: GPU ms of a replay at batch 1 and 8, and decode batch 1 through the engine."""
+    from ft.runtime.gpu import pdl
+
+    out: dict = {"supported": pdl.ENABLED}
+    graphs = eng.model.graphs
+    if not pdl.ENABLED or graphs is None:
+        return out
+
+    def measure(on: bool) -> dict:
+        pdl.ENABLED = on
+        graphs._graphs.clear()  # captured again, with this launch mode, on the next warm / step
+        graphs.warm()
+        return {"replay_ms": {size: replay_ms(eng.model, size) for size in (1, 8)},
+                "decode_b1_tok_s": decode(eng, 1, 32, 64)["tok_s"]}
+
+    try:
+        out["off"] = measure(False)
+    finally:
+        out["on"] = measure(True)
+    return out
+
+
+def _engine(ftw, *, vram_budget: int | None = None, offload=None) -> Engine:
+    return Engine(ftw, EngineSettings(device="cuda", kv_reserve_tokens=8192 + 256, max_prefill_length=4096,
+                                      max_running_requests=8, vram_budget=vram_budget), offload=offload)
 
 
 def prefill(model, tokens: int, repeat: int = 2) -> dict:
@@ -61,12 +94,12 @@ def prefill(model, tokens: int, repeat: int = 2) -> dict:
 
 
 def replay_ms(model, size: int, reps: int = 20) -> float | None:
-    """GPU time of one replay of the batch-`size` decode graph (CUDA events; its rows all padding, so the host's
-    share of a step -- embedding, tables, sampling, the read-back -- is what a decode step adds to this)."""
+    """GPU time of one replay of the batch-`size` decode graph (CUDA events; its rows all padding): a decode step adds
+    the sampling kernels, the token copies and any gaps to this."""
     g = model.graphs._graphs.get(size) if model.graphs is not None else None
     if g is None or g.graph is None:
         return None
-    g.load(torch.zeros(0, dtype=torch.int64), [])  # every row on the scratch state: never the buffers of a freed sequence
+    g.load(torch.zeros(0, dtype=torch.int64), [])  # all rows on the scratch state: never a freed sequence's buffers
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     g.graph.replay()
     start.record()
@@ -104,13 +137,13 @@ def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64) -
     context: total - free at the end, after emptying the cache; what nvidia-smi shows) against the budget."""
     torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
-    model, ex = load_offloaded(FtwReader(ftw), device="cuda", vram_budget=int(gib * (1 << 30)), memory_ratio=0.9,
-                               offload=None, kv_reserve_tokens=8192, max_running_requests=8, cuda_graphs=True)
+    eng = _engine(ftw, vram_budget=int(gib * (1 << 30)))
+    model, ex = eng.model, eng._experts
     res: dict = {"budget_gib": gib, "mode": ex.opts.mode, "load_s": time.perf_counter() - t}
     res["pin"] = {k: v for k, v in ex.wait_pinned(timeout=120).items() if isinstance(v, (int, float, str))}
     res["pinned_after_s"] = time.perf_counter() - t
     try:
-        r = decode(model, 1, 32, steps, warmup=16)
+        r = decode(eng, 1, 32, steps, warmup=16)
         r.pop("tokens")
         res["decode"] = r
         res["prefill"] = prefill(model, 4096, repeat=1)
@@ -118,8 +151,8 @@ def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64) -
             res["decode"]["vs_llama_cpp"] = r["tok_s"] / llama[f"decode_{gib:g}gib"]
         res["moe"] = {k: v for k, v in ex.stats().items() if isinstance(v, (int, float))}
     finally:
-        ex.close()
-        del model, ex
+        eng.close()
+        del model, ex, eng
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         res["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / (1 << 30)
@@ -132,12 +165,25 @@ def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64) -
 
 
 def bench_model(ftw, preset: str, *, hbm_gbs: float, log, llama: dict | None, deadline: float,
-                budgets: tuple[float, ...] = ()) -> dict:
-    reader = FtwReader(ftw)
+                budgets: tuple[float, ...] = (), resident: bool = True) -> dict:
+    """The resident rows (unless `resident` is off), then each VRAM budget in its own engine (`bench_budget`)."""
+    res = bench_resident(ftw, preset, hbm_gbs=hbm_gbs, log=log, llama=llama, deadline=deadline) if resident else {}
+    res["budgets"] = []
+    for gib in budgets:
+        if time.perf_counter() > deadline - 90:
+            break
+        try:
+            res["budgets"].append(bench_budget(ftw, gib, log=log, llama=llama))
+        except Exception:  # noqa: BLE001
+            res["budgets"].append({"budget_gib": gib, "error": traceback.format_exc()[-2000:]})
+            log(f"budget {gib} GiB failed:\n{res['budgets'][-1]['error']}")
+    return res
+
+
+def bench_resident(ftw, preset: str, *, hbm_gbs: float, log, llama: dict | None, deadline: float) -> dict:
     t = time.perf_counter()
-    model, ex = load_offloaded(reader, device="cuda", vram_budget=None, memory_ratio=0.9,
-                               offload=OffloadConfig(mode="resident", prefetch=False), kv_reserve_tokens=8192,
-                               max_running_requests=8, cuda_graphs=True)
+    eng = _engine(ftw, offload=OffloadConfig(mode="resident", prefetch=False))
+    model, ex = eng.model, eng._experts
     res: dict = {"load_s": time.perf_counter() - t, "graphs": dict(model.graphs.counters),
                  "vram_gib": torch.cuda.memory_allocated() / (1 << 30)}
     log(f"{preset}: loaded in {res['load_s']:.1f} s (graphs {res['graphs']})")
@@ -146,7 +192,7 @@ def bench_model(ftw, preset: str, *, hbm_gbs: float, log, llama: dict | None, de
         if time.perf_counter() > deadline - 40:
             break
         try:
-            r = decode(model, batch, context, steps)
+            r = decode(eng, batch, context, steps)
         except Exception:  # noqa: BLE001 - keep the other rows
             rows.append({"batch": batch, "context": context, "error": traceback.format_exc()[-2000:]})
             log(f"{preset}: decode B={batch} ctx={context} failed:\n{rows[-1]['error']}")
@@ -167,6 +213,11 @@ def bench_model(ftw, preset: str, *, hbm_gbs: float, log, llama: dict | None, de
     res["graphs_after_decode"] = dict(model.graphs.counters)
     res["graph_replay_ms"] = {size: replay_ms(model, size) for size in (1, 4, 8)}
     log(f"{preset}: graph replay alone (GPU time), ms: {res['graph_replay_ms']}")
+    try:
+        res["pdl"] = pdl_ab(eng)
+    except Exception:  # noqa: BLE001
+        res["pdl"] = {"error": traceback.format_exc()[-2000:]}
+    log(f"{preset}: PDL on / off: {res['pdl']}")
     pre = []
     for tokens in (512, 4096, 16384):
         if time.perf_counter() > deadline - 40:
@@ -203,16 +254,7 @@ def bench_model(ftw, preset: str, *, hbm_gbs: float, log, llama: dict | None, de
         except Exception:  # noqa: BLE001
             res["agreement"] = {"error": traceback.format_exc()[-2000:]}
         log(f"{preset}: agreement {res['agreement']}")
-    ex.close()
-    del model, ex
+    eng.close()
+    del model, ex, eng
     torch.cuda.empty_cache()
-    res["budgets"] = []
-    for gib in budgets:
-        if time.perf_counter() > deadline - 90:
-            break
-        try:
-            res["budgets"].append(bench_budget(ftw, gib, log=log, llama=llama))
-        except Exception:  # noqa: BLE001
-            res["budgets"].append({"budget_gib": gib, "error": traceback.format_exc()[-2000:]})
-            log(f"budget {gib} GiB failed:\n{res['budgets'][-1]['error']}")
     return res

@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ft.runtime.gpu.pdl import pdl_args, pdl_wait
 from ft.runtime.gpu.fused_ops import _cast, _rne_bits
 from ft.runtime.layers.norm import rms_normalize
 from ft.runtime.layers.rope import apply_rotary
@@ -123,7 +124,9 @@ def _decode_kernel(qkv, row_stride, gate_off, qw, kw, eps, cos, sin, cs_stride, 
                    NQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, RD: tl.constexpr, R: tl.constexpr,
                    R_PAD: tl.constexpr, R2: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_D: tl.constexpr, MIN_CHUNK: tl.constexpr, CB: tl.constexpr, Q_NORM: tl.constexpr,
-                   K_NORM: tl.constexpr, GATE: tl.constexpr, DOT_F32: tl.constexpr, RNE_BITS: tl.constexpr):
+                   K_NORM: tl.constexpr, GATE: tl.constexpr, DOT_F32: tl.constexpr, RNE_BITS: tl.constexpr,
+                   PDL: tl.constexpr):
+    pdl_wait(PDL)
     s = tl.program_id(0)
     bg = tl.program_id(1)
     b = bg // NKV
@@ -295,7 +298,7 @@ def decode_attention(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: tor
         NQ=nq, NKV=nkv, HD=hd, RD=rd, R=r, R_PAD=max(16, r2), R2=r2, S=S, BLOCK_N=bn, BLOCK_D=bd,
         MIN_CHUNK=min_chunk, CB=cb, Q_NORM=q_norm is not None, K_NORM=k_norm is not None, GATE=gated,
         DOT_F32=qkv.dtype == torch.float32 or not qkv.is_cuda, RNE_BITS=_rne_bits(qkv), num_warps=t["num_warps"],
-        num_stages=t["num_stages"])
+        num_stages=t["num_stages"], **pdl_args(qkv.device))
     return out
 
 

@@ -35,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ft.runtime.gpu.pdl import pdl_args, pdl_wait
+
 # num_warps of each kernel. The recurrent program holds an fp32 [dk, dv] tile (64 KiB at 128x128) in registers: at
 # dk = dv = 128 on sm_90 that takes ~210 registers a thread with 4 warps, ~175 with 8, ~105 with 16, none spilling.
 DECODE_CONFIG = {"conv_warps": 4, "rec_warps": 8}
@@ -53,7 +55,8 @@ def _round(v, dt: tl.constexpr, BITS: tl.constexpr):
 @triton.jit
 def _conv_kernel(mixed, m_stride, conv_w, qkv, tables, q_scale,
                  HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, K: tl.constexpr,
-                 BLOCK: tl.constexpr, BITS: tl.constexpr):
+                 BLOCK: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     bi = tl.program_id(0)
     p = tl.program_id(1)
     KEY: tl.constexpr = HK * DK
@@ -85,7 +88,8 @@ def _conv_kernel(mixed, m_stride, conv_w, qkv, tables, q_scale,
 @triton.jit
 def _recurrent_kernel(qkv, z, z_stride, bb, b_stride, aa, a_stride, A_log, dt_bias, norm_w, out, tables, t_stride,
                       eps, HK: tl.constexpr, HV: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-                      BK: tl.constexpr, BV: tl.constexpr, BITS: tl.constexpr):
+                      BK: tl.constexpr, BV: tl.constexpr, BITS: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     bi = tl.program_id(0)
     h = tl.program_id(1)
     KEY: tl.constexpr = HK * DK
@@ -162,9 +166,9 @@ def gdn_decode(mixed: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.T
     bits = mixed.dtype == torch.bfloat16 and mixed.device.type == "cpu"     # interpreted: see _round
     _conv_kernel[(n, 2 * hk + hv)](
         mixed, m_stride, conv_weight, qkv, tables, dk ** -0.5, HK=hk, HV=hv, DK=dk, DV=dv, K=kernel,
-        BLOCK=triton.next_power_of_2(max(dk, dv)), BITS=bits, num_warps=cfg["conv_warps"])
+        BLOCK=triton.next_power_of_2(max(dk, dv)), BITS=bits, num_warps=cfg["conv_warps"], **pdl_args(qkv.device))
     _recurrent_kernel[(n, hv)](
         qkv, z, z_stride, b, b_stride, a, a_stride, A_log, dt_bias, norm_weight, out, tables, tables.stride(0),
         float(eps), HK=hk, HV=hv, DK=dk, DV=dv, BK=triton.next_power_of_2(dk), BV=triton.next_power_of_2(dv), BITS=bits,
-        num_warps=cfg["rec_warps"])
+        num_warps=cfg["rec_warps"], **pdl_args(qkv.device))
     return out

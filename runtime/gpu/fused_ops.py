@@ -35,6 +35,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ft.runtime.gpu.pdl import pdl_args, pdl_wait
 from ft.runtime.layers.moe import route as route_topk_ref
 from ft.runtime.layers.norm import rms_norm as rms_norm_ref
 
@@ -63,10 +64,23 @@ def _cast(v, dtype: tl.constexpr, RNE_BITS: tl.constexpr):
 
 
 @triton.jit
+def _rounded(v, dtype: tl.constexpr):
+    # fp32 -> dtype -> fp32 (round to nearest even) for an intermediate that torch rounds: bf16 on the bits, so the
+    # rounding survives even where a compiler would fold a conversion there and back (and contract what follows)
+    if dtype == tl.bfloat16:
+        b = v.to(tl.uint32, bitcast=True)
+        return ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    else:
+        return v.to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _rms_norm_kernel(x, sxa, sxb, d, sda, w, s_out, y, R, B, D, eps,
-                     HAS_DELTA: tl.constexpr, RNE_BITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                     HAS_DELTA: tl.constexpr, RNE_BITS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                     PDL: tl.constexpr):
     # rows r in [0, R) of x viewed as [R // B, B, D]: row r at (r // B) * sxa + (r % B) * sxb (q/k norms read the
     # heads of a strided qkv split in place); delta rows at r * sda; s and y contiguous [R, D]
+    pdl_wait(PDL)
     r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)          # [BR]
     c = tl.arange(0, BLOCK_D)                                                      # [BD]
     mask = (r < R)[:, None] & (c < D)[None, :]
@@ -106,8 +120,9 @@ def _softmax_topk(z, valid, K: tl.constexpr, RENORM: tl.constexpr, BLOCK_K: tl.c
 
 @triton.jit
 def _route_kernel(logits, stride, ids, wts, E, K: tl.constexpr, RENORM: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     # one token row per program, as a [1, BLOCK_E] block for _softmax_topk
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)[None, :]
     z = tl.load(logits + row * stride + e, mask=e < E, other=float("-inf")).to(tl.float32)
@@ -118,29 +133,32 @@ def _route_kernel(logits, stride, ids, wts, E, K: tl.constexpr, RENORM: tl.const
 
 
 @triton.jit
-def _silu_mul_kernel(gu, stride, out, I, RNE_BITS: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu, stride, out, I, RNE_BITS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
     # out[t, n] = cast(cast(silu(g)) * u), g = gu[t, n], u = gu[t, I + n]; program (t, column block)
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = n < I
     g = tl.load(gu + t * stride + n, mask=m, other=0.0).to(tl.float32)
     u = tl.load(gu + t * stride + I + n, mask=m, other=0.0).to(tl.float32)
-    a = _cast(g / (1.0 + tl.exp(-g)), out.dtype.element_ty, RNE_BITS).to(tl.float32)  # F.silu's rounded output
+    a = _rounded(tl.math.div_rn(g, 1.0 + tl.exp(-g)), out.dtype.element_ty)  # F.silu's rounded output
     tl.store(out + t * I + n, _cast(a * u, out.dtype.element_ty, RNE_BITS), mask=m)
 
 
 @triton.jit
-def _sigmoid_gate_add_kernel(yp, sy, gp, sg, sp, ss, out, H, RNE_BITS: tl.constexpr, BLOCK: tl.constexpr):
+def _sigmoid_gate_add_kernel(yp, sy, gp, sg, sp, ss, out, H, RNE_BITS: tl.constexpr, BLOCK: tl.constexpr,
+                             PDL: tl.constexpr):
     # out[t, n] = cast(y + cast(cast(sigmoid(g[t])) * s[t, n])); program (t, column block)
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = n < H
     dt = out.dtype.element_ty
     g = tl.load(gp + t * sg).to(tl.float32)
-    gate = _cast(1.0 / (1.0 + tl.exp(-g)), dt, RNE_BITS).to(tl.float32)
+    gate = _rounded(tl.math.div_rn(1.0, 1.0 + tl.exp(-g)), dt)
     s = tl.load(sp + t * ss + n, mask=m, other=0.0).to(tl.float32)
     y = tl.load(yp + t * sy + n, mask=m, other=0.0).to(tl.float32)
-    prod = _cast(gate * s, dt, RNE_BITS).to(tl.float32)
+    prod = _rounded(gate * s, dt)
     tl.store(out + t * H + n, _cast(y + prod, dt, RNE_BITS), mask=m)
 
 
@@ -173,7 +191,8 @@ def _norm_launch(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     warps = min(16, max(4, block_r * block_d // TILES["norm_elems_per_warp"]))
     _rms_norm_kernel[(triton.cdiv(R, block_r),)](
         xs, sxa, sxb, ds, ds.stride(0), weight, s, y, R, B, D, eps,
-        HAS_DELTA=delta is not None, RNE_BITS=_rne_bits(x), BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps)
+        HAS_DELTA=delta is not None, RNE_BITS=_rne_bits(x), BLOCK_R=block_r, BLOCK_D=block_d, num_warps=warps,
+        **pdl_args(y.device))
     return s, y
 
 
@@ -204,7 +223,8 @@ def route_topk(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.T
         block_e = triton.next_power_of_2(E)
         _route_kernel[(T,)](logits, logits.stride(0), ids, weights, E, K=k, RENORM=bool(renormalize),
                             BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k),
-                            num_warps=min(8, max(1, block_e // TILES["route_elems_per_warp"])))
+                            num_warps=min(8, max(1, block_e // TILES["route_elems_per_warp"])),
+                            **pdl_args(logits.device))
     return ids, weights
 
 
@@ -216,7 +236,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if gu.shape[0] and I:
         block = min(TILES["elem_block"], triton.next_power_of_2(I))
         _silu_mul_kernel[(gu.shape[0], triton.cdiv(I, block))](
-            gu, gu.stride(0), out, I, RNE_BITS=_rne_bits(gu), BLOCK=block, num_warps=TILES["elem_warps"])
+            gu, gu.stride(0), out, I, RNE_BITS=_rne_bits(gu), BLOCK=block, num_warps=TILES["elem_warps"],
+            **pdl_args(out.device))
     return out
 
 
@@ -231,7 +252,7 @@ def sigmoid_gate_add(y: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) 
         block = min(TILES["elem_block"], triton.next_power_of_2(H))
         _sigmoid_gate_add_kernel[(y2.shape[0], triton.cdiv(H, block))](
             y2, y2.stride(0), g2, g2.stride(0), s2, s2.stride(0), out, H, RNE_BITS=_rne_bits(y), BLOCK=block,
-            num_warps=TILES["elem_warps"])
+            num_warps=TILES["elem_warps"], **pdl_args(out.device))
     return out
 
 

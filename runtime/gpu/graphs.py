@@ -9,14 +9,15 @@ What is captured, once per batch size G in `batch_sizes` (1, 2, 4, 8 ... up to t
 [L, 2, G] and its position through the static `positions` [G]; nothing in the graph depends on which sequences
 run or how long they are. So a graph is never captured again: not when a sequence grows (its KV buffers are
 reallocated: the next step's tables hold the new addresses), not when another sequence joins.
-Per step, outside the graph: the embedding rows, positions and tables, written into one page-locked host buffer and
-copied with one non-blocking copy (`_Captured`);
+The graph starts from token ids: it embeds them itself. Per step, outside the graph: ids, positions and tables,
+written into one page-locked host buffer and copied with one non-blocking copy (`_Captured`; ids sampled on the device
+are copied there on the device);
 the experts' host bookkeeping (`before_replay`: the device slot table is uploaded if admits changed it;
 `after_replay`, which runs while the GPU replays: call counters; mode mapped queues this replay's routing read-back,
 reads back the previous steps' and admits experts).
-B sequences replay the smallest captured G >= B; rows B..G-1 are padding: zero embeddings, position 0, buffers of a
-scratch state of one token. Zero inputs keep every value they produce finite (norms of 0 are 0, uniform routing), so
-padding can never poison anything; their outputs are dropped.
+B sequences replay the smallest captured G >= B; rows B..G-1 are padding: token 0, position 0, buffers of a scratch
+state of one token. A real token's embedding keeps every value they produce finite, so padding can never poison
+anything; their outputs are dropped.
 
 A step is not replayed (`step` returns None and the model runs eagerly) unless every MoE layer's call of G tokens is
 sync-free (`graph_ready`): mode resident, static's GPU layers, mode mapped once its banks are pinned and verified.
@@ -85,56 +86,48 @@ def bucket_sizes(max_batch: int) -> tuple[int, ...]:
 class _Captured:
     """The static inputs and outputs of the graph of batch size G.
 
-    Inputs live in one device buffer, written by ONE non-blocking copy from a page-locked twin per step:
-        bytes [0, G*H*e)    h: the G rows' embeddings [G, H] (compute dtype, e bytes each)
-        then int64          positions [G], tables [L, 2, G]
-    A host-resident embedding table (`Embedding.host_table`) is gathered straight into the twin (a host memcpy of
-    G rows, no copy of its own); a device table is gathered on the device into h (tied embeddings)."""
+    Inputs: one int64 device buffer [ids G | positions G | tables L*2*G], written by ONE non-blocking copy from a
+    page-locked twin per step. Token ids already on the device (sampled there: `ft.runtime.engine`'s steps in
+    flight) are copied over their slots on the device after it, so the host never waits for them. The graph embeds
+    the ids itself (`Embedding`: a device table, or the GPU's gather from the page-locked host table)."""
 
     def __init__(self, model, size: int, scratch) -> None:
-        dev, L, H = model.device, model.config.num_layers, model.config.hidden_size
+        dev, L = model.device, model.config.num_layers
         self.size = size
-        hbytes = -(-size * H * model.dtype.itemsize // 16) * 16  # the int64 part starts 16-byte aligned
-        nbytes = hbytes + 8 * (size + 2 * L * size)
         pin = dev.type == "cuda"
-        self.inputs = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
-        self.staging = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.inputs = torch.zeros(2 * size + 2 * L * size, dtype=torch.int64, device=dev)
+        self.staging = torch.zeros(self.inputs.shape, dtype=torch.int64, pin_memory=pin)
         self.copied = torch.cuda.Event() if pin else None
-        self.h = self.inputs[:size * H * model.dtype.itemsize].view(model.dtype).view(size, H)
-        ints = self.inputs[hbytes:].view(torch.int64)
-        self.pos, self.tables = ints[:size], ints[size:].view(L, 2, size)
-        self._h = self.staging[:size * H * model.dtype.itemsize].view(model.dtype).view(size, H)
-        staged = self.staging[hbytes:].view(torch.int64).numpy()
-        self._pos, self._tables = staged[:size], staged[size:].reshape(L, 2, size)
+        self.ids, self.pos, self.tables = self.inputs[:size], self.inputs[size:2 * size], \
+            self.inputs[2 * size:].view(L, 2, size)
+        staged = self.staging.numpy()
+        self._ids, self._pos = staged[:size], staged[size:2 * size]
+        self._tables = staged[2 * size:].reshape(L, 2, size)
         self._scratch = scratch.addresses().numpy()
-        self._table = model.embed_tokens.host_table  # [V, H] on the host, or None (gathered on the device)
-        self._embed = model.embed_tokens
         self.batch = ForwardBatch([SegmentRows(i, 1, 0, scratch) for i in range(size)], self.pos, tables=self.tables)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None  # fp32 [G, V], the graph's output buffer
 
     def load(self, input_ids: torch.Tensor, states: list) -> None:
-        """Write the step's inputs: embeddings of the B live rows (zeros after them), positions, tables."""
+        """Write the step's inputs: ids of the B live rows (token 0 after them), positions, tables."""
         b = len(states)
         if self.copied is not None:
             self.copied.synchronize()  # the previous step's copy has left the staging buffer
-        pos, tables = self._pos, self._tables  # numpy views of the page-locked staging buffer (cheap host writes)
+        ids, pos, tables = self._ids, self._pos, self._tables  # numpy views of the page-locked twin
+        ids[:] = 0
         pos[:] = 0
+        on_host = input_ids.device.type == "cpu"
+        if on_host:
+            ids[:b] = input_ids.numpy()
         for i, st in enumerate(states):
             pos[i] = st.length
             tables[:, :, i] = st.addresses().numpy()
         tables[:, :, b:] = self._scratch[:, :, None]
-        if self._table is not None:
-            torch.index_select(self._table, 0, input_ids.cpu(), out=self._h[:b])
-            if b < self.size:
-                self._h[b:].zero_()  # zero embeddings keep padding rows finite
         self.inputs.copy_(self.staging, non_blocking=self.copied is not None)
         if self.copied is not None:
             self.copied.record()
-        if self._table is None:
-            self.h[:b].copy_(self._embed(input_ids))
-            if b < self.size:
-                self.h[b:].zero_()
+        if not on_host:
+            self.ids[:b].copy_(input_ids)
 
 
 class DecodeGraphs:
@@ -186,18 +179,18 @@ class DecodeGraphs:
         else:  # capture=False: the same decode batch, eagerly, over the live states' rows
             rows = [SegmentRows(i, 1, st.length, st) for i, st in enumerate(states)]
             rows += g.batch.segments[len(states):]
-            g.logits = self._body(g.h, ForwardBatch(rows, g.pos, tables=g.tables))
+            g.logits = self._body(g.ids, ForwardBatch(rows, g.pos, tables=g.tables))
         # the live rows' routing only (padding would bias admission), unless device-side fills must be mirrored
         mapped = self.ex.mapped
         after_replay(self.ex, size if mapped is not None and mapped.fill else len(states))
         self.counters["replays"] += 1
         return g.logits[:len(states)].clone()  # the next replay overwrites the graph's buffer
 
-    def _body(self, h: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
-        ex = self.ex
+    def _body(self, ids: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        ex, model = self.ex, self.model
         ex.graph_calls = True
         try:
-            return self.model.logits_head(*self.model.layers_pending(h, batch))
+            return model.logits_head(*model.layers_pending(model.embed_tokens(ids), batch))
         finally:
             ex.graph_calls = False
 
@@ -219,7 +212,7 @@ class DecodeGraphs:
             side.wait_stream(torch.cuda.current_stream())
             try:
                 with torch.cuda.stream(side):  # compiles, first-call checks (sync)
-                    self._body(g.h, g.batch)
+                    self._body(g.ids, g.batch)
             finally:
                 torch.cuda.current_stream().wait_stream(side)
                 if self.ex.mapped is not None and self.ex.mapped.graph_layers:
@@ -229,7 +222,7 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             # thread_local: the uploader's staging thread may issue copies while this thread captures
             with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                g.logits = self._body(g.h, g.batch)
+                g.logits = self._body(g.ids, g.batch)
             g.graph = graph
         self._graphs[size] = g
         self.counters["captures"] += 1

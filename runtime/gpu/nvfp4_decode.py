@@ -43,6 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ft.runtime.gpu.pdl import pdl_args, pdl_wait
+
 from .nvfp4_gemv import rows_dot
 from .nvfp4_triton import _to_bf16, _weight_tile
 from .record_layout import COMPONENTS, RecordLayout
@@ -76,9 +78,10 @@ def _records(pool, slot_stride, host_base, host_stride, topk_ids, slot_row, p, p
 def _gate_up_kernel(
     pool, slot_stride, host_base, host_stride, x, act, topk_ids, slot_row, topk, H, I,
     OFF_GU, OFF_GUS, OFF_GUS2, KB: tl.constexpr,
-    BN: tl.constexpr, BKB: tl.constexpr, INTERP: tl.constexpr, MAPPED: tl.constexpr,
+    BN: tl.constexpr, BKB: tl.constexpr, INTERP: tl.constexpr, MAPPED: tl.constexpr, PDL: tl.constexpr,
 ):
     # act[p, n] = bf16(silu(g) * u), g = row n, u = row I + n of gate_up applied to x[p // topk]; 0 for a dead pair
+    pdl_wait(PDL)
     p = tl.program_id(0)
     n0 = tl.program_id(1) * BN
     r = tl.arange(0, 2 * BN)  # tile rows: gate rows n0 + r for r < BN, then up rows I + n0 + r - BN
@@ -105,9 +108,10 @@ def _gate_up_kernel(
 def _down_kernel(
     pool, slot_stride, host_base, host_stride, act, out, pair_weight, topk_ids, slot_row, G, H, I,
     OFF_D, OFF_DS, OFF_DS2, KB: tl.constexpr,
-    GP: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, INTERP: tl.constexpr, MAPPED: tl.constexpr,
+    GP: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, INTERP: tl.constexpr, MAPPED: tl.constexpr, PDL: tl.constexpr,
 ):
     # out[g, n] = sum over j < G of weight[g*G + j] * (down row n of pair g*G + j) . act[g*G + j]   (fp32 [*, H])
+    pdl_wait(PDL)
     g = tl.program_id(0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
     j = tl.arange(0, GP)
@@ -218,7 +222,7 @@ def launch_gate_up(pool, layout: RecordLayout, xb: torch.Tensor, ids: torch.Tens
         pool, layout.stride, host[0], host[1], xb, act, ids, row, k, H, I,
         layout.off_gate_up, layout.off_gate_up_scale, layout.off_gate_up_scale_2,
         KB=H // 16, BN=b["BLOCK_N_GU"], BKB=_words(b["BLOCK_K_GU"], H), INTERP=interp, MAPPED=host[0] != 0,
-        num_warps=b["WARPS_GU"],
+        num_warps=b["WARPS_GU"], **pdl_args(xb.device),
     )
     if info is not None:
         info["gate_up"] = kernel
@@ -237,7 +241,7 @@ def launch_down(pool, layout: RecordLayout, act: torch.Tensor, wts: torch.Tensor
         pool, layout.stride, host[0], host[1], act, out, wts, ids, row, G, H, I,
         layout.off_down, layout.off_down_scale, layout.off_down_scale_2,
         KB=I // 16, GP=triton.next_power_of_2(G), BN=b["BLOCK_N_D"], BKB=_words(b["BLOCK_K_D"], I),
-        INTERP=act.device.type != "cuda", MAPPED=host[0] != 0, num_warps=b["WARPS_D"],
+        INTERP=act.device.type != "cuda", MAPPED=host[0] != 0, num_warps=b["WARPS_D"], **pdl_args(act.device),
     )
     if info is not None:
         info["down"] = kernel

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from ft.runtime.gpu.pdl import pdl_args, pdl_wait
 from ft.runtime.gpu.fused_ops import _cast, _rne_bits, _softmax_topk
 from ft.runtime.layers.moe import route
 
@@ -58,7 +59,8 @@ _COUNTERS: dict[str, torch.Tensor] = {}
 def _router_kernel(x, sx, w, extra, scratch, extra_out, ids, wts, counter, T, E, H, n_programs,
                    K: tl.constexpr, RENORM: tl.constexpr, HAS_EXTRA: tl.constexpr, RNE_BITS: tl.constexpr,
                    BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                   ROWS: tl.constexpr, BLOCK_TOPK: tl.constexpr):
+                   ROWS: tl.constexpr, BLOCK_TOPK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     dt = x.dtype.element_ty
     t = tl.arange(0, BLOCK_T)
     tm = t < T
@@ -142,7 +144,7 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: bool
         weights if extra_logit is None else extra_logit, ids, weights, _counter(x.device), T, E, H, n_programs,
         K=k, RENORM=bool(renormalize), HAS_EXTRA=extra is not None, RNE_BITS=_rne_bits(x), BLOCK_T=block_t,
         BLOCK_E=block_e, BLOCK_K=t["BLOCK_K"], BLOCK_R=block_r, ROWS=max(1, min(block_t, t["topk_elems"] // block_r)),
-        BLOCK_TOPK=triton.next_power_of_2(k), num_warps=t["num_warps"])
+        BLOCK_TOPK=triton.next_power_of_2(k), num_warps=t["num_warps"], **pdl_args(x.device))
     return ids, weights, extra_logit
 
 

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ft.formats.config import ModelConfig
 from ft.runtime.layers.base import REQUIRED, Op
 from ft.runtime.layers.batch import ForwardBatch
-from ft.runtime.layers.linear import Linear, stack_rows
+from ft.runtime.layers.linear import Linear, gemv_eligible, linear, stack_rows
 from ft.runtime.layers.norm import RMSNormGated
 
 CHUNK = 64
@@ -117,10 +117,12 @@ class GatedDeltaNet(Op):
         self._dk, self._dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self._key_dim, self._value_dim = self._hk * self._dk, self._hv * self._dv
         self._qkvzba: torch.Tensor | None = None  # both input projections' rows, stacked (`stack_linears`)
+        self._qkvzba_gemv = False                 # ... and eligible for the dense GEMV at decode (`linear`)
 
     def stack_linears(self) -> None:
         """At load, on a GPU: in_proj_qkvz and in_proj_ba become views of one weight, one GEMM per call."""
         self._qkvzba = stack_rows([self.in_proj_qkvz, self.in_proj_ba])
+        self._qkvzba_gemv = self._qkvzba is not None and gemv_eligible(self._qkvzba)
 
     @property
     def conv_dim(self) -> int:
@@ -129,7 +131,8 @@ class GatedDeltaNet(Op):
     def __call__(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         n = x.shape[0]                                                          # x [N, H]
         if self._qkvzba is not None:
-            mixed, z, b, a = F.linear(x, self._qkvzba).split([self.conv_dim, self._value_dim, self._hv, self._hv], -1)
+            mixed, z, b, a = linear(x, self._qkvzba, gemv=self._qkvzba_gemv and self._fused).split(
+                [self.conv_dim, self._value_dim, self._hv, self._hv], -1)
         else:
             mixed, z = self.in_proj_qkvz(x).split([self.conv_dim, self._value_dim], dim=-1)
             b, a = self.in_proj_ba(x).split([self._hv, self._hv], dim=-1)

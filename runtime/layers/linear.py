@@ -9,6 +9,9 @@ room, which goes to the expert cache) the stored bytes move to the device as the
 `GEMV_MAX_TOKENS` rows (decode) run a dequantizing GEMV that reads the stored bytes once (`ft.runtime.gpu.dense_quant`);
 other calls dequantize `CHUNK_BYTES` of weight rows at a time into the same compute-dtype values the default path
 holds and multiply by them (the same results, for a transient of one chunk and one extra pass over the weight).
+Plain bf16 / fp16 weights on a GEMV device (decided at `prepare`: `_gemv`) run calls of at most `dense_gemv.MAX_TOKENS`
+rows through `ft.runtime.gpu.dense_gemv` (one launch streaming the weight once) when the op is `_fused`; the stacked
+weights of `stack_rows` go through `linear` the same way. The results equal `F.linear` up to fp32 summation order.
 """
 
 from __future__ import annotations
@@ -25,7 +28,9 @@ PLAIN_SCHEMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.fl
 QUANT_SCHEMES = ("nvfp4", "fp8_row")
 CHUNK_BYTES = 64 << 20  # fp32 dequantization transient per chunk of rows (keep_quantized)
 GEMV_MAX_TOKENS = 8  # keep_quantized: rows of x up to which the dequantizing GEMV runs
-GEMV_DEVICES = ["cuda"]  # where it runs (tests add "cpu" under TRITON_INTERPRET=1; emptied if it fails to run)
+DENSE_GEMV_MAX_TOKENS = 16  # plain weights: rows of x up to which the dense GEMV runs (= dense_gemv.MAX_TOKENS)
+GEMV_DEVICES = ["cuda"]  # where the GEMVs run (tests add "cpu" under TRITON_INTERPRET=1; emptied if one fails to run)
+DENSE_GEMV_DTYPES = (torch.bfloat16, torch.float16)  # plain weights the dense GEMV takes (fp32: cuBLAS)
 log = logging.getLogger("ft.runtime")
 
 
@@ -37,6 +42,7 @@ class Linear(Op):
         self.weight: torch.Tensor = REQUIRED
         self._scheme: str | None = None  # set when the weight stays quantized (keep_quantized)
         self._dtype = torch.float32
+        self._gemv = False  # plain weight that `linear` may run through the dense GEMV (`gemv_eligible`, at prepare)
 
     def prepare(self, name: str, scheme: str | None, dtype: torch.dtype, device: torch.device, *,
                 keep_quantized: bool = False) -> None:
@@ -85,6 +91,7 @@ class Linear(Op):
             if self.bias.shape != (self.weight.shape[0],):
                 raise ValueError(f"{name}.bias has shape {tuple(self.bias.shape)}, expected ({self.weight.shape[0]},)")
             self.bias = self.bias.to(device=device, dtype=dtype)
+        self._gemv = self._scheme is None and gemv_eligible(self.weight, self.bias)
 
     def _dequant(self, r0: int, r1: int, scheme: str | None) -> torch.Tensor:
         """Weight rows [r0, r1): float32 for the quantized schemes (exact), the stored tensor otherwise."""
@@ -112,7 +119,7 @@ class Linear(Op):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._scheme is None:
-            return F.linear(x, self.weight, self.bias)
+            return linear(x, self.weight, self.bias, gemv=self._gemv and self._fused)
         out, k = self.weight_shape
         if self.weight.device.type in GEMV_DEVICES and x.numel() <= GEMV_MAX_TOKENS * k:
             from ft.runtime.gpu.dense_quant import quantized_gemv, supported
@@ -142,6 +149,32 @@ class Linear(Op):
             bias = None if self.bias is None else self.bias[r0:r1]
             y[..., r0:r1] = F.linear(x, self._dequant(r0, r1, self._scheme).to(self._dtype), bias)
         return y
+
+
+def gemv_eligible(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether `linear(..., gemv=True)` may take the dense GEMV for this plain weight [out, in] (and bias [out]):
+    bf16 / fp16, contiguous, on a GEMV device, bias (if any) contiguous in the same dtype. Decided once, at load."""
+    return (weight.dtype in DENSE_GEMV_DTYPES and weight.is_contiguous() and weight.device.type in GEMV_DEVICES
+            and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous())))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           gemv: bool = False) -> torch.Tensor:
+    """F.linear(x [..., in], weight [out, in], bias); with `gemv` (the weight passed `gemv_eligible`, the op runs
+    fused kernels) calls of at most dense_gemv.MAX_TOKENS rows in weight's dtype run `dense_gemv` (module docstring)."""
+    k = weight.shape[1]
+    if gemv and x.numel() <= DENSE_GEMV_MAX_TOKENS * k and x.dtype == weight.dtype and GEMV_DEVICES:
+        from ft.runtime.gpu.dense_gemv import dense_gemv
+
+        try:
+            y = dense_gemv(x.reshape(-1, k), weight, bias)
+        except Exception as e:  # noqa: BLE001 - e.g. a Triton build failure: same results, slower path
+            log.warning("dense GEMV failed (%s: %s); linears use cuBLAS / chunked dequantization",
+                        type(e).__name__, str(e)[:200])
+            GEMV_DEVICES.clear()
+        else:
+            return y.reshape(*x.shape[:-1], weight.shape[0])
+    return F.linear(x, weight, bias)
 
 
 def stack_rows(linears: list[Linear]) -> torch.Tensor | None:

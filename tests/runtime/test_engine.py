@@ -259,3 +259,58 @@ def test_custom_experts_are_used_and_their_counters_reach_stats(ftw, engine):
     assert res.token_ids == generate(engine, PROMPTS[1], GREEDY).token_ids
     assert eng.stats()["moe"]["calls"] == experts.calls > 0
     assert "moe" not in engine.stats()
+
+
+# ---- decode steps in flight ----------------------------------------------------------------------------------------
+
+def _manual(engine: Engine, prompt: list[int], params: SamplingParams) -> list[int]:
+    """The tokens of one request run synchronously at the model level: forward, sample, read back, repeat."""
+    import torch
+
+    from ft.runtime.model import Segment
+    from ft.runtime.sampling import RequestSampler, sample
+
+    model = engine.model
+    st = model.new_state(len(prompt) + params.max_tokens)
+    sampler = RequestSampler(params, prompt, model.config.vocab_size)
+    out = []
+    ids = prompt
+    for _ in range(params.max_tokens):
+        [logits] = model.forward(torch.tensor(ids), [Segment(st, len(ids))])
+        out.append(sample(logits[-1:], [sampler]).token_ids[0])
+        ids = out[-1:]
+    st.free()
+    return out
+
+
+def test_decode_steps_are_in_flight_and_their_events_come_one_step_later(ftw):
+    eng = Engine(ftw, EngineSettings(kv_reserve_tokens=256))
+    eng.add_request("a", PROMPTS[0], GREEDY)
+    assert [ev.token_id is not None for ev in eng.step()] == [True]  # prefill: its first token at once
+    assert eng.step() == [] and eng._inflight is not None  # the 2nd token is sampled on the device, not yet read
+    tokens = [ev.token_id for ev in eng.step()]  # launches the 3rd, lands the 2nd
+    assert len(tokens) == 1 and eng._inflight is not None
+    events = _run_all(eng)["a"]
+    assert len(events) == GREEDY.max_tokens - 2 and events[-1].finish_reason == "length"
+    # the request's last step was not launched beyond max_tokens: nothing is left in flight for it
+    assert eng._inflight is None or all(r.finish_reason is not None for r in eng._inflight.requests)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=10, temperature=0, repetition_penalty=1.8, frequency_penalty=0.7, ignore_eos=True),
+    SamplingParams(max_tokens=10, temperature=0.9, top_k=20, presence_penalty=1.0, seed=7, ignore_eos=True),
+], ids=["greedy-penalties", "seeded-penalties"])
+def test_in_flight_decode_samples_as_the_synchronous_loop(ftw, params):
+    # the penalties' statistics take each token on the device (never read back) before the next step samples
+    eng = Engine(ftw, EngineSettings(kv_reserve_tokens=256))
+    assert generate(eng, PROMPTS[2], params).token_ids == _manual(eng, PROMPTS[2], params)
+
+
+def test_a_stop_token_ends_the_request_though_the_next_step_was_already_launched(ftw):
+    eng = Engine(ftw, EngineSettings(kv_reserve_tokens=256))
+    ref = generate(eng, PROMPTS[1], GREEDY).token_ids
+    stop = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=(ref[5],))
+    res = generate(eng, PROMPTS[1], stop)
+    assert res.token_ids == ref[:ref.index(ref[5]) + 1] and res.finish_reason == "stop"
+    assert generate(eng, PROMPTS[3], GREEDY).token_ids == generate(eng, PROMPTS[3], GREEDY).token_ids
+    assert eng.stats()["kv_tokens_used"] == 0

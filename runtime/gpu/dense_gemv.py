@@ -1,0 +1,141 @@
+"""Skinny GEMM for plain (bf16 / fp16) dense linears at decode: one Triton launch that streams the weight once.
+
+  dense_gemv(x [T, K], weight [N, K], bias [N] | None) -> y [T, N] in x.dtype,   T <= MAX_TOKENS
+  y = cast(x · weightᵀ + bias): products and sums in fp32, bias added to the fp32 sum, one rounding to x.dtype, so
+  y equals `dense_gemv_ref` (and `F.linear`, which also rounds its fp32 result once) up to fp32 summation order.
+
+At decode the weight is the traffic (N K elements against T K for x and T N for y), and cuBLAS's skinny-GEMM
+kernels reach well under HBM speed on it. Kernel (grid cdiv(N, BLOCK_N), a function of shapes only: no host syncs
+and no allocation but the output, so it can be captured in a CUDA graph):
+  program i owns weight rows [i BLOCK_N, (i + 1) BLOCK_N) and loops over K in BLOCK_K steps against all T rows of x
+  (tiny, served from L2), so every weight byte is read exactly once; the [T, BLOCK_N] result is stored directly.
+  No split-K: at the target models' K <= 4096 a program's rows are a few BLOCK_K steps (FMA: BLOCK_N down to 1,
+  one round of loads for N = 64), and a weight too small to fill PROGRAMS programs (N < 2112 under DOT) is <= 4 MB,
+  whose time is the launch and a few HBM latencies; split-K's zeroed fp32 buffer or counter, atomics and separate
+  cast would add about as much as it hides. x is re-read from L2 by every program: T / BLOCK_N of the weight bytes.
+Two inner products, chosen per T by `TILES` (constexpr DOT):
+  * FMA (small T): an fp32 [BLOCK_T, BLOCK_N, BLOCK_K] accumulator of x ⊙ w, reduced over K once at the end (as
+    `router._router_kernel`); acc_elems caps it (BLOCK_K shrinks as T or BLOCK_N grow). T FMAs per weight element.
+  * DOT (larger T: the FMA accumulator grows with T and T fp32 FMAs per weight element near the fp32 peak at HBM
+    speed): tl.dot of the weight tile [BLOCK_N, BLOCK_K] with xᵀ [BLOCK_K, BLOCK_T] on the tensor cores, fp32
+    accumulation, tiles pipelined through shared memory; fp32 inputs use input_precision "ieee" (no TF32).
+    Triton's interpreter multiplies bf16 dot operands as raw bits, so there (UPCAST) the tiles go to fp32 first:
+    bf16 / fp16 products are exact in fp32 either way.
+BLOCK_N: the largest power of two in [min_block_n, max_block_n] that leaves >= PROGRAMS (2 per SM of an H200)
+programs, else min_block_n. Invariants: weight [N, K] contiguous in x's dtype, bias [N] contiguous; x [T, K] with a
+unit last stride (rows may be strided; otherwise it is copied). Under the interpreter (CPU tensors, tests) the bf16
+rounding is done on the bits (`fused_ops._cast`). Tiles: `TILES`, swept by tools/bench_dense.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ft.runtime.gpu.fused_ops import _cast, _rne_bits
+from ft.runtime.gpu.pdl import pdl_args, pdl_wait
+
+MAX_TOKENS = 16
+PROGRAMS = 264  # 2 x the H200's 132 SMs: enough programs that every SM streams weight rows
+# Per token count, the first "tokens" entry whose key is >= T. FMA holds an fp32 accumulator of BLOCK_T times the
+# weight tile in registers, which bounds the bytes a program has in flight (no pipelining of plain loads); so FMA
+# only up to T = 2, and the tensor cores (cp.async-pipelined tiles in shared memory) above. FMA's BLOCK_K is an
+# upper bound (acc_elems). DOT num_warps 0: BLOCK_N / 16 warps, at least 1, at most 4 (the MMA gives each warp 16
+# weight rows; more warps than that would each compute the whole tile).
+TILES = {"tokens": {2: {"DOT": False, "min_block_n": 1, "max_block_n": 16, "BLOCK_K": 2048, "num_warps": 4,
+                        "num_stages": 2},
+                    MAX_TOKENS: {"DOT": True, "min_block_n": 8, "max_block_n": 64, "BLOCK_K": 256, "num_warps": 0,
+                                 "num_stages": 4}},
+         "acc_elems": 8192}
+
+
+@triton.jit
+def _dense_gemv_kernel(x, sx, w, b, out, T, N, K, HAS_BIAS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
+                       UPCAST: tl.constexpr, RNE_BITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)                       # [BN] weight rows = output columns
+    nm = n < N
+    t = tl.arange(0, BLOCK_T)                                                     # [BT] token rows
+    tm = t < T
+    wrow = w + n.to(tl.int64) * K                                                 # [BN] row pointers
+    kk = tl.arange(0, BLOCK_K)
+    if DOT:
+        acc = tl.zeros((BLOCK_N, BLOCK_T), tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_T, BLOCK_N, BLOCK_K), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + kk
+        km = k < K
+        wv = tl.load(wrow[:, None] + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)      # [BN, BK]
+        xv = tl.load(x + t[:, None] * sx + k[None, :], mask=tm[:, None] & km[None, :], other=0.0)  # [BT, BK]
+        if DOT:
+            if UPCAST:
+                wv, xv = wv.to(tl.float32), xv.to(tl.float32)
+            acc = tl.dot(wv, tl.trans(xv), acc, input_precision=PRECISION)       # [BN, BT]
+        else:
+            acc += xv.to(tl.float32)[:, None, :] * wv.to(tl.float32)[None, :, :]
+    if DOT:
+        y = tl.trans(acc)                                                         # [BT, BN]
+    else:
+        y = tl.sum(acc, axis=2)
+    if HAS_BIAS:
+        y += tl.load(b + n, mask=nm, other=0.0).to(tl.float32)[None, :]
+    tl.store(out + t[:, None] * N + n[None, :], _cast(y, out.dtype.element_ty, RNE_BITS),
+             mask=tm[:, None] & nm[None, :])
+
+
+def launch_tiles(N: int, K: int, T: int, tiles: dict | None = None) -> dict:
+    """{DOT, BLOCK_T, BLOCK_N, BLOCK_K, num_warps, num_stages} as launched for x [T, K] · [N, K]ᵀ: TILES' entry for T
+    with `tiles` over it (a BLOCK_N there is taken as is). BLOCK_N per the module docstring (DOT: at least 8, the
+    MMA pads rows to 16); BLOCK_T next_power_of_2(T), at least 8 under DOT; BLOCK_K at least 16 and at most
+    next_power_of_2(K), for FMA also at most acc_elems / (BLOCK_T BLOCK_N); num_warps 0: per TILES' comment under
+    DOT, 4 for FMA."""
+    base = next(v for n, v in sorted(TILES["tokens"].items()) if T <= n)
+    t = {**base, "acc_elems": TILES["acc_elems"], **(tiles or {})}
+    dot = bool(t["DOT"])
+    lo, hi = (max(8, t["min_block_n"]), max(8, t["max_block_n"])) if dot else (t["min_block_n"], t["max_block_n"])
+    block_n = t.get("BLOCK_N")
+    if block_n is None:
+        block_n = hi
+        while block_n > lo and triton.cdiv(N, block_n) < PROGRAMS:
+            block_n //= 2
+    block_t = max(8 if dot else 1, triton.next_power_of_2(T))
+    block_k = min(t["BLOCK_K"], triton.next_power_of_2(K))
+    if not dot:
+        block_k = min(block_k, max(16, t["acc_elems"] // (block_t * block_n)))
+    warps = t["num_warps"] or (max(1, min(4, block_n // 16)) if dot else 4)
+    return {"DOT": dot, "BLOCK_T": block_t, "BLOCK_N": block_n, "BLOCK_K": max(16, block_k), "num_warps": warps,
+            "num_stages": t["num_stages"]}
+
+
+def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+               tiles: dict | None = None) -> torch.Tensor:
+    """x [T, K] (T <= MAX_TOKENS), weight [N, K] contiguous in x's dtype, bias [N] or None -> [T, N] in x.dtype
+    (module docstring). `tiles` overrides entries of TILES' choice (benchmark sweeps; `launch_tiles`)."""
+    T, K = x.shape
+    N = weight.shape[0]
+    if weight.shape != (N, K) or weight.dtype != x.dtype or not weight.is_contiguous() or T > MAX_TOKENS:
+        raise ValueError(f"dense_gemv: x {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} {weight.dtype} "
+                         f"(contiguous: {weight.is_contiguous()}); wants T <= {MAX_TOKENS}, weight [N, K] contiguous")
+    if bias is not None and (bias.shape != (N,) or not bias.is_contiguous()):
+        raise ValueError(f"dense_gemv: bias {tuple(bias.shape)}, wants ({N},) contiguous")
+    x = x if x.stride(1) == 1 or K == 1 else x.contiguous()
+    out = torch.empty(T, N, dtype=x.dtype, device=x.device)
+    if T == 0 or N == 0:
+        return out
+    t = launch_tiles(N, K, T, tiles)
+    upcast = x.device.type != "cuda"     # the interpreter: fp32 dot operands (module docstring)
+    _dense_gemv_kernel[(triton.cdiv(N, t["BLOCK_N"]),)](
+        x, x.stride(0), weight, weight if bias is None else bias, out, T, N, K, HAS_BIAS=bias is not None,
+        DOT=t["DOT"], PRECISION="ieee" if x.dtype == torch.float32 or upcast else "tf32", UPCAST=upcast,
+        RNE_BITS=_rne_bits(x), BLOCK_T=t["BLOCK_T"], BLOCK_N=t["BLOCK_N"], BLOCK_K=t["BLOCK_K"],
+        num_warps=t["num_warps"], num_stages=t["num_stages"], **pdl_args(x.device))
+    return out
+
+
+def dense_gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What `dense_gemv` computes, up to fp32 summation order: fp32 x · weightᵀ (+ bias), rounded once to x.dtype."""
+    y = x.float() @ weight.float().t()
+    return (y if bias is None else y + bias.float()).to(x.dtype)
