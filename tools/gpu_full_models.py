@@ -10,6 +10,7 @@ routing, E * (1 - (1 - k/E)^B)), the KV rows attended to and the DeltaNet states
 
 from __future__ import annotations
 
+import gc
 import time
 import traceback
 
@@ -158,6 +159,7 @@ def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64) -
     finally:
         eng.close()
         del model, ex, eng
+        gc.collect()  # reference cycles would keep the closed engine's tensors alive past empty_cache
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
         res["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / (1 << 30)
@@ -263,5 +265,6 @@ def bench_resident(ftw, preset: str, *, hbm_gbs: float, log, llama: dict | None,
         log(f"{preset}: agreement {res['agreement']}")
     eng.close()
     del model, ex, eng
+    gc.collect()
     torch.cuda.empty_cache()
     return res
