@@ -184,6 +184,7 @@ class Engine:
             events += self._land(landing, t0)
             if self._inflight is not None:
                 return events
+            t0 = time.perf_counter()  # the landing's time is accounted: what follows is this step's own
         self._admit()
         decodes, prefill = self._schedule(events)
         if not decodes and prefill is None:
