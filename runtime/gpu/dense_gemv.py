@@ -51,6 +51,21 @@ TILES = {"tokens": {2: {"DOT": False, "min_block_n": 1, "max_block_n": 16, "BLOC
 
 
 @triton.jit
+def fma_rows(wrow, rm, x, sx, t, tm, K, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    # fp32 [BT, BR] = x[t] · w[row]ᵀ for row pointers wrow [BR] (mask rm) and token rows t [BT] (mask tm) of x (row
+    # stride sx), over K: an fp32 [BT, BR, BK] accumulator of products, reduced over K once at the end
+    kk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_T, BLOCK_R, BLOCK_K), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + kk
+        km = k < K
+        wv = tl.load(wrow[:, None] + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)      # [BR, BK]
+        xv = tl.load(x + t[:, None] * sx + k[None, :], mask=tm[:, None] & km[None, :], other=0.0)  # [BT, BK]
+        acc += xv.to(tl.float32)[:, None, :] * wv.to(tl.float32)[None, :, :]
+    return tl.sum(acc, axis=2)
+
+
+@triton.jit
 def _dense_gemv_kernel(x, sx, w, b, out, T, N, K, HAS_BIAS: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
                        UPCAST: tl.constexpr, RNE_BITS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr, PDL: tl.constexpr):
@@ -60,26 +75,20 @@ def _dense_gemv_kernel(x, sx, w, b, out, T, N, K, HAS_BIAS: tl.constexpr, DOT: t
     t = tl.arange(0, BLOCK_T)                                                     # [BT] token rows
     tm = t < T
     wrow = w + n.to(tl.int64) * K                                                 # [BN] row pointers
-    kk = tl.arange(0, BLOCK_K)
     if DOT:
+        kk = tl.arange(0, BLOCK_K)
         acc = tl.zeros((BLOCK_N, BLOCK_T), tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_T, BLOCK_N, BLOCK_K), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + kk
-        km = k < K
-        wv = tl.load(wrow[:, None] + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)      # [BN, BK]
-        xv = tl.load(x + t[:, None] * sx + k[None, :], mask=tm[:, None] & km[None, :], other=0.0)  # [BT, BK]
-        if DOT:
+        for k0 in range(0, K, BLOCK_K):
+            k = k0 + kk
+            km = k < K
+            wv = tl.load(wrow[:, None] + k[None, :], mask=nm[:, None] & km[None, :], other=0.0)      # [BN, BK]
+            xv = tl.load(x + t[:, None] * sx + k[None, :], mask=tm[:, None] & km[None, :], other=0.0)  # [BT, BK]
             if UPCAST:
                 wv, xv = wv.to(tl.float32), xv.to(tl.float32)
             acc = tl.dot(wv, tl.trans(xv), acc, input_precision=PRECISION)       # [BN, BT]
-        else:
-            acc += xv.to(tl.float32)[:, None, :] * wv.to(tl.float32)[None, :, :]
-    if DOT:
         y = tl.trans(acc)                                                         # [BT, BN]
     else:
-        y = tl.sum(acc, axis=2)
+        y = fma_rows(wrow, nm, x, sx, t, tm, K, BLOCK_T, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         y += tl.load(b + n, mask=nm, other=0.0).to(tl.float32)[None, :]
     tl.store(out + t[:, None] * N + n[None, :], _cast(y, out.dtype.element_ty, RNE_BITS),

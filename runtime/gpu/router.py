@@ -12,9 +12,9 @@ so the rounded logits, and with them ids and extra_logit, match exactly except w
 
 Kernel (grid cdiv(E + has_extra, BLOCK_E), a function of shapes only, so it can be captured in a CUDA graph):
   1. Program i takes weight rows [i BLOCK_E, (i + 1) BLOCK_E) (row E is `extra`) against all T token rows, so each
-     weight byte is read once (the weight is the traffic: E H elements; x is T H elements, served from L2). The
-     K loop over H accumulates x ⊙ w in an fp32 [BLOCK_T, BLOCK_E, BK] block and reduces it once at the end
-     (`launch_tiles` caps BK so that block fits in registers). Rows < E go to an fp32 scratch [T, E] (the values
+     weight byte is read once (the weight is the traffic: E H elements; x is T H elements, served from L2), with
+     `dense_gemv.fma_rows`: the K loop over H accumulates x ⊙ w in an fp32 [BLOCK_T, BLOCK_E, BK] block and reduces
+     it once at the end (`launch_tiles` caps BK so that block fits in registers). Rows < E go to an fp32 scratch [T, E] (the values
      already rounded to x.dtype), row E to extra_logit.
   2. Last block reduces (as `decode_attention._decode_kernel`): a CTA barrier orders the program's scratch stores
      before thread 0's acq_rel gpu-scope atomic increment of a counter; the program that reads n_programs - 1 sees
@@ -35,8 +35,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ft.runtime.gpu.pdl import pdl_args, pdl_wait
+from ft.runtime.gpu.dense_gemv import fma_rows
 from ft.runtime.gpu.fused_ops import _cast, _rne_bits, _softmax_topk
+from ft.runtime.gpu.pdl import pdl_args, pdl_wait
 from ft.runtime.layers.moe import route
 
 MAX_TOKENS = 16
@@ -67,15 +68,7 @@ def _router_kernel(x, sx, w, extra, scratch, extra_out, ids, wts, counter, T, E,
     r = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)                        # weight rows; row E: extra
     wrow = tl.where(r < E, w + r.to(tl.int64) * H, extra)                          # [BE] row pointers
     rm = r < E + HAS_EXTRA
-    kk = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_T, BLOCK_E, BLOCK_K), tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        k = k0 + kk
-        km = k < H
-        wv = tl.load(wrow[:, None] + k[None, :], mask=rm[:, None] & km[None, :], other=0.0)           # [BE, BK]
-        xv = tl.load(x + t[:, None] * sx + k[None, :], mask=tm[:, None] & km[None, :], other=0.0)     # [BT, BK]
-        acc += xv.to(tl.float32)[:, None, :] * wv.to(tl.float32)[None, :, :]
-    logit = _cast(tl.sum(acc, axis=2), dt, RNE_BITS)                              # [BT, BE]: F.linear's values
+    logit = _cast(fma_rows(wrow, rm, x, sx, t, tm, H, BLOCK_T, BLOCK_E, BLOCK_K), dt, RNE_BITS)  # [BT, BE] as F.linear
     tl.store(scratch + t[:, None] * E + r[None, :], logit.to(tl.float32), mask=tm[:, None] & (r < E)[None, :])
     if HAS_EXTRA:
         tl.store(extra_out + t[:, None] + 0 * r[None, :], logit, mask=tm[:, None] & (r == E)[None, :])
