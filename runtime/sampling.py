@@ -106,6 +106,7 @@ class RequestSampler:
             if prompt_ids:
                 self.seen[_to_device(prompt_ids, torch.long, device)] = True
             self.counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+            self._one = torch.ones(1, dtype=torch.float32, device=device)  # what `observe` adds to a count
 
     def observe(self, token_id: int | torch.Tensor) -> None:
         """Record one sampled output token: an int, or a one-element int64 tensor on the sampler's device (a token
@@ -113,7 +114,7 @@ class RequestSampler:
         if self.seen is not None:
             t = torch.as_tensor(token_id, device=self.seen.device).reshape(1)
             self.seen.index_fill_(0, t, True)
-            self.counts.index_add_(0, t, torch.ones(1, device=self.counts.device))
+            self.counts.index_add_(0, t, self._one)
 
     def apply_penalties(self, row: torch.Tensor) -> torch.Tensor:
         """row: [V] float32 logits -> penalized copy (or the same tensor when no penalty is on)."""
