@@ -38,11 +38,23 @@ GU_GRID = [dict(BLOCK_N_GU=n, BLOCK_K_GU=k, WARPS_GU=w)
            if not (w == 2 and (n == 16 or (n, k) == (8, 512))) and (n, k, w) != (16, 512, 4)]
 D_GRID = [dict(BLOCK_N_D=n, BLOCK_K_D=k, WARPS_D=w)
           for n, k, w in itertools.product((4, 8, 16), (256, 512), (2, 4, 8)) if not (w == 2 and n == 16)]
+MMA_GRID = [dict(BN_GU=gu, BN_D=d, BK=bk, num_warps=w, num_stages=st)
+            for (gu, d, w), bk, st in itertools.product(((32, 32, 2), (32, 64, 2), (64, 64, 4)), (128, 256), (2, 3, 4))]
 COMPONENTS = {kn: (kn, kn + "_scale", kn + "_scale_2") for kn in ("gate_up", "down")}  # bytes each kernel reads
 
 
 def _name(cfg: dict) -> str:
     return "-".join(f"{k.split('_')[1].lower()}{v}" if k.startswith("BLOCK") else f"w{v}" for k, v in cfg.items())
+
+
+def _mma_name(cfg: dict) -> str:
+    return "gu{BN_GU}-d{BN_D}-k{BK}-w{num_warps}-s{num_stages}".format(**cfg)
+
+
+def _mma_configs(which: str) -> list[dict]:
+    from ft.runtime.gpu.nvfp4_decode_mma import MMA_BLOCKS
+
+    return {"grid": MMA_GRID, "default": [dict(MMA_BLOCKS)], "none": []}[which]
 
 
 def _configs(which: str) -> tuple[dict, dict]:
@@ -80,10 +92,12 @@ def graph_us(fn, calls: int, reps: int = 20) -> float:
 
 
 def bench_rows(*, hidden=2048, inter=512, num_experts=256, top_k=8, tokens=(1, 2, 4, 8), layers=40, gu_configs=None,
-               down_configs=None, device="cuda", time_us=graph_us, hbm_gbs=None, seed=0, log=print) -> list[dict]:
+               down_configs=None, mma_configs=None, device="cuda", time_us=graph_us, hbm_gbs=None, seed=0,
+               log=print) -> list[dict]:
     """The benchmark's rows (module docstring). device "cpu" (interpreter, tiny shapes, `time_us` stubbed) only
     exercises this code in tests."""
     from ft.runtime.gpu import nvfp4_decode as nd
+    from ft.runtime.gpu.nvfp4_decode_mma import moe_nvfp4_mma
     from ft.runtime.gpu.moe_reference import moe_ref
     from ft.runtime.gpu.record_layout import RecordLayout
 
@@ -138,14 +152,18 @@ def bench_rows(*, hidden=2048, inter=512, num_experts=256, top_k=8, tokens=(1, 2
         calls = {"default": ({}, "tokens"), "pairs": ({}, "pairs")}
         if len(best) == 2:
             calls["best"] = ({**best["gate_up"][0], **best["down"][0]}, "tokens")
+        calls.update({"mma-" + _mma_name(c): (c, "mma") for c in (mma_configs or [])})
         for name, (cfg, combine) in calls.items():
             def call(li=0, cfg=cfg, combine=combine, x=x, ids=ids, w=w):
+                if combine == "mma":
+                    return moe_nvfp4_mma(pool, layout, x, ids[li], tables[li], w[li], blocks=cfg)
                 return nd.moe_nvfp4_device(pool, layout, x, ids[li], tables[li], w[li], blocks=cfg, combine=combine)
 
             def step(call=call):
                 for li in range(layers):
                     call(li)
-            r = {"kernel": "call", "config": name, "blocks": nd.decode_blocks(cfg), "combine": combine, **base}
+            r = {"kernel": "call", "config": name, "combine": combine, **base,
+                 "blocks": cfg if combine == "mma" else nd.decode_blocks(cfg)}
             try:
                 y = call()
                 us = time_us(step, layers)
@@ -257,6 +275,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="directory for bench_moe_decode.json (required unless --compile-only)")
     ap.add_argument("--tokens", default="1,2,4,8")
     ap.add_argument("--configs", default="grid", choices=("grid", "default"))
+    ap.add_argument("--mma", default="grid", choices=("grid", "default", "none"),
+                    help="tensor-core kernel configs (nvfp4_decode_mma) timed as whole calls")
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--inter", type=int, default=512)
     ap.add_argument("--experts", type=int, default=256)
@@ -276,7 +296,7 @@ def main(argv=None) -> int:
 
     rows = bench_rows(hidden=args.hidden, inter=args.inter, num_experts=args.experts, top_k=args.top_k,
                       tokens=tuple(int(t) for t in args.tokens.split(",")), layers=args.layers,
-                      gu_configs=gu, down_configs=dn)
+                      gu_configs=gu, down_configs=dn, mma_configs=_mma_configs(args.mma))
     hbm = rows[0]["gbs"]
     print(f"\nHBM read {hbm:.0f} GB/s. Best per T (us per MoE layer call; x{args.layers} layers = MoE per token):")
     for T in sorted({r["tokens"] for r in rows if "tokens" in r}):

@@ -5,7 +5,8 @@
 The runtime's own launchers are called with CPU tensors of the real shapes while Triton's active driver is a stand-in
 reporting a CUDA target and every `kernel[grid](...)` is a warmup (compile, no launch). So each kernel is built with
 the constexprs, specialization (16-byte alignment, divisibility) and launch options a real call on the GPU uses. The
-few constexprs that the launchers set for Triton's CPU interpreter (DOT_F32, RNE_BITS, BITS, INTERP) and PDL
+few constexprs that the launchers set for Triton's CPU interpreter (DOT_F32, RNE_BITS, BITS, INTERP, ASM, F32,
+ROUND_BF16) and PDL
 (`ft.runtime.gpu.pdl`, off without a GPU) are forced to their CUDA values. Prints one line per distinct compiled kernel: registers, stack (spill) bytes, shared memory, or
 the error; exits 1 if any kernel failed to build. Needs `ft` importable (the venv, or PYTHONPATH on a site dir that
 maps the namespace as tools/gpu_run.sh does) and Triton's CUDA backend (its ptxas and cuobjdump ship in the wheel).
@@ -30,7 +31,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-CUDA_VALUES = {"DOT_F32": False, "RNE_BITS": False, "BITS": False, "INTERP": False, "PDL": True}  # launch switches
+CUDA_VALUES = {"DOT_F32": False, "RNE_BITS": False, "BITS": False, "INTERP": False, "PDL": True, "ASM": True,
+               "F32": False, "ROUND_BF16": False}  # launch switches
 SMS = 132  # H200: the SM count decode attention's split count is derived from
 BF16, F32 = torch.bfloat16, torch.float32
 
@@ -207,6 +209,7 @@ def _pool(H, I, slots):
 def moe(g):
     from ft.runtime.gpu.gather import gather_missing
     from ft.runtime.gpu.nvfp4_decode import moe_nvfp4_device
+    from ft.runtime.gpu.nvfp4_decode_mma import moe_nvfp4_mma
     from ft.runtime.gpu.host_plan import moe_nvfp4
     from ft.runtime.gpu.nvfp4_triton import TILE_CONFIGS
     from ft.runtime.gpu.prefill_plan import moe_nvfp4_prefill
@@ -220,6 +223,9 @@ def moe(g):
         for combine in ("tokens", "pairs"):
             moe_nvfp4_device(pool, layout, x, ids, row, w, combine=combine)
         moe_nvfp4_device(pool, layout, x, ids, row, w, host_base=1 << 40, host_stride=layout.stride)
+        if T > 1:  # the tensor-core decode kernels (batch 3 and up), resident and mapped
+            moe_nvfp4_mma(pool, layout, x, ids, row, w, out_dtype=BF16)
+            moe_nvfp4_mma(pool, layout, x, ids, row, w, host_base=1 << 40, host_stride=layout.stride)
         if T * k <= 64:
             gather_missing(pool, layout, ids, row[None].clone(), 0, 1 << 40, layout.stride, E)
     for T in (512, 4096, 16384):  # the resident prefill (device plan), the tile config pick_blocks picks for T

@@ -8,7 +8,8 @@ A call takes this path (`uses_device_plan`) when
 Such a call counts calls / tokens / pairs only: hits, misses, per-layer counts and the routing trace need the routing
 on the host, so they stay untouched (in these modes every expert is a hit anyway). It advances the cache clock (a
 host integer), takes the layer's row of the device slot table (uploaded only when the host table changed; never after
-`allocate` in these modes) and runs the device-planned kernels of `nvfp4_decode.py`. No host sync, no `.cpu()`.
+`allocate` in these modes) and runs the device-planned kernels (`nvfp4_decode_mma.decode_kernel`: per-pair FMA
+kernels for 1-2 tokens, tensor-core kernels per distinct expert from 3). No host sync, no `.cpu()`.
 
 `device_kernel` (the kernel part alone) also serves host-planned decode calls of offloaded layers, after their
 admits: their routing went to the host for the cache anyway, but the GPU share needs no host-built plan.
@@ -111,25 +112,26 @@ def device_kernel(ex, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_
     what a resident one does, whatever slots the experts sit in."""
     row = ex.cache.device_table(ex.device).row(layer)
     if ex.device.type == "cuda" or ex.interpret:
-        from .nvfp4_decode import moe_nvfp4_device
+        from .nvfp4_decode_mma import decode_kernel
 
-        if getattr(ex, "_device_plan_checked", False):
+        kernel = decode_kernel(x.shape[0])
+        if kernel in getattr(ex, "_checked_kernels", ()):
             # the interpreter's bf16 store truncates instead of rounding: fp32 off CUDA
             out_dtype = x.dtype if ex.device.type == "cuda" and not exact else torch.float32
-            return moe_nvfp4_device(ex.pool, ex.layout, x, topk_ids, row, topk_weights, out_dtype=out_dtype)
-        return _first_call(ex, x, topk_ids, row, topk_weights, moe_nvfp4_device)
+            return kernel(ex.pool, ex.layout, x, topk_ids, row, topk_weights, out_dtype=out_dtype)
+        return _first_call(ex, x, topk_ids, row, topk_weights, kernel)
     return moe_device_ref(ex.pool, ex.layout, x, topk_ids, row, topk_weights)
 
 
 def _first_call(ex, x, topk_ids, row, topk_weights, kernel) -> torch.Tensor:
-    """First device-planned decode call of a process: `_checked` against the host-planned kernel. A kernel that fails
-    to build or disagrees turns the path off for this `GpuExperts`: a correct slower decode beats a wrong fast one on
-    a GPU/Triton combination the tests have not seen."""
+    """First device-planned decode call of a process with this kernel: `_checked` against the host-planned kernel. A
+    kernel that fails to build or disagrees turns the path off for this `GpuExperts`: a correct slower decode beats a
+    wrong fast one on a GPU/Triton combination the tests have not seen."""
     got, want = _checked(ex, x, topk_ids, row, topk_weights, kernel, "decode")
     if got is None:
         ex.device_plan = False
         return want
-    ex._device_plan_checked = True
+    ex._checked_kernels = getattr(ex, "_checked_kernels", set()) | {kernel}
     return got
 
 

@@ -198,10 +198,10 @@ class MappedDecode:
             copied = (pair_slot < 0).to(torch.int32)
             if ex.device.type != "cuda":
                 return _bank_reference(ex, bank, x, topk_ids, topk_weights), pair_slot, copied
-            from .nvfp4_decode import moe_nvfp4_device
+            from .nvfp4_decode_mma import decode_kernel
 
-            y = moe_nvfp4_device(ex.pool, ex.layout, x, topk_ids, row, topk_weights, host_base=self.base[layer],
-                                 host_stride=bank.stride)
+            y = decode_kernel(x.shape[0])(ex.pool, ex.layout, x, topk_ids, row, topk_weights,
+                                          host_base=self.base[layer], host_stride=bank.stride)
             return self._check(y, bank, x, topk_ids, topk_weights), pair_slot, copied
         if ex.device.type != "cuda" and not ex.interpret:  # CPU emulation: plan and copy in PyTorch
             from .gather import plan_reference

@@ -261,7 +261,7 @@ def test_first_call_keeps_a_correct_kernel(reader):
     layer, x, ids, w = next(_calls((2,), seed=12))
     row = new.cache.device_table(new.device).row(layer)
     y = device_path._first_call(new, x, ids, row, w, device_path.moe_device_ref)
-    assert new.device_plan and new._device_plan_checked
+    assert new.device_plan and device_path.moe_device_ref in new._checked_kernels
     assert torch.equal(y, device_path.moe_device_ref(new.pool, new.layout, x, ids, row, w))
     new.close()
 
