@@ -95,12 +95,15 @@ def prefill(model, tokens: int, repeat: int = 2) -> dict:
 
 
 def replay_ms(model, size: int, reps: int = 20) -> float | None:
-    """GPU time of one replay of the batch-`size` decode graph (CUDA events; its rows all padding): a decode step adds
-    the sampling kernels, the token copies and any gaps to this."""
+    """GPU time of one replay of the batch-`size` decode graph (CUDA events; its rows padding rows on the scratch
+    state, each with its own random token so that rows route to different experts as a real batch's do): a decode
+    step adds the sampling kernels, the token copies and any gaps to this."""
     g = model.graphs._graphs.get(size) if model.graphs is not None else None
     if g is None or g.graph is None:
         return None
     g.load(torch.zeros(0, dtype=torch.int64), [])  # all rows on the scratch state: never a freed sequence's buffers
+    rng = torch.Generator().manual_seed(size)
+    g.ids.copy_(torch.randint(1, model.config.vocab_size, (g.ids.shape[0],), generator=rng))
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     g.graph.replay()
     start.record()

@@ -40,8 +40,9 @@ from .record_layout import RecordLayout
 # From this many tokens a decode call runs here; below, `nvfp4_decode`'s per-pair FMA kernels are faster (one token
 # has no expert to share, and its ~8 experts leave most of the GPU idle either way). tools/bench_moe_decode.py, H200.
 MMA_MIN_TOKENS = 3
-# BN output rows per program (gate_up: BN gate + BN up rows), BK K columns per step, warps, pipeline stages
-MMA_BLOCKS = {"BN_GU": 32, "BN_D": 32, "BK": 256, "num_warps": 4, "num_stages": 2}
+# BN output rows per program (gate_up: BN gate + BN up rows), BK K columns per step, warps, pipeline stages: the
+# fastest at T = 4 and 8 of tools/bench_moe_decode.py's sweep on an H200 (benchmarks/gpu_full.md)
+MMA_BLOCKS = {"BN_GU": 32, "BN_D": 64, "BK": 256, "num_warps": 2, "num_stages": 3}
 
 # 4 code bytes ($4) and their 4 bf16 multipliers ($5: bytes 0, 1; $6: bytes 2, 3) -> even columns ($0: bytes 0, 1;
 # $1: bytes 2, 3) and odd columns ($2, $3), two bf16 per register (element 2r in the low half)
