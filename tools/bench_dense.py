@@ -34,12 +34,12 @@ from gpu_timing import graph_us, hbm_read_gbs
 SHAPES = [("qkv_proj geom", 5120, 2048), ("o_proj geom", 2048, 4096), ("router", 256, 2048),
           ("in_proj_qkvz", 12288, 2048), ("in_proj_ba", 64, 2048), ("out_proj", 2048, 4096),
           ("qkv_proj 3.6 gated", 9216, 2048), ("o_proj 3.6", 2048, 4096), ("shared gate_up", 1024, 2048),
-          ("shared down", 2048, 512)]
+          ("shared down", 2048, 512), ("lm_head geom", 151936, 2048), ("lm_head 3.6", 248320, 2048)]
 L2_BYTES = 128 << 20  # weight copies per shape: at least this many bytes, so every call reads HBM
 TOKENS = (1, 8)  # default --tokens
 # dense_gemv tiles swept (each over the default entry for T; FMA BLOCK_K is capped by acc_elems, see launch_tiles)
 SWEEP = ([{"DOT": False, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "acc_elems": acc, "num_stages": 2}
-          for bn, bk, nw, acc in itertools.product((1, 2, 4, 8, 16), (512, 2048), (4, 8), (8192, 16384))]
+          for bn, bk, nw, acc in itertools.product((1, 2, 4, 8, 16), (512, 2048), (2, 4, 8), (8192, 16384))]
          + [{"DOT": True, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns}     # num_warps 0: TILES'
             for bn, bk, nw, ns in itertools.product((8, 16, 32, 64), (128, 256, 512), (0, 4), (3, 4))])
 

@@ -38,8 +38,11 @@ GU_GRID = [dict(BLOCK_N_GU=n, BLOCK_K_GU=k, WARPS_GU=w)
            if not (w == 2 and (n == 16 or (n, k) == (8, 512))) and (n, k, w) != (16, 512, 4)]
 D_GRID = [dict(BLOCK_N_D=n, BLOCK_K_D=k, WARPS_D=w)
           for n, k, w in itertools.product((4, 8, 16), (256, 512), (2, 4, 8)) if not (w == 2 and n == 16)]
-MMA_GRID = [dict(BN_GU=gu, BN_D=d, BK=bk, num_warps=w, num_stages=st)
-            for (gu, d, w), bk, st in itertools.product(((32, 32, 2), (32, 64, 2), (64, 64, 4)), (128, 256), (2, 3, 4))]
+# tensor-core kernel: each kernel's tiles swept with the other kernel's left at MMA_BLOCKS (one at a time)
+MMA_GU = [dict(BN_GU=n, BK_GU=k, WARPS_GU=w, STAGES_GU=s)
+          for n, k, w, s in itertools.product((16, 32, 64), (128, 256, 512), (2, 4), (2, 3, 4))]
+MMA_D = [dict(BN_D=n, BK_D=k, WARPS_D=w, STAGES_D=s)
+         for n, k, w, s in itertools.product((32, 64, 128), (64, 128, 256, 512), (2, 4), (2, 3))]
 COMPONENTS = {kn: (kn, kn + "_scale", kn + "_scale_2") for kn in ("gate_up", "down")}  # bytes each kernel reads
 
 
@@ -48,13 +51,14 @@ def _name(cfg: dict) -> str:
 
 
 def _mma_name(cfg: dict) -> str:
-    return "gu{BN_GU}-d{BN_D}-k{BK}-w{num_warps}-s{num_stages}".format(**cfg)
+    return "gu{BN_GU}k{BK_GU}w{WARPS_GU}s{STAGES_GU}-d{BN_D}k{BK_D}w{WARPS_D}s{STAGES_D}".format(**cfg)
 
 
 def _mma_configs(which: str) -> list[dict]:
     from ft.runtime.gpu.nvfp4_decode_mma import MMA_BLOCKS
 
-    return {"grid": MMA_GRID, "default": [dict(MMA_BLOCKS)], "none": []}[which]
+    grid = [dict(MMA_BLOCKS)] + [c for c in ({**MMA_BLOCKS, **v} for v in MMA_GU + MMA_D) if c != MMA_BLOCKS]
+    return {"grid": list({_mma_name(c): c for c in grid}.values()), "default": [dict(MMA_BLOCKS)], "none": []}[which]
 
 
 def _configs(which: str) -> tuple[dict, dict]:

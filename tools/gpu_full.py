@@ -10,7 +10,7 @@ Stages (run in the order given):
   models   per model: synth (NVFP4, full size) -> ft checkpoint -> load resident (CUDA graphs for batch 1..8) ->
            decode batch 1 at a short and an 8k context, batch 4 and 8 aggregate, prefill of 512 / 4k / 16k tokens
            (4k chunks); graphed vs eager greedy tokens, fused kernels vs the PyTorch reference ops (max |dlogit|,
-           also with the reference's routing forced on the fused path); where a step's host time goes; with
+           also with the reference's routing forced on the fused path); where an engine step's time goes; with
            --budgets, the default scheduler at each VRAM budget (decode, prefill 4k, peak device memory)
 Each decode row carries its bound: bytes read per token (dense weights, routed experts' records, KV or DeltaNet state)
 over the HBM read rate measured in the same run, and the ratio to llama.cpp's number for the same placement
@@ -151,7 +151,7 @@ def main() -> None:
                                                         llama=LLAMA_CPP if preset == "qwen3moe-35b-geom" else None,
                                                         deadline=T0 + args.deadline_s,
                                                         budgets=tuple(float(b) for b in args.budgets.split(",") if b),
-                                                        resident=not args.skip_resident)
+                                                        resident=not args.skip_resident, traces=args.out)
                 except Exception:  # noqa: BLE001 - the next model and stage still run
                     res["models"][preset] = {"error": traceback.format_exc()[-3000:]}
                     log(f"{preset} failed:\n{res['models'][preset]['error']}")

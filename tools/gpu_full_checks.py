@@ -1,5 +1,5 @@
 """The checks of tools/gpu_full.py on a loaded full-size model: agreement of the GPU paths, and where a decode step's
-time goes (CUDA time per kernel; host time per call around a graph replay).
+time goes (CUDA time per kernel; per engine step, the GPU's busy and idle time and the host's time per function).
 
 Shared with gpu_full_models.py: the seeded random token ids and the chunked prefill.
 """
@@ -7,13 +7,18 @@ Shared with gpu_full_models.py: the seeded random token ids and the chunked pref
 from __future__ import annotations
 
 import cProfile
+import gzip
+import json
 import pstats
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from ft.runtime.layers import moe
 from ft.runtime.model import Segment
+from ft.runtime.sampling import SamplingParams
 
 CHUNK = 4096
 GEN = torch.Generator().manual_seed(0)
@@ -146,41 +151,69 @@ def _top(prof, per: int, n: int = 25) -> dict:
                                            for k, us, c in rows[:n]]}
 
 
-def host_profile(model, *, steps: int = 40, context: int = 32) -> dict:
-    """Where a graphed batch-1 decode step's host time goes, as the benchmark's step runs it (forward, argmax, ids
-    back): wall time per step; CPU time per call of the CUDA runtime and aten ops (torch.profiler, self CPU time per
-    step); Python time per function (cProfile, tottime per step)."""
+def engine_profile(eng, batch: int, *, steps: int = 24, trace: Path | None = None) -> dict:
+    """Where a decode step's time goes with `batch` greedy requests through the engine, as `ft serve` runs them
+    (steps in flight): wall ms per step; the GPU's busy ms per step (the union of kernel and copy intervals of a
+    torch.profiler trace; a replayed graph's kernels appear one by one) and its idle gaps; host Python time per step
+    by function (cProfile tottime: the blocking calls are the waits on the GPU, the rest is host work that must fit
+    inside the GPU's time). `trace`: where the chrome trace is kept (gzipped)."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    V = model.config.vocab_size
-    st = model.new_state(context + 3 * steps + 8)
-    tok = [int(prefill(model, st, ids(context, V))[-1].argmax())]
+    V = eng.config.vocab_size
+    params = SamplingParams(max_tokens=4 * steps + batch + 16, temperature=0, ignore_eos=True)
+    names = [f"profile{i}" for i in range(batch)]
+    for name in names:
+        eng.add_request(name, ids(32, V), params)
+    for _ in range(batch + 4):  # prefills, then steps in flight
+        eng.step()
 
-    def step() -> None:
-        logits = model.forward(torch.tensor(tok), [Segment(st, 1)])
-        tok[:] = torch.cat([lg[-1:] for lg in logits]).argmax(-1).tolist()
-
-    for _ in range(3):
-        step()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(steps):
-        step()
-    wall = (time.perf_counter() - t) / steps
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    def run() -> float:
+        torch.cuda.synchronize()
+        t = time.perf_counter()
         for _ in range(steps):
-            step()
-    cpu = sorted(((e.key, e.self_cpu_time_total / steps, e.count / steps) for e in prof.key_averages()
-                  if e.self_cpu_time_total > 0), key=lambda r: -r[1])
+            eng.step()
+        return (time.perf_counter() - t) / steps
+
+    wall = run()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        traced = run()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())["traceEvents"]
+        if trace is not None:
+            trace.parent.mkdir(parents=True, exist_ok=True)
+            with gzip.open(trace, "wb") as f:
+                f.write(path.read_bytes())
+    busy, gaps = _busy([(e["ts"], e["ts"] + e.get("dur", 0)) for e in events
+                        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")])
     prof_py = cProfile.Profile()
-    prof_py.runcall(lambda: [step() for _ in range(steps)])
+    prof_py.runcall(run)
     stats = pstats.Stats(prof_py)
     py = sorted(((f"{fn[0].rsplit('/', 1)[-1]}:{fn[1]}({fn[2]})", v[2] / steps * 1e6, v[0] / steps)
                  for fn, v in stats.stats.items()), key=lambda r: -r[1])
-    st.free()
-    return {"wall_us_per_step": wall * 1e6,
-            "cpu_self_us_per_step": [{"name": k[:80], "us": round(us, 1), "calls": round(c, 1)}
-                                     for k, us, c in cpu[:20]],
+    for name in names:
+        eng.abort(name)
+    while eng.has_unfinished():
+        eng.step()
+    return {"batch": batch, "wall_us_per_step": round(wall * 1e6, 1), "traced_us_per_step": round(traced * 1e6, 1),
+            "gpu_busy_us_per_step": round(busy / steps, 1), "gpu_gaps_over_5us_per_step": len(gaps) / steps,
+            "gpu_gaps_us_per_step": round(sum(gaps) / steps, 1), "largest_gaps_us": sorted(gaps)[-8:],
             "python_tottime_us_per_step": [{"fn": k[:80], "us": round(us, 1), "calls": round(c, 1)}
-                                           for k, us, c in py[:20]]}
+                                           for k, us, c in py[:25]]}
+
+
+def _busy(intervals: list[tuple[float, float]]) -> tuple[float, list[float]]:
+    """Union length of [start, end) intervals (us) and the gaps > 5 us between them, first start to last end."""
+    busy, gaps, end = 0.0, [], None
+    for a, b in sorted(intervals):
+        if end is None or a > end:
+            if end is not None and a - end > 5:
+                gaps.append(round(a - end, 1))
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    return busy, gaps

@@ -13,40 +13,48 @@ from __future__ import annotations
 import gc
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
 from ft.runtime.engine import Engine, EngineSettings, SamplingParams
 from ft.runtime.gpu.offload_config import OffloadConfig
-from gpu_full_checks import CHUNK, agreement, host_profile, profile
+from gpu_full_checks import CHUNK, agreement, engine_profile, profile
 from gpu_full_checks import ids as _ids
 from gpu_full_checks import prefill as _prefill
 
 
 def decode(eng: Engine, batch: int, context: int, steps: int, warmup: int = 3) -> dict:
     """B requests with `context` prompt tokens each, decoded greedily through the engine as `ft serve` runs them
-    (steps in flight: each `step` call launches the next decode step, then lands the previous one's tokens); the
-    median call that landed B tokens is the step time."""
+    (steps in flight: each `step` call launches the next decode step, then lands the previous one's tokens). The step
+    time is the wall time from the call that lands every request's token `warmup` to the one that lands token
+    `warmup + steps`, over the steps between: throughput as a client sees it, host work included (one call's own
+    time depends on where the step in flight is, so calls are not timed one by one)."""
     V = eng.config.vocab_size
-    params = SamplingParams(max_tokens=warmup + steps + 2, temperature=0, ignore_eos=True)
-    for i in range(batch):
-        eng.add_request(f"b{i}", _ids(context, V), params)
-    out: dict[str, list[int]] = {}
-    times = []
+    params = SamplingParams(max_tokens=warmup + steps + 8, temperature=0, ignore_eos=True)
+    names = [f"b{i}" for i in range(batch)]
+    for name in names:
+        eng.add_request(name, _ids(context, V), params)
+    out: dict[str, list[int]] = {name: [] for name in names}
+    start = end = None
+    while eng.has_unfinished() and end is None:
+        for ev in eng.step():
+            if ev.token_id is not None:
+                out[ev.request_id].append(ev.token_id)
+        done = min(len(v) for v in out.values())
+        if start is None and done >= warmup:
+            start, first = time.perf_counter(), done
+        elif start is not None and done >= warmup + steps:
+            end, last = time.perf_counter(), done
+    for name in names:
+        eng.abort(name)
     while eng.has_unfinished():
-        t = time.perf_counter()
-        events = eng.step()
-        dt = time.perf_counter() - t
-        landed = [ev for ev in events if ev.token_id is not None]
-        for ev in landed:
-            out.setdefault(ev.request_id, []).append(ev.token_id)
-        if len(landed) == batch and min(len(v) for v in out.values()) > warmup and all(
-                ev.finish_reason is None for ev in landed):
-            times.append(dt)
-    step = sorted(times)[len(times) // 2]
-    return {"batch": batch, "context": context, "steps": len(times), "median_step_ms": 1e3 * step,
-            "mean_step_ms": 1e3 * sum(times) / len(times), "tok_s": batch / step,
-            "tokens": [out[f"b{i}"][warmup:warmup + 8] for i in range(batch)]}
+        eng.step()
+    if end is None:
+        raise RuntimeError(f"decode B={batch}: the requests ended before {warmup + steps} tokens")
+    step = (end - start) / (last - first)
+    return {"batch": batch, "context": context, "steps": last - first, "step_ms": 1e3 * step, "tok_s": batch / step,
+            "tokens": [out[name][warmup:warmup + 8] for name in names]}
 
 
 def pdl_ab(eng: Engine) -> dict:
@@ -177,9 +185,11 @@ def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64) -
 
 
 def bench_model(ftw, preset: str, *, hbm_gbs: float, log, llama: dict | None, deadline: float,
-                budgets: tuple[float, ...] = (), resident: bool = True) -> dict:
-    """The resident rows (unless `resident` is off), then each VRAM budget in its own engine (`bench_budget`)."""
-    res = bench_resident(ftw, preset, hbm_gbs=hbm_gbs, log=log, llama=llama, deadline=deadline) if resident else {}
+                budgets: tuple[float, ...] = (), resident: bool = True, traces: Path | None = None) -> dict:
+    """The resident rows (unless `resident` is off), then each VRAM budget in its own engine (`bench_budget`).
+    `traces`: where the engine profiles' chrome traces go."""
+    res = bench_resident(ftw, preset, hbm_gbs=hbm_gbs, log=log, llama=llama, deadline=deadline,
+                         traces=traces) if resident else {}
     res["budgets"] = []
     for gib in budgets:
         if time.perf_counter() > deadline - 90:
@@ -192,7 +202,8 @@ def bench_model(ftw, preset: str, *, hbm_gbs: float, log, llama: dict | None, de
     return res
 
 
-def bench_resident(ftw, preset: str, *, hbm_gbs: float, log, llama: dict | None, deadline: float) -> dict:
+def bench_resident(ftw, preset: str, *, hbm_gbs: float, log, llama: dict | None, deadline: float,
+                   traces: Path | None = None) -> dict:
     t = time.perf_counter()
     eng = _engine(ftw, offload=OffloadConfig(mode="resident", prefetch=False))
     model, ex = eng.model, eng._experts
@@ -212,13 +223,13 @@ def bench_resident(ftw, preset: str, *, hbm_gbs: float, log, llama: dict | None,
         b = step_bytes(model, ex, batch, context)
         r["bytes_per_step"] = b
         r["bound_ms"] = 1e3 * b["total"] / (hbm_gbs * 1e9)
-        r["of_bound"] = r["bound_ms"] / r["median_step_ms"]
+        r["of_bound"] = r["bound_ms"] / r["step_ms"]
         if llama and batch == 1 and context <= 512:
             r["vs_llama_cpp"] = r["tok_s"] / llama["decode_b1"]
         tokens = r.pop("tokens")
         r["first_tokens"] = tokens[:4]
         rows.append(r)
-        log(f"{preset}: decode B={batch} ctx={context}: {r['tok_s']:.1f} tok/s ({r['median_step_ms']:.2f} ms/step, "
+        log(f"{preset}: decode B={batch} ctx={context}: {r['tok_s']:.1f} tok/s ({r['step_ms']:.2f} ms/step, "
             f"bound {r['bound_ms']:.2f} ms, {r['of_bound']:.2f} of it"
             + (f", {r['vs_llama_cpp']:.2f}x llama.cpp" if "vs_llama_cpp" in r else "") + ")")
     res["decode"] = rows
@@ -247,12 +258,16 @@ def bench_resident(ftw, preset: str, *, hbm_gbs: float, log, llama: dict | None,
             (f" ({r['vs_llama_cpp']:.2f}x llama.cpp)" if "vs_llama_cpp" in r else ""))
     res["prefill"] = pre
     if time.perf_counter() < deadline - 45:
-        try:
-            res["host_profile"] = host_profile(model)
-            log(f"{preset}: host profile {res['host_profile']['wall_us_per_step']:.0f} us/step: " + ", ".join(
-                f"{k['name'][:30]} {k['us']:.0f}" for k in res["host_profile"]["cpu_self_us_per_step"][:8]))
-        except Exception:  # noqa: BLE001
-            res["host_profile"] = {"error": traceback.format_exc()[-2000:]}
+        res["engine_profile"] = []
+        for batch in (1, 8):
+            try:
+                r = engine_profile(eng, batch, trace=traces and traces / f"trace_{preset}_b{batch}.json.gz")
+                log(f"{preset}: engine step B={batch}: {r['wall_us_per_step']:.0f} us wall, GPU busy "
+                    f"{r['gpu_busy_us_per_step']:.0f} us, idle gaps {r['gpu_gaps_us_per_step']:.0f} us; host: " +
+                    ", ".join(f"{k['fn'][-40:]} {k['us']:.0f}" for k in r["python_tottime_us_per_step"][:8]))
+            except Exception:  # noqa: BLE001
+                r = {"batch": batch, "error": traceback.format_exc()[-2000:]}
+            res["engine_profile"].append(r)
         try:
             res["profile"] = profile(model)
             top = res["profile"]["decode_us_per_step"]

@@ -13,18 +13,21 @@ and no allocation but the output, so it can be captured in a CUDA graph):
   one round of loads for N = 64), and a weight too small to fill PROGRAMS programs (N < 2112 under DOT) is <= 4 MB,
   whose time is the launch and a few HBM latencies; split-K's zeroed fp32 buffer or counter, atomics and separate
   cast would add about as much as it hides. x is re-read from L2 by every program: T / BLOCK_N of the weight bytes.
-Two inner products, chosen per T by `TILES` (constexpr DOT):
-  * FMA (small T): an fp32 [BLOCK_T, BLOCK_N, BLOCK_K] accumulator of x ⊙ w, reduced over K once at the end (as
+Two inner products, chosen by T and N (`TILES`, from tools/bench_dense.py's sweep on the H200):
+  * FMA: an fp32 [BLOCK_T, BLOCK_N, BLOCK_K] accumulator of x ⊙ w, reduced over K once at the end (as
     `router._router_kernel`); acc_elems caps it (BLOCK_K shrinks as T or BLOCK_N grow). T FMAs per weight element.
-  * DOT (larger T: the FMA accumulator grows with T and T fp32 FMAs per weight element near the fp32 peak at HBM
-    speed): tl.dot of the weight tile [BLOCK_N, BLOCK_K] with xᵀ [BLOCK_K, BLOCK_T] on the tensor cores, fp32
-    accumulation, tiles pipelined through shared memory; fp32 inputs use input_precision "ieee" (no TF32).
+    Wins where the weight is small (T <= 2: N < 8192; larger T: N <= 256): many small programs, no pipeline to fill.
+  * DOT (larger T, or a large N: the FMA accumulator grows with T, and plain loads are not pipelined): tl.dot of the
+    weight tile [BLOCK_N, BLOCK_K] with xᵀ [BLOCK_K, BLOCK_T] on the tensor cores, fp32 accumulation, tiles
+    cp.async-pipelined through shared memory; fp32 inputs use input_precision "ieee" (no TF32).
     Triton's interpreter multiplies bf16 dot operands as raw bits, so there (UPCAST) the tiles go to fp32 first:
     bf16 / fp16 products are exact in fp32 either way.
-BLOCK_N: the largest power of two in [min_block_n, max_block_n] that leaves >= PROGRAMS (2 per SM of an H200)
-programs, else min_block_n. Invariants: weight [N, K] contiguous in x's dtype, bias [N] contiguous; x [T, K] with a
+Block sizes (`launch_tiles`): FMA BLOCK_N = rows_x_tokens / BLOCK_T (at least 1), so the accumulator stays small;
+DOT BLOCK_N the largest power of two in [min_block_n, max_block_n] that leaves >= PROGRAMS (2 per SM of an H200)
+programs, else min_block_n, and BLOCK_K = tile_elems / BLOCK_N but at most a min_k_steps-th of K (a pipeline of at
+least that many K steps). Invariants: weight [N, K] contiguous in x's dtype, bias [N] contiguous; x [T, K] with a
 unit last stride (rows may be strided; otherwise it is copied). Under the interpreter (CPU tensors, tests) the bf16
-rounding is done on the bits (`fused_ops._cast`). Tiles: `TILES`, swept by tools/bench_dense.py.
+rounding is done on the bits (`fused_ops._cast`).
 """
 
 from __future__ import annotations
@@ -38,16 +41,14 @@ from ft.runtime.gpu.pdl import pdl_args, pdl_wait
 
 MAX_TOKENS = 16
 PROGRAMS = 264  # 2 x the H200's 132 SMs: enough programs that every SM streams weight rows
-# Per token count, the first "tokens" entry whose key is >= T. FMA holds an fp32 accumulator of BLOCK_T times the
-# weight tile in registers, which bounds the bytes a program has in flight (no pipelining of plain loads); so FMA
-# only up to T = 2, and the tensor cores (cp.async-pipelined tiles in shared memory) above. FMA's BLOCK_K is an
-# upper bound (acc_elems). DOT num_warps 0: BLOCK_N / 16 warps, at least 1, at most 4 (the MMA gives each warp 16
-# weight rows; more warps than that would each compute the whole tile).
-TILES = {"tokens": {2: {"DOT": False, "min_block_n": 1, "max_block_n": 16, "BLOCK_K": 2048, "num_warps": 4,
-                        "num_stages": 2},
-                    MAX_TOKENS: {"DOT": True, "min_block_n": 8, "max_block_n": 64, "BLOCK_K": 256, "num_warps": 0,
-                                 "num_stages": 4}},
-         "acc_elems": 8192}
+# dot_from_n: per token count (the first key >= T), the N from which DOT runs. DOT num_warps 1: one warp per 16
+# weight rows of the MMA, and BLOCK_N <= 16. Swept by tools/bench_dense.py (H200, T = 1 and 8, the projections of
+# both target models and their LM heads): e.g. T = 1 in_proj_qkvz [12288, 2048] 16.6 -> 14.6 us, the Qwen3.6 LM head
+# [248320, 2048] 250 -> 227 us (98 % of the HBM read rate), qkv_proj [5120, 2048] 8.5 -> 7.9 us.
+TILES = {"dot_from_n": {2: 8192, MAX_TOKENS: 257},
+         "fma": {"rows_x_tokens": 4, "BLOCK_K": 2048, "num_warps": 4, "num_stages": 2, "acc_elems": 16384},
+         "dot": {"min_block_n": 8, "max_block_n": 16, "tile_elems": 2048, "min_k_steps": 4, "num_warps": 1,
+                 "num_stages": 4}}
 
 
 @triton.jit
@@ -96,27 +97,29 @@ def _dense_gemv_kernel(x, sx, w, b, out, T, N, K, HAS_BIAS: tl.constexpr, DOT: t
 
 
 def launch_tiles(N: int, K: int, T: int, tiles: dict | None = None) -> dict:
-    """{DOT, BLOCK_T, BLOCK_N, BLOCK_K, num_warps, num_stages} as launched for x [T, K] · [N, K]ᵀ: TILES' entry for T
-    with `tiles` over it (a BLOCK_N there is taken as is). BLOCK_N per the module docstring (DOT: at least 8, the
-    MMA pads rows to 16); BLOCK_T next_power_of_2(T), at least 8 under DOT; BLOCK_K at least 16 and at most
-    next_power_of_2(K), for FMA also at most acc_elems / (BLOCK_T BLOCK_N); num_warps 0: per TILES' comment under
-    DOT, 4 for FMA."""
-    base = next(v for n, v in sorted(TILES["tokens"].items()) if T <= n)
-    t = {**base, "acc_elems": TILES["acc_elems"], **(tiles or {})}
-    dot = bool(t["DOT"])
-    lo, hi = (max(8, t["min_block_n"]), max(8, t["max_block_n"])) if dot else (t["min_block_n"], t["max_block_n"])
-    block_n = t.get("BLOCK_N")
-    if block_n is None:
-        block_n = hi
-        while block_n > lo and triton.cdiv(N, block_n) < PROGRAMS:
-            block_n //= 2
-    block_t = max(8 if dot else 1, triton.next_power_of_2(T))
-    block_k = min(t["BLOCK_K"], triton.next_power_of_2(K))
-    if not dot:
-        block_k = min(block_k, max(16, t["acc_elems"] // (block_t * block_n)))
-    warps = t["num_warps"] or (max(1, min(4, block_n // 16)) if dot else 4)
-    return {"DOT": dot, "BLOCK_T": block_t, "BLOCK_N": block_n, "BLOCK_K": max(16, block_k), "num_warps": warps,
-            "num_stages": t["num_stages"]}
+    """{DOT, BLOCK_T, BLOCK_N, BLOCK_K, num_warps, num_stages} as launched for x [T, K] · [N, K]ᵀ (module docstring):
+    TILES' choice, with the entries of `tiles` over it (benchmark sweeps: DOT, BLOCK_N, BLOCK_K, num_warps,
+    num_stages, acc_elems; a num_warps of 0 keeps TILES'). BLOCK_K at least 16 and at most next_power_of_2(K)."""
+    over = tiles or {}
+    dot = bool(over.get("DOT", N >= next(n0 for t, n0 in sorted(TILES["dot_from_n"].items()) if T <= t)))
+    kp2 = triton.next_power_of_2(K)
+    if dot:
+        t = {**TILES["dot"], **over}
+        block_t = max(8, triton.next_power_of_2(T))  # the MMA's smallest N
+        block_n = t.get("BLOCK_N")
+        if block_n is None:
+            block_n = t["max_block_n"]
+            while block_n > t["min_block_n"] and triton.cdiv(N, block_n) < PROGRAMS:
+                block_n //= 2
+        block_k = t.get("BLOCK_K") or max(16, min(t["tile_elems"] // block_n, kp2 // t["min_k_steps"]))
+    else:
+        t = {**TILES["fma"], **over}
+        block_t = triton.next_power_of_2(T)
+        block_n = t.get("BLOCK_N") or max(1, t["rows_x_tokens"] // block_t)
+        block_k = min(t["BLOCK_K"], t["acc_elems"] // (block_t * block_n))
+    warps = t.get("num_warps") or TILES["dot" if dot else "fma"]["num_warps"]
+    return {"DOT": dot, "BLOCK_T": block_t, "BLOCK_N": block_n, "BLOCK_K": max(16, min(block_k, kp2)),
+            "num_warps": warps, "num_stages": t["num_stages"]}
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

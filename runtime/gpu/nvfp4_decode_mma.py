@@ -40,9 +40,11 @@ from .record_layout import RecordLayout
 # From this many tokens a decode call runs here; below, `nvfp4_decode`'s per-pair FMA kernels are faster (one token
 # has no expert to share, and its ~8 experts leave most of the GPU idle either way). tools/bench_moe_decode.py, H200.
 MMA_MIN_TOKENS = 3
-# BN output rows per program (gate_up: BN gate + BN up rows), BK K columns per step, warps, pipeline stages: the
-# fastest at T = 4 and 8 of tools/bench_moe_decode.py's sweep on an H200 (benchmarks/gpu_full.md)
-MMA_BLOCKS = {"BN_GU": 32, "BN_D": 64, "BK": 256, "num_warps": 2, "num_stages": 3}
+# Per kernel (_GU gate_up, _D down): BN output rows per program (gate_up: BN gate + BN up rows), BK K columns per
+# step, warps, pipeline stages: the fastest at T = 4 and 8 of tools/bench_moe_decode.py's sweep on an H200
+# (benchmarks/gpu_full.md)
+MMA_BLOCKS = {"BN_GU": 32, "BK_GU": 256, "WARPS_GU": 2, "STAGES_GU": 3,
+              "BN_D": 64, "BK_D": 256, "WARPS_D": 2, "STAGES_D": 3}
 
 # 4 code bytes ($4) and their 4 bf16 multipliers ($5: bytes 0, 1; $6: bytes 2, 3) -> even columns ($0: bytes 0, 1;
 # $1: bytes 2, 3) and odd columns ($2, $3), two bf16 per register (element 2r in the low half)
@@ -222,27 +224,29 @@ def moe_nvfp4_mma(
     (T, k), H, I = topk_ids.shape, layout.hidden, layout.inter
     if T == 0 or k == 0:
         return torch.zeros(T, H, dtype=out_dtype, device=x.device)
-    if b["BK"] < 32 or b["BK"] & (b["BK"] - 1):
-        raise ValueError(f"BK {b['BK']} must be a power of two >= 32")
-    bk = _fit_block_k(b["BK"], H, I)  # the largest power of two <= BK dividing both
-    if H % bk or I % bk:
+    for key in ("BK_GU", "BK_D"):
+        if b[key] < 32 or b[key] & (b[key] - 1):
+            raise ValueError(f"{key} {b[key]} must be a power of two >= 32")
+    if H % 32 or I % 32:
         raise ValueError(f"hidden {H} and inter {I} must be multiples of 32")
     if host_base % 16 or (host_base and host_stride % 16):
         raise ValueError(f"host_base {host_base:#x} and host_stride {host_stride} must be 16-byte aligned")
     asm = x.device.type == "cuda"  # only the interpreter runs kernels on CPU tensors
     xb = x.to(torch.bfloat16).contiguous()
     ids, row = topk_ids.contiguous(), slot_row.contiguous()
-    common = dict(TP=max(2, triton.next_power_of_2(T)), KP=triton.next_power_of_2(k), BK=bk, ASM=asm, F32=not asm,
-                  MAPPED=host_base != 0, num_warps=b["num_warps"], num_stages=b["num_stages"], **pdl_args(x.device))
+    common = dict(TP=max(2, triton.next_power_of_2(T)), KP=triton.next_power_of_2(k), ASM=asm, F32=not asm,
+                  MAPPED=host_base != 0, **pdl_args(x.device))
     host = (host_base, host_stride if host_base else 0)
     act = torch.empty(T * k, I, dtype=torch.bfloat16, device=x.device)
     _gate_up_mma_kernel[(T * k, triton.cdiv(I, b["BN_GU"]))](
         pool, layout.stride, *host, xb, act, ids, row, T, k, H, I,
-        layout.off_gate_up, layout.off_gate_up_scale, layout.off_gate_up_scale_2, BN=b["BN_GU"], **common)
+        layout.off_gate_up, layout.off_gate_up_scale, layout.off_gate_up_scale_2, BN=b["BN_GU"],
+        BK=_fit_block_k(b["BK_GU"], H), num_warps=b["WARPS_GU"], num_stages=b["STAGES_GU"], **common)
     out = torch.empty(T * k, H, dtype=torch.float32, device=x.device)
     _down_mma_kernel[(T * k, triton.cdiv(H, b["BN_D"]))](
         pool, layout.stride, *host, act, out, topk_weights.reshape(-1).contiguous(), ids, row, T, k, H, I,
-        layout.off_down, layout.off_down_scale, layout.off_down_scale_2, BN=b["BN_D"], **common)
+        layout.off_down, layout.off_down_scale, layout.off_down_scale_2, BN=b["BN_D"],
+        BK=_fit_block_k(b["BK_D"], I), num_warps=b["WARPS_D"], num_stages=b["STAGES_D"], **common)
     total = torch.empty(T, H, dtype=out_dtype, device=x.device)
     _sum_pairs_kernel[(T, triton.cdiv(H, 1024))](out, total, H, k, triton.next_power_of_2(k), BH=1024,
                                                   ROUND_BF16=not asm and out_dtype == torch.bfloat16,

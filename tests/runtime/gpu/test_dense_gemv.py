@@ -110,21 +110,28 @@ def test_strided_rows_tiles_and_bounds():
 
 
 def test_launch_tiles():
+    dot, fma = dg.TILES["dot"], dg.TILES["fma"]
     for T in (1, 2, 3, 8, 16):
         for N in (1, 64, 256, 1024, 2048, 5120, 12352, 151936):
-            t = dg.launch_tiles(N, 2048, T)
-            base = next(v for n, v in sorted(dg.TILES["tokens"].items()) if T <= n)
-            lo = max(8, base["min_block_n"]) if t["DOT"] else base["min_block_n"]
-            bn = t["BLOCK_N"]
-            assert bn & (bn - 1) == 0 and lo <= bn and (triton.cdiv(N, bn) >= dg.PROGRAMS or bn == lo), (T, N, t)
-            assert t["BLOCK_T"] >= T and (not t["DOT"] or t["BLOCK_T"] >= 8)
-            if t["DOT"]:
-                assert t["num_warps"] == max(1, min(4, bn // 16)), t      # one warp per 16 rows (TILES' comment)
-            else:
-                assert t["BLOCK_T"] * bn * t["BLOCK_K"] <= dg.TILES["acc_elems"]
-    assert dg.launch_tiles(2048, 2048, 1)["BLOCK_N"] == 4 and not dg.launch_tiles(2048, 2048, 1)["DOT"]
-    assert dg.launch_tiles(2048, 2048, 8)["DOT"] and dg.launch_tiles(12352, 2048, 8)["BLOCK_N"] == 32
+            for K in (512, 2048, 4096):
+                t = dg.launch_tiles(N, K, T)
+                bn, bk = t["BLOCK_N"], t["BLOCK_K"]
+                assert bn & (bn - 1) == 0 and bk & (bk - 1) == 0 and 16 <= bk <= K, (T, N, K, t)
+                assert t["BLOCK_T"] >= T
+                if t["DOT"]:                      # tensor cores: padded tokens, >= PROGRAMS programs or the least rows
+                    assert t["BLOCK_T"] >= 8 and dot["min_block_n"] <= bn <= dot["max_block_n"]
+                    assert triton.cdiv(N, bn) >= dg.PROGRAMS or bn == dot["min_block_n"], (T, N, t)
+                    assert bn * bk <= dot["tile_elems"] and K // bk >= dot["min_k_steps"], (T, N, K, t)
+                else:                             # the fp32 accumulator stays bounded
+                    assert t["BLOCK_T"] * bn * bk <= fma["acc_elems"], (T, N, K, t)
+    # which product runs: FMA for small weights at T <= 2 and tiny N above, the tensor cores otherwise
+    assert not dg.launch_tiles(5120, 2048, 1)["DOT"] and dg.launch_tiles(5120, 2048, 1)["BLOCK_N"] == 4
+    assert dg.launch_tiles(12288, 2048, 1)["DOT"] and dg.launch_tiles(248320, 2048, 2)["DOT"]
+    assert not dg.launch_tiles(64, 2048, 8)["DOT"] and dg.launch_tiles(64, 2048, 8)["BLOCK_N"] == 1
+    assert dg.launch_tiles(2048, 4096, 8) == {"DOT": True, "BLOCK_T": 8, "BLOCK_N": 8, "BLOCK_K": 256,
+                                                "num_warps": 1, "num_stages": 4}
     assert dg.launch_tiles(2048, 2048, 8, {"num_warps": 4})["num_warps"] == 4
+    assert dg.launch_tiles(2048, 2048, 8, {"DOT": False, "BLOCK_N": 2})["BLOCK_N"] == 2
     assert dg.launch_tiles(64, 40, 1)["BLOCK_K"] == 64 and linear_mod.DENSE_GEMV_MAX_TOKENS == dg.MAX_TOKENS
 
 

@@ -39,9 +39,9 @@ def _case(H, I, T, k, seed, *, E=9, dead=False, shared=True):
 
 # T, k, H, I, blocks: several K steps (BK 32 over H 96), partial N tiles, one token, T not a power of two
 CASES = [
-    (1, 8, 64, 32, {"BN_GU": 16, "BN_D": 32, "BK": 32}),
-    (3, 2, 96, 64, {"BN_GU": 16, "BN_D": 64, "BK": 32}),
-    (4, 3, 64, 96, {"BN_GU": 64, "BN_D": 16, "BK": 32}),
+    (1, 8, 64, 32, {"BN_GU": 16, "BN_D": 32, "BK_GU": 32, "BK_D": 32}),
+    (3, 2, 96, 64, {"BN_GU": 16, "BN_D": 64, "BK_GU": 32, "BK_D": 64}),
+    (4, 3, 64, 96, {"BN_GU": 64, "BN_D": 16, "BK_GU": 64, "BK_D": 32}),
     (8, 4, 64, 64, None),
 ]
 
@@ -97,7 +97,7 @@ def test_bad_arguments_are_refused():
     layout, recs, x, ids, table, w = _case(64, 96, 1, 2, 4)
     with pytest.raises(ValueError, match="unknown MMA block keys"):
         moe_nvfp4_mma(recs, layout, x, ids, table, w, blocks={"BLOCK_N": 4})
-    with pytest.raises(ValueError, match="BK 48 must be a power of two"):
-        moe_nvfp4_mma(recs, layout, x, ids, table, w, blocks={"BK": 48})
+    with pytest.raises(ValueError, match="BK_D 48 must be a power of two"):
+        moe_nvfp4_mma(recs, layout, x, ids, table, w, blocks={"BK_D": 48})
     with pytest.raises(ValueError, match="16-byte aligned"):
         moe_nvfp4_mma(recs, layout, x, ids, table, w, host_base=8, host_stride=layout.stride)
