@@ -1,7 +1,10 @@
 """The engine with the GPU expert scheduler (CPU emulation path): VRAM sizing, counters under stats()["moe"],
-and the byte-count parser behind --vram-budget."""
+and the byte-count parser behind --vram-budget; on CUDA, an engine that frees its memory when closed."""
 
 from __future__ import annotations
+
+import gc
+import weakref
 
 import numpy as np
 import pytest
@@ -161,6 +164,28 @@ def test_cuda_engine_resident_and_hybrid(ftw_for):
     assert ex3.vram_plan.dense_quantized and ex3.vram_plan.dense < plan.dense and ex3.num_slots > ex2.num_slots
     assert generate(eng, prompt, params).token_ids[0] == exp.token_ids[0]
     eng.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_engine_close_gives_the_memory_back(ftw_for):
+    ftw = ftw_for("qwen3_moe", "nvfp4")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gc.collect()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated(dev)
+    eng = Engine(ftw, EngineSettings(device="cuda", vram_budget=2 * GIB, kv_reserve_tokens=512,
+                                     max_prefill_length=64, max_running_requests=2))
+    out = generate(eng, list(range(3, 200)), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    assert len(out.token_ids) == 8 and torch.cuda.memory_allocated(dev) > base
+    refs = [weakref.ref(eng), weakref.ref(eng.model), weakref.ref(eng._experts)]
+    eng.close()
+    del eng, out
+    gc.collect()
+    torch.cuda.empty_cache()
+    held = [type(r).__name__ for ref in refs if ref() is not None for r in gc.get_referrers(ref())]
+    assert all(ref() is None for ref in refs), f"a closed engine is still referenced by {held}"
+    # the pool, weights and states are gone; cuBLAS keeps a workspace per stream it ran on for the process lifetime
+    assert torch.cuda.memory_allocated(dev) <= base + (128 << 20)
 
 
 def test_dense_weight_bytes_match_what_prepare_puts_on_the_device(ftw_for):
