@@ -57,7 +57,7 @@ def _mma_name(cfg: dict) -> str:
 def _mma_configs(which: str) -> list[dict]:
     from ft.runtime.gpu.nvfp4_decode_mma import MMA_BLOCKS
 
-    grid = [dict(MMA_BLOCKS)] + [c for c in ({**MMA_BLOCKS, **v} for v in MMA_GU + MMA_D) if c != MMA_BLOCKS]
+    grid = [dict(MMA_BLOCKS)] + [{**MMA_BLOCKS, **v} for v in MMA_GU + MMA_D]  # the default first, once
     return {"grid": list({_mma_name(c): c for c in grid}.values()), "default": [dict(MMA_BLOCKS)], "none": []}[which]
 
 

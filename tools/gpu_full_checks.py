@@ -181,11 +181,12 @@ def engine_profile(eng, batch: int, *, steps: int = 24, trace: Path | None = Non
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
-        events = json.loads(path.read_text())["traceEvents"]
-        if trace is not None:
-            trace.parent.mkdir(parents=True, exist_ok=True)
-            with gzip.open(trace, "wb") as f:
-                f.write(path.read_bytes())
+        raw = path.read_bytes()
+    events = json.loads(raw)["traceEvents"]
+    if trace is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        with gzip.open(trace, "wb") as f:
+            f.write(raw)
     busy, gaps = _busy([(e["ts"], e["ts"] + e.get("dur", 0)) for e in events
                         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")])
     prof_py = cProfile.Profile()
@@ -193,15 +194,20 @@ def engine_profile(eng, batch: int, *, steps: int = 24, trace: Path | None = Non
     stats = pstats.Stats(prof_py)
     py = sorted(((f"{fn[0].rsplit('/', 1)[-1]}:{fn[1]}({fn[2]})", v[2] / steps * 1e6, v[0] / steps)
                  for fn, v in stats.stats.items()), key=lambda r: -r[1])
-    for name in names:
-        eng.abort(name)
-    while eng.has_unfinished():
-        eng.step()
+    finish(eng, names)
     return {"batch": batch, "wall_us_per_step": round(wall * 1e6, 1), "traced_us_per_step": round(traced * 1e6, 1),
             "gpu_busy_us_per_step": round(busy / steps, 1), "gpu_gaps_over_5us_per_step": len(gaps) / steps,
             "gpu_gaps_us_per_step": round(sum(gaps) / steps, 1), "largest_gaps_us": sorted(gaps)[-8:],
             "python_tottime_us_per_step": [{"fn": k[:80], "us": round(us, 1), "calls": round(c, 1)}
                                            for k, us, c in py[:25]]}
+
+
+def finish(eng, names: list[str]) -> None:
+    """Abort the benchmark's requests `names` and step the engine until nothing is left in it."""
+    for name in names:
+        eng.abort(name)
+    while eng.has_unfinished():
+        eng.step()
 
 
 def _busy(intervals: list[tuple[float, float]]) -> tuple[float, list[float]]:

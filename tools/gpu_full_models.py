@@ -19,7 +19,7 @@ import torch
 
 from ft.runtime.engine import Engine, EngineSettings, SamplingParams
 from ft.runtime.gpu.offload_config import OffloadConfig
-from gpu_full_checks import CHUNK, agreement, engine_profile, profile
+from gpu_full_checks import CHUNK, agreement, engine_profile, finish, profile
 from gpu_full_checks import ids as _ids
 from gpu_full_checks import prefill as _prefill
 
@@ -46,10 +46,7 @@ def decode(eng: Engine, batch: int, context: int, steps: int, warmup: int = 3) -
             start, first = time.perf_counter(), done
         elif start is not None and done >= warmup + steps:
             end, last = time.perf_counter(), done
-    for name in names:
-        eng.abort(name)
-    while eng.has_unfinished():
-        eng.step()
+    finish(eng, names)
     if end is None:
         raise RuntimeError(f"decode B={batch}: the requests ended before {warmup + steps} tokens")
     step = (end - start) / (last - first)
