@@ -10,6 +10,7 @@ import cProfile
 import gzip
 import json
 import pstats
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -187,8 +188,8 @@ def engine_profile(eng, batch: int, *, steps: int = 24, trace: Path | None = Non
         trace.parent.mkdir(parents=True, exist_ok=True)
         with gzip.open(trace, "wb") as f:
             f.write(raw)
-    busy, gaps = _busy([(e["ts"], e["ts"] + e.get("dur", 0)) for e in events
-                        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")])
+    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    busy, gaps = _busy([(e["ts"], e["ts"] + e.get("dur", 0)) for e in gpu])
     prof_py = cProfile.Profile()
     prof_py.runcall(run)
     stats = pstats.Stats(prof_py)
@@ -198,6 +199,7 @@ def engine_profile(eng, batch: int, *, steps: int = 24, trace: Path | None = Non
     return {"batch": batch, "wall_us_per_step": round(wall * 1e6, 1), "traced_us_per_step": round(traced * 1e6, 1),
             "gpu_busy_us_per_step": round(busy / steps, 1), "gpu_gaps_over_5us_per_step": len(gaps) / steps,
             "gpu_gaps_us_per_step": round(sum(gaps) / steps, 1), "largest_gaps_us": sorted(gaps)[-8:],
+            "kernels_marginal": _marginals(gpu, steps),
             "python_tottime_us_per_step": [{"fn": k[:80], "us": round(us, 1), "calls": round(c, 1)}
                                            for k, us, c in py[:25]]}
 
@@ -208,6 +210,24 @@ def finish(eng, names: list[str]) -> None:
         eng.abort(name)
     while eng.has_unfinished():
         eng.step()
+
+
+def _marginals(gpu: list[dict], steps: int) -> list[dict]:
+    """What each kernel (by name and grid) adds to a step: its end minus the latest end of the GPU work before it.
+    With PDL a kernel is launched, and its traced interval starts, while its predecessor still runs, so traced
+    durations overlap and overstate; the marginal times add up to the step. Per kernel: calls per step, the median
+    marginal us per call and the total per step."""
+    per: dict[str, list[float]] = {}
+    last = None
+    for e in sorted(gpu, key=lambda e: e["ts"] + e.get("dur", 0)):
+        end = e["ts"] + e.get("dur", 0)
+        if last is not None:
+            key = f"{e['name'][:48]} {e.get('args', {}).get('grid', '')}".strip()
+            per.setdefault(key, []).append(end - last)
+        last = end if last is None else max(last, end)
+    rows = [{"kernel": k, "calls": round(len(v) / steps, 2), "median_us": round(statistics.median(v), 2),
+             "us_per_step": round(sum(v) / steps, 1)} for k, v in per.items()]
+    return sorted(rows, key=lambda r: -r["us_per_step"])[:16]
 
 
 def _busy(intervals: list[tuple[float, float]]) -> tuple[float, list[float]]:

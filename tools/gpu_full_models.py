@@ -10,6 +10,7 @@ routing, E * (1 - (1 - k/E)^B)), the KV rows attended to and the DeltaNet states
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 import traceback
@@ -29,7 +30,9 @@ def decode(eng: Engine, batch: int, context: int, steps: int, warmup: int = 3) -
     (steps in flight: each `step` call launches the next decode step, then lands the previous one's tokens). The step
     time is the wall time from the call that lands every request's token `warmup` to the one that lands token
     `warmup + steps`, over the steps between: throughput as a client sees it, host work included (one call's own
-    time depends on where the step in flight is, so calls are not timed one by one)."""
+    time depends on where the step in flight is, so calls are not timed one by one). Beside it, from CUDA events
+    around each graph replay in that window: the replay's GPU time and the period from one replay's start to the
+    next's (the difference is the GPU work between replays, or the GPU waiting for the host)."""
     V = eng.config.vocab_size
     params = SamplingParams(max_tokens=warmup + steps + 8, temperature=0, ignore_eos=True)
     names = [f"b{i}" for i in range(batch)]
@@ -37,21 +40,52 @@ def decode(eng: Engine, batch: int, context: int, steps: int, warmup: int = 3) -
         eng.add_request(name, _ids(context, V), params)
     out: dict[str, list[int]] = {name: [] for name in names}
     start = end = None
-    while eng.has_unfinished() and end is None:
-        for ev in eng.step():
-            if ev.token_id is not None:
-                out[ev.request_id].append(ev.token_id)
-        done = min(len(v) for v in out.values())
-        if start is None and done >= warmup:
-            start, first = time.perf_counter(), done
-        elif start is not None and done >= warmup + steps:
-            end, last = time.perf_counter(), done
+    with _timed_replays(eng.model.graphs) as marks:
+        while eng.has_unfinished() and end is None:
+            for ev in eng.step():
+                if ev.token_id is not None:
+                    out[ev.request_id].append(ev.token_id)
+            done = min(len(v) for v in out.values())
+            if start is None and done >= warmup:
+                start, first, mark0 = time.perf_counter(), done, len(marks)
+            elif start is not None and done >= warmup + steps:
+                end, last, mark1 = time.perf_counter(), done, len(marks)
+        torch.cuda.synchronize()
     finish(eng, names)
     if end is None:
         raise RuntimeError(f"decode B={batch}: the requests ended before {warmup + steps} tokens")
     step = (end - start) / (last - first)
-    return {"batch": batch, "context": context, "steps": last - first, "step_ms": 1e3 * step, "tok_s": batch / step,
-            "tokens": [out[name][warmup:warmup + 8] for name in names]}
+    res = {"batch": batch, "context": context, "steps": last - first, "step_ms": 1e3 * step, "tok_s": batch / step,
+           "tokens": [out[name][warmup:warmup + 8] for name in names]}
+    window = marks[mark0:mark1]
+    if len(window) > 1:
+        res["replay_gpu_ms"] = sum(a.elapsed_time(b) for a, b in window) / len(window)
+        res["replay_period_ms"] = window[0][0].elapsed_time(window[-1][0]) / (len(window) - 1)
+    return res
+
+
+@contextlib.contextmanager
+def _timed_replays(graphs):
+    """CUDA events (before, after) around every decode graph replay while the block runs, in replay order."""
+    marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+    patched = [g.graph for g in (graphs._graphs.values() if graphs is not None else ()) if g.graph is not None]
+
+    def timed(replay):
+        def run():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            replay()
+            b.record()
+            marks.append((a, b))
+        return run
+
+    for graph in patched:
+        graph.replay = timed(graph.replay)
+    try:
+        yield marks
+    finally:
+        for graph in patched:
+            del graph.replay  # the class's method again
 
 
 def pdl_ab(eng: Engine) -> dict:
@@ -228,7 +262,9 @@ def bench_resident(ftw, preset: str, *, hbm_gbs: float, log, llama: dict | None,
         rows.append(r)
         log(f"{preset}: decode B={batch} ctx={context}: {r['tok_s']:.1f} tok/s ({r['step_ms']:.2f} ms/step, "
             f"bound {r['bound_ms']:.2f} ms, {r['of_bound']:.2f} of it"
-            + (f", {r['vs_llama_cpp']:.2f}x llama.cpp" if "vs_llama_cpp" in r else "") + ")")
+            + (f", {r['vs_llama_cpp']:.2f}x llama.cpp" if "vs_llama_cpp" in r else "")
+            + (f"; replay {r['replay_gpu_ms']:.2f} ms GPU every {r['replay_period_ms']:.2f} ms"
+               if "replay_gpu_ms" in r else "") + ")")
     res["decode"] = rows
     res["graphs_after_decode"] = dict(model.graphs.counters)
     res["graph_replay_ms"] = {size: replay_ms(model, size) for size in (1, 4, 8)}
