@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ft.formats import FtwReader, ModelConfig
-from ft.runtime.layers.base import REQUIRED, Op, resolve_slot
+from ft.runtime.layers.base import REQUIRED, Op, place, resolve_slot
 from ft.runtime.layers.batch import ForwardBatch, SegmentRows
 from ft.runtime.layers.linear import Linear
 from ft.runtime.layers.moe import BoundExperts, ExpertsFn
@@ -226,8 +226,8 @@ class CausalLM(Op):
         kept = tuple(f"{name}." for name, op in linears.items() if op.stays_quantized)  # placed as stored
         # an untied embedding table is only gathered from: off the CPU it stays in host memory (see Embedding)
         host = ("embed_tokens.weight",) if device.type != "cpu" and not self._config.tie_word_embeddings else ()
-        self.map_weights(lambda n, t: t if n.startswith(kept) else t.to(
-            "cpu" if n in host else device, torch.float32 if n.endswith(FP32_WEIGHTS) else dtype))
+        self.map_weights(lambda n, t: t if n.startswith(kept) else place(
+            t, "cpu" if n in host else device, torch.float32 if n.endswith(FP32_WEIGHTS) else dtype))
         if host:
             self.embed_tokens.keep_on_host(device)
         self._dtype, self._device = dtype, device

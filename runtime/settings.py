@@ -42,8 +42,9 @@ class EngineSettings:
                                "CUDA only: share of free GPU memory for weights + expert cache + KV when "
                                "--vram-budget is not given, in (0, 1].")
     vram_budget: int | str | None = _opt(None, "--vram-budget",
-                                         "CUDA only: VRAM for everything the engine allocates (dense weights, KV, "
-                                         "expert cache), e.g. 8GiB or 12e9; overrides --memory-ratio.", cli_type=str)
+                                         "CUDA only: the device memory the process may use, as nvidia-smi shows "
+                                         "it: what the device holds at start (CUDA context) + dense weights, KV, "
+                                         "expert cache; e.g. 8GiB or 12e9; overrides --memory-ratio.", cli_type=str)
     pinned_memory: int | str | None = _opt(None, "--pinned-memory",
                                            "CUDA only: host memory the expert banks may page-lock (it cannot be "
                                            "swapped out), e.g. 8GiB; the rest is read through a pinned staging ring; "

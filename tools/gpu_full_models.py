@@ -183,7 +183,8 @@ def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64) -
     t = time.perf_counter()
     eng = _engine(ftw, vram_budget=int(gib * (1 << 30)))
     model, ex = eng.model, eng._experts
-    res: dict = {"budget_gib": gib, "mode": ex.opts.mode, "load_s": time.perf_counter() - t}
+    res: dict = {"budget_gib": gib, "mode": ex.opts.mode, "load_s": time.perf_counter() - t,
+                 "plan": ex.vram_plan.as_dict() if ex.vram_plan is not None else None}
     res["pin"] = {k: v for k, v in ex.wait_pinned(timeout=120).items() if isinstance(v, (int, float, str))}
     res["pinned_after_s"] = time.perf_counter() - t
     try:

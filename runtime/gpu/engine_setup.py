@@ -3,11 +3,12 @@
     model, experts = load_offloaded(reader, device="cuda", vram_budget=None, memory_ratio=0.9, offload=None,
                                     kv_reserve_tokens=8192, max_running_requests=4)
 
-Order: resolve the budget (free VRAM before anything is loaded), load the dense weights onto the device (quantized
-linears dequantized, or as stored with `OffloadConfig(dense="quantized")`), measure what they took, then give the
-expert slots what the KV reserve, prefill buffers and activation reserve leave. When every expert fits, the
-scheduler runs fully resident. `device="cpu"` with an explicit `offload` runs the same scheduler on the CPU
-emulation path (the "VRAM" is then host memory; used by tests).
+Order: resolve the budget and measure what the device holds outside the caching allocator (before anything is
+loaded), load the dense weights onto the device (quantized linears dequantized, or as stored with
+`OffloadConfig(dense="quantized")`), measure what they took, then give the expert slots what the KV reserve, prefill
+buffers and activation reserve leave, and cap the allocator so that the device's use stays within the budget
+(`sizing`). When every expert fits, the scheduler runs fully resident. `device="cpu"` with an explicit `offload` runs
+the same scheduler on the CPU emulation path (the "VRAM" is then host memory; used by tests).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from ft.formats import FtwReader
 
 from .hybrid import GpuExperts
 from .offload_config import OffloadConfig
-from .sizing import plan_vram, resolve_budget, state_bytes
+from .sizing import LATE_OUTSIDE, cap_allocator, device_in_use, plan_vram, resolve_budget, state_bytes
 
 log = logging.getLogger("ft.gpu")
 
@@ -69,6 +70,11 @@ def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, m
         opts = dataclasses.replace(opts, vram_budget=budget)
     if dense_weights is not None:
         opts = dataclasses.replace(opts, dense=dense_weights)  # validated by OffloadConfig
+    outside = held = 0
+    if cuda:  # an explicit budget covers the context (and, on a shared GPU, other processes); a ratio of free does not
+        torch.cuda.empty_cache()
+        held = torch.cuda.memory_reserved(dev)
+        outside = (device_in_use(dev) if explicit is not None else held) + LATE_OUTSIDE
     before = torch.cuda.memory_allocated(dev) if cuda else 0  # routers (prefetch) count as dense weights too
     experts = GpuExperts(reader, opts, device=str(dev), profile=load_profile(dev.index or 0) if cuda else None)
     keep = opts.dense == "quantized"
@@ -80,7 +86,7 @@ def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, m
     plan = None
     if budget is not None:
         plan = plan_vram(budget, dense=dense, kv=kv, stride=experts.layout.stride, prefill_slots=opts.prefill_slots,
-                         reserve=opts.reserve_bytes, max_slots=max_slots, dense_quantized=keep)
+                         reserve=opts.reserve_bytes, max_slots=max_slots, dense_quantized=keep, outside=outside)
     num_slots = opts.num_slots if opts.num_slots is not None else (plan.num_slots if plan else None)
     if opts.mode in ("resident", "static"):
         need = max_slots - len(opts.cpu_layers) * experts.E
@@ -89,6 +95,9 @@ def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, m
                              f"{plan.num_slots}; raise the budget or use mode hybrid")
     elif offload is None and num_slots is not None and num_slots >= max_slots:
         experts.opts = dataclasses.replace(opts, mode="resident")  # everything fits: no miss handling at all
+    if cuda and plan is not None:
+        cap_allocator(dev, held + budget - outside)  # lifted again by experts.close()
+        experts.capped = dev
     experts.allocate(num_slots=num_slots)
     experts.vram_plan = plan
     if cuda and cuda_graphs:
@@ -98,9 +107,9 @@ def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, m
         model.graphs.warm()  # every batch size captured now, where the experts allow replays already
     if plan is not None:
         gib = 1 << 30
-        log.info("VRAM budget %.2f GiB: dense %.2f (%s), KV %.2f, prefill buffers %.2f, reserve %.2f, expert slots "
-                 "%d of %d (%.0f %%, %.2f GiB), mode %s", budget / gib, dense / gib,
-                 "quantized" if keep else "dequantized", kv / gib,
+        log.info("VRAM budget %.2f GiB: in use at start + kernel modules %.2f, dense %.2f (%s), KV %.2f, prefill "
+                 "buffers %.2f, reserve %.2f, expert slots %d of %d (%.0f %%, %.2f GiB), mode %s", budget / gib,
+                 outside / gib, dense / gib, "quantized" if keep else "dequantized", kv / gib,
                  plan.prefill_buffers / gib, plan.reserve / gib, plan.num_slots, max_slots,
                  100 * plan.cached_fraction, plan.slot_bytes / gib, experts.opts.mode)
     return model, experts

@@ -94,6 +94,7 @@ class GpuExperts:
         self.counters["cpu_seconds"] = 0.0
         self.per_layer = np.zeros((4, self.L), np.int64)  # hits, misses, fetched, cpu-computed per layer
         self.vram_plan = None  # set by the engine when it sized the pool from a VRAM budget
+        self.capped: torch.device | None = None  # the device whose allocator the engine capped (lifted at close)
         self.pin_info: dict = {}  # BackgroundPinner's result, once it has finished
         self.pinner: BackgroundPinner | None = None
         self._stage_seen = 0.0
@@ -312,6 +313,11 @@ class GpuExperts:
         return reset_experts_stats(self)
 
     def close(self) -> None:
+        if self.capped is not None:
+            from .sizing import cap_allocator
+
+            cap_allocator(self.capped, None)
+            self.capped = None
         self.cpu.close()
         if self.pinner is not None:
             self.pinner.stop()  # before the uploader unregisters: nothing may be registered after that

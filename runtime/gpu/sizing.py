@@ -1,15 +1,22 @@
 """How much VRAM the engine may use and how it is shared out (the `--vram-budget` / `--memory-ratio` math).
 
-Everything the engine allocates on the GPU counts against one budget:
+Everything on the device counts against one budget, as `nvidia-smi` shows the process:
 
-    budget = dense weights (measured after loading; an untied embedding table stays in host memory)
+    budget = in use at start (what the device holds when the engine starts, measured: the CUDA context; on a
+             shared GPU other processes' memory; only with an explicit budget) + LATE_OUTSIDE (kernel modules
+             loaded at their first launch, library handles and CUDA graph executables, which appear later outside
+             the caching allocator)
+           + dense weights (measured after loading; an untied embedding table stays in host memory)
            + KV reserve (kv_reserve_tokens x bytes per token)
            + fixed per-sequence state (DeltaNet conv/recurrent state) x max_running_requests
-           + two prefill buffers (2 x prefill_slots x record stride) + activation reserve + expert slots
+           + two prefill buffers (2 x prefill_slots x record stride) + activation reserve (and allocator slack) + expert
+             slots
 
-The expert slots get what is left (never more than every expert of every MoE layer). Without an explicit budget it
-is `memory_ratio` x the VRAM free when the engine starts. Host-side pinned staging buffers are not VRAM and do not
-count.
+The expert slots get what is left (never more than every expert of every MoE layer). The caching allocator is then
+capped (`cap_allocator`) at what it held at start + budget - outside, so no later allocation can take the process past
+the budget: one that would fails as an out-of-memory error instead. Without an explicit budget it is `memory_ratio` x
+the VRAM free when the engine starts (what is in use then is already outside it). Host-side pinned buffers are not
+VRAM and do not count.
 """
 
 from __future__ import annotations
@@ -53,9 +60,27 @@ def state_bytes(config: ModelConfig, dtype: torch.dtype) -> tuple[int, int]:
     return two - one, one - (two - one)
 
 
+# Device memory outside the caching allocator that appears after the engine starts (kernel modules loaded at their
+# first launch, cuBLAS handles, CUDA graph executables): counted against the budget on top of what is measured then.
+LATE_OUTSIDE = 256 << 20
+
+
+def device_in_use(device: torch.device) -> int:
+    """Bytes of `device` in use now, by anyone (see the module docstring)."""
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
+
+
+def cap_allocator(device: torch.device, limit: int | None) -> None:
+    """Cap this process's caching allocator on `device` at `limit` bytes reserved (None: lift the cap)."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(1.0 if limit is None else min(1.0, limit / total), device)
+
+
 @dataclass(frozen=True)
 class VramPlan:
     budget: int
+    outside: int  # in use at start + LATE_OUTSIDE (module docstring; 0 off CUDA)
     dense: int  # weights already on the GPU
     kv: int  # KV reserve + per-sequence fixed state
     prefill_buffers: int
@@ -74,17 +99,18 @@ class VramPlan:
 
 
 def plan_vram(budget: int, *, dense: int, kv: int, stride: int, prefill_slots: int, reserve: int,
-              max_slots: int, dense_quantized: bool = False) -> VramPlan:
+              max_slots: int, dense_quantized: bool = False, outside: int = 0) -> VramPlan:
     """Slots that fit after the fixed parts; refuses a budget that cannot even hold the fixed parts."""
     prefill = 2 * prefill_slots * stride
-    free = budget - dense - kv - prefill - reserve
+    free = budget - outside - dense - kv - prefill - reserve
     if free < 0:
         raise ValueError(
-            f"the VRAM budget {fmt_bytes(budget)} is smaller than the fixed allocations: dense weights "
-            f"{fmt_bytes(dense)} + KV {fmt_bytes(kv)} + prefill buffers {fmt_bytes(prefill)} + reserve "
-            f"{fmt_bytes(reserve)}; raise --vram-budget / --memory-ratio or lower --kv-reserve-tokens")
+            f"the VRAM budget {fmt_bytes(budget)} is smaller than the fixed allocations: in use at start with kernel "
+            f"modules (CUDA context, other processes) {fmt_bytes(outside)} + dense weights {fmt_bytes(dense)} + KV "
+            f"{fmt_bytes(kv)} + prefill buffers {fmt_bytes(prefill)} + reserve {fmt_bytes(reserve)}; raise "
+            f"--vram-budget / --memory-ratio or lower --kv-reserve-tokens")
     n = int(min(max_slots, free // stride))
-    return VramPlan(budget, dense, kv, prefill, reserve, n, n * stride, max_slots, dense_quantized)
+    return VramPlan(budget, outside, dense, kv, prefill, reserve, n, n * stride, max_slots, dense_quantized)
 
 
 def resolve_budget(device: torch.device, vram_budget: int | None, memory_ratio: float) -> int:

@@ -92,6 +92,15 @@ class Op:
                     setattr(op, name, fn(f"{path}.{name}" if path else name, value))
 
 
+def place(t: torch.Tensor, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+    """`t` in `dtype` on `device`, cast where it is before it moves: a copy to the GPU with a cast would stage the
+    source dtype on the device (an fp32 temporary per dequantized weight), and each freed temporary leaves a hole in
+    the caching allocator's segments that later, larger allocations cannot use; it also halves the bytes copied."""
+    if t.device.type == "cpu" and t.dtype != dtype:
+        t = t.to(dtype)
+    return t.to(device=device, dtype=dtype)
+
+
 def resolve_slot(root: Op, name: str, *, bank: bool = False) -> tuple[Op, str]:
     """Walk `name` (`a.b.3.c.weight`) from `root`; return (owning op, attribute). Raises KeyError if any part of the
     path is not declared by the module tree as a weight (or, with `bank=True`, as an expert-bank slot)."""

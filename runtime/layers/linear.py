@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ft.formats.quant import fp8, nvfp4
-from ft.runtime.layers.base import REQUIRED, Op
+from ft.runtime.layers.base import REQUIRED, Op, place
 
 PLAIN_SCHEMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 QUANT_SCHEMES = ("nvfp4", "fp8_row")
@@ -85,12 +85,12 @@ class Linear(Op):
             if self.weight_scale_2 is not None:
                 self.weight_scale_2 = self.weight_scale_2.to(device)
         else:
-            self.weight = self._dequant(0, self.weight.shape[0], scheme).to(device=device, dtype=dtype)
+            self.weight = place(self._dequant(0, self.weight.shape[0], scheme), device, dtype)
             self.weight_scale = self.weight_scale_2 = None
         if self.bias is not None:
             if self.bias.shape != (self.weight.shape[0],):
                 raise ValueError(f"{name}.bias has shape {tuple(self.bias.shape)}, expected ({self.weight.shape[0]},)")
-            self.bias = self.bias.to(device=device, dtype=dtype)
+            self.bias = place(self.bias, device, dtype)
         self._gemv = self._scheme is None and gemv_eligible(self.weight, self.bias)
 
     def _dequant(self, r0: int, r1: int, scheme: str | None) -> torch.Tensor:

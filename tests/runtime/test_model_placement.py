@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 from ft.compiler import compile_checkpoint
 from ft.compiler.synth import synth
 from ft.formats import FtwReader
+from ft.runtime.layers.base import place
 from ft.runtime.model import load_model
 
 
@@ -44,3 +45,17 @@ def test_cpu_model_keeps_every_weight_as_the_mmap_view(ftw_for):
     assert model.embed_tokens.weight.data_ptr() == reader.tensor("embed_tokens.weight").data_ptr()
     ids = torch.tensor([5, 0, 5])
     assert torch.equal(model.embed_tokens(ids), reader.tensor("embed_tokens.weight")[ids])
+
+
+def test_place_casts_and_moves():
+    t = torch.arange(6, dtype=torch.float32).view(2, 3) / 3
+    out = place(t, "meta", torch.bfloat16)  # meta stands in for the GPU
+    assert out.device.type == "meta" and out.dtype == torch.bfloat16 and out.shape == (2, 3)
+    same = place(t, "cpu", torch.bfloat16)
+    assert same.dtype == torch.bfloat16 and torch.equal(same, t.to(torch.bfloat16))  # the same rounding
+
+
+def test_place_casts_a_tensor_already_on_the_target_device():
+    t = torch.ones(4, dtype=torch.float32, device="meta")
+    out = place(t, "meta", torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and out.device.type == "meta"

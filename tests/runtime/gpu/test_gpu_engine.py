@@ -12,9 +12,10 @@ import torch
 
 from ft.formats import FtwReader
 from ft.runtime.engine import Engine, EngineSettings, SamplingParams, generate
+from ft.runtime.gpu import engine_setup
 from ft.runtime.gpu.engine_setup import _weight_bytes
 from ft.runtime.gpu.offload_config import OffloadConfig
-from ft.runtime.gpu.sizing import dense_weight_bytes, parse_bytes, plan_vram, state_bytes
+from ft.runtime.gpu.sizing import LATE_OUTSIDE, dense_weight_bytes, device_in_use, parse_bytes, plan_vram, state_bytes
 from ft.runtime.model import load_model
 from ft.runtime.state import SequenceState
 
@@ -39,6 +40,13 @@ def test_plan_vram_math():
     assert plan_vram(10**9, dense=0, kv=0, stride=100, prefill_slots=1, reserve=0, max_slots=7).num_slots == 7
     with pytest.raises(ValueError, match="smaller than the fixed allocations"):
         plan_vram(4_000, dense=3_000, kv=1_000, stride=100, prefill_slots=2, reserve=500, max_slots=10)
+    # what the device holds outside the engine's allocations (context, modules) comes off the slots
+    q = plan_vram(10_000, dense=3_000, kv=1_000, stride=100, prefill_slots=2, reserve=500, max_slots=1_000,
+                  outside=2_000)
+    assert q.outside == 2_000 and q.num_slots == 51 - 20
+    with pytest.raises(ValueError, match="in use at start"):
+        plan_vram(10_000, dense=3_000, kv=1_000, stride=100, prefill_slots=2, reserve=500, max_slots=10,
+                  outside=5_500)
 
 
 def test_state_bytes_match_a_real_state(ftw_for):
@@ -128,7 +136,9 @@ def test_cli_flags_are_checked(ftw_for):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_engine_resident_and_hybrid(ftw_for):
+def test_cuda_engine_resident_and_hybrid(ftw_for, monkeypatch):
+    # nothing in use at start: the budgets below are sized to a few 4 KB slots, finer than the context's measure
+    monkeypatch.setattr(engine_setup, "device_in_use", lambda dev: 0)
     ftw = ftw_for("qwen3_5_moe", "nvfp4")
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     prompt = [5, 17, 3, 99, 42, 7, 11, 2, 9, 4]
@@ -142,7 +152,8 @@ def test_cuda_engine_resident_and_hybrid(ftw_for):
     resident_tokens = got.token_ids
     eng.close()
     assert not plan.dense_quantized
-    budget = plan.dense + plan.kv + plan.prefill_buffers + plan.reserve + 5 * ex.layout.stride + 4096
+    budget = LATE_OUTSIDE + plan.dense + plan.kv + plan.prefill_buffers + plan.reserve + 5 * ex.layout.stride + 4096
+    del eng, ex
     eng = Engine(ftw, EngineSettings(vram_budget=budget, offload_mode="hybrid", **kw))
     ex2 = eng._experts  # allocator rounding moves the measured dense bytes a little between loads
     assert ex2.opts.mode == "hybrid" and ex2.num_slots == ex2.vram_plan.num_slots and 4 <= ex2.num_slots <= 7
@@ -173,7 +184,7 @@ def test_cuda_engine_close_gives_the_memory_back(ftw_for):
     gc.collect()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated(dev)
-    eng = Engine(ftw, EngineSettings(device="cuda", vram_budget=2 * GIB, kv_reserve_tokens=512,
+    eng = Engine(ftw, EngineSettings(device="cuda", vram_budget=device_in_use(dev) + GIB, kv_reserve_tokens=512,
                                      max_prefill_length=64, max_running_requests=2))
     out = generate(eng, list(range(3, 200)), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     assert len(out.token_ids) == 8 and torch.cuda.memory_allocated(dev) > base
@@ -186,6 +197,35 @@ def test_cuda_engine_close_gives_the_memory_back(ftw_for):
     assert all(ref() is None for ref in refs), f"a closed engine is still referenced by {held}"
     # the pool, weights and states are gone; cuBLAS keeps a workspace per stream it ran on for the process lifetime
     assert torch.cuda.memory_allocated(dev) <= base + (128 << 20)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_vram_budget_holds_for_the_whole_device(ftw_for):
+    """An explicit budget covers what the device held at start (the CUDA context) and everything the engine adds:
+    after a prefill and decodes, the device's use stays within it, as nvidia-smi would show it; the allocator cap that
+    enforces it is lifted at close."""
+    ftw = ftw_for("qwen3_moe", "nvfp4")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(dev)
+    start = device_in_use(dev)
+    budget = start + GIB  # a small model: the slots get what the fixed parts (reserve 0.5 GiB) leave
+    eng = Engine(ftw, EngineSettings(device="cuda", vram_budget=budget, kv_reserve_tokens=512, max_prefill_length=64,
+                                     max_running_requests=2))
+    out = generate(eng, list(range(3, 300)), SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
+    assert len(out.token_ids) == 16
+    plan = eng._experts.vram_plan
+    assert plan.outside >= start and plan.num_slots > 0
+    outside_now = device_in_use(dev) - torch.cuda.memory_reserved(dev)  # context, modules: never the allocator's
+    assert torch.cuda.max_memory_reserved(dev) + outside_now <= budget
+    with pytest.raises(torch.OutOfMemoryError):  # the cap: nothing more than the budget allows
+        torch.empty(budget, dtype=torch.uint8, device=dev)
+    eng.close()
+    x = torch.empty(budget, dtype=torch.uint8, device=dev)  # lifted
+    del x, eng, out
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def test_dense_weight_bytes_match_what_prepare_puts_on_the_device(ftw_for):
