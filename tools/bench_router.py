@@ -12,7 +12,7 @@ median replay time / REPS. `gbs` counts the bytes moved at least (weights and x 
 `ids_equal` (fraction of ids equal) against `router_topk_ref` (ids may differ where bf16 logits tie or where a
 logit's rounding differs by the summation order). Without --quick the fused kernel is also timed over BLOCK_E x
 BLOCK_K x num_warps (`SWEEP`; configurations whose launched tiles coincide are timed once) and the best per case and
-per T (least total us with and without the shared gate: the entry for `router.TILES["tokens"]`) are reported.
+per T (least total us with and without the shared gate; `router.TILES` is one entry for every T) are reported.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def main() -> None:
             row = {"T": T, "extra": has_extra, "impl": impl, "us": round(us, 2), "gbs": round(nbytes / us / 1e3, 1),
                    "hbm_frac": round(nbytes / us / 1e3 / hbm, 4), **accuracy(fn(), want)}
             if impl == "fused":
-                row["tiles"] = router.launch_tiles(T, HIDDEN)
+                row["tiles"] = router.launch_tiles(HIDDEN)
             rows.append(row)
             print(f"T={T} extra={int(has_extra)} {impl:5s} {us:7.2f} us {row['gbs']:7.1f} GB/s"
                   f" ({100 * row['hbm_frac']:5.1f}% HBM)  max|dw| {row['max_abs_diff']:.3g}"
@@ -96,7 +96,7 @@ def main() -> None:
             continue
         seen = set()
         for be, bk, nw in itertools.product(*SWEEP.values()):
-            tiles = router.launch_tiles(T, HIDDEN, {"BLOCK_E": be, "BLOCK_K": bk, "num_warps": nw})
+            tiles = router.launch_tiles(HIDDEN, {"BLOCK_E": be, "BLOCK_K": bk, "num_warps": nw})
             key = (tiles["BLOCK_E"], tiles["BLOCK_K"], tiles["num_warps"])
             if key in seen:
                 continue

@@ -10,18 +10,19 @@ gate GEMV), which the layer code runs as two or three launches (cuBLAS GEMV, `fu
 Results equal `router_topk_ref` up to fp32 summation order (the dot over H, the softmax sum) and the last ulp of exp;
 so the rounded logits, and with them ids and extra_logit, match exactly except where a sum lands on a rounding edge.
 
-Kernel (grid cdiv(E + has_extra, BLOCK_E), a function of shapes only, so it can be captured in a CUDA graph):
-  1. Program i takes weight rows [i BLOCK_E, (i + 1) BLOCK_E) (row E is `extra`) against all T token rows, so each
-     weight byte is read once (the weight is the traffic: E H elements; x is T H elements, served from L2), with
-     `dense_gemv.fma_rows`: the K loop over H accumulates x ⊙ w in an fp32 [BLOCK_T, BLOCK_E, BK] block and reduces
-     it once at the end (`launch_tiles` caps BK so that block fits in registers). Rows < E go to an fp32 scratch [T, E] (the values
-     already rounded to x.dtype), row E to extra_logit.
-  2. Last block reduces (as `decode_attention._decode_kernel`): a CTA barrier orders the program's scratch stores
-     before thread 0's acq_rel gpu-scope atomic increment of a counter; the program that reads n_programs - 1 sees
-     every other program's stores, loads the scratch (.cg: not from a stale L1) and runs `fused_ops._softmax_topk` on
-     max(1, topk_elems / next_power_of_2(E)) token rows at a time, writes ids / weights and stores 0 back into the counter.
-The counter is one zeroed int32 per device (`_counter`), kept for the process lifetime and left zeroed by every call,
-so graph replays need no reset; calls on one device must therefore not run concurrently on different streams.
+Kernel (grid (cdiv(E + has_extra, BLOCK_E), T), a function of shapes only, so it can be captured in a CUDA graph):
+  1. Program (i, t) takes weight rows [i BLOCK_E, (i + 1) BLOCK_E) (row E is `extra`) against token row t, with
+     `dense_gemv.fma_rows`: the K loop over H accumulates x ⊙ w in an fp32 [1, BLOCK_E, BK] block and reduces it once
+     at the end. The T programs of a weight block read it once from HBM and T - 1 times from L2 (1 MB of router
+     weight). Rows < E go to an fp32 scratch [T, E] (the values already rounded to x.dtype), row E to extra_logit.
+  2. Last block reduces, per token: a CTA barrier orders the program's scratch stores before thread 0's acq_rel
+     gpu-scope atomic increment of token t's counter; the program that reads n_programs - 1 sees every other store
+     to row t, loads it (.cg: not from a stale L1) and runs `fused_ops._softmax_topk` on it, writes ids / weights and
+     stores 0 back into the counter. So the T top-ks run on T CTAs at once, not one after another on one (a top-k of
+     k rounds of block-wide max is latency: 2.4 us per call at T = 1, ~5 us more at T = 8 on one CTA).
+The counters are one zeroed int32 [MAX_TOKENS] per device (`_counter`), kept for the process lifetime and left zeroed
+by every call, so graph replays need no reset; calls on one device must therefore not run concurrently on different
+streams.
 
 Bounds: T <= MAX_TOKENS (decode; larger T is a prefill, where the GEMM path is the right one) and E <= MAX_EXPERTS;
 outside them `router_topk` returns the reference. Under the Triton interpreter (CPU tensors, tests) the bf16 rounding
@@ -42,70 +43,64 @@ from ft.runtime.layers.moe import route
 
 MAX_TOKENS = 16
 MAX_EXPERTS = 4096
-# Tiles for E = 256, H = 2048, bf16 (1 MB of weight) on the H200, per token count: the first "tokens" entry whose
-# key is >= T. At T <= 2 a program takes BLOCK_E = 4 weight rows whole (64 programs of 16 KB, one K step, 16-byte
-# loads); at larger T the [BLOCK_T, BLOCK_E, BK] accumulator and the [T, E] top-k want more warps and smaller
-# tiles. acc_elems caps that accumulator (BK shrinks as T grows); topk_elems bounds the [rows, E] block of the
-# reducing program. Swept by tools/bench_router.py (T = 1, 8); measured there (CUDA-graph replays, per call): T = 1
-# 5.1-5.3 us against 7.9 us for F.linear + fused_ops.route_topk and 11.8 us with the shared gate's F.linear; T = 8
-# 7.7 us against 8.0 / 12.4 us. About 1 us of it is the launch, 1.2 us the GEMV, 0.7 us the atomic and 2.4 us
-# the reducing program's load and top-k.
-TILES = {"tokens": {2: {"BLOCK_E": 4, "BLOCK_K": 2048, "num_warps": 4},
-                    MAX_TOKENS: {"BLOCK_E": 2, "BLOCK_K": 256, "num_warps": 8}},
-         "acc_elems": 8192, "topk_elems": 4096}
+# Tiles for E = 256, H = 2048, bf16 (1 MB of weight) on the H200: a program takes BLOCK_E = 4 weight rows whole (64
+# programs per token of 16 KB, one K step, 16-byte loads); acc_elems caps the [1, BLOCK_E, BK] accumulator (BK
+# shrinks where BLOCK_E grows). Swept by tools/bench_router.py (T = 1, 8); measured there (CUDA-graph replays, per
+# call): T = 1 5.1-5.3 us against 7.9 us for F.linear + fused_ops.route_topk and 11.8 us with the shared gate's
+# F.linear. About 1 us of it is the launch, 1.2 us the GEMV, 0.7 us the atomic and 2.4 us the reducing program's load
+# and top-k.
+TILES = {"BLOCK_E": 4, "BLOCK_K": 2048, "num_warps": 4, "acc_elems": 8192}
 _COUNTERS: dict[str, torch.Tensor] = {}
 
 
 @triton.jit
-def _router_kernel(x, sx, w, extra, scratch, extra_out, ids, wts, counter, T, E, H, n_programs,
+def _router_kernel(x, sx, w, extra, scratch, extra_out, ids, wts, counters, E, H, n_programs,
                    K: tl.constexpr, RENORM: tl.constexpr, HAS_EXTRA: tl.constexpr, RNE_BITS: tl.constexpr,
-                   BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                   ROWS: tl.constexpr, BLOCK_TOPK: tl.constexpr, PDL: tl.constexpr):
+                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_TOPK: tl.constexpr,
+                   PDL: tl.constexpr):
     pdl_wait(PDL)
     dt = x.dtype.element_ty
-    t = tl.arange(0, BLOCK_T)
-    tm = t < T
+    tok = tl.program_id(1)
+    x += tok * sx                                                                  # this program's token row
+    scratch += tok * E
+    one = tl.arange(0, 1)
     r = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)                        # weight rows; row E: extra
     wrow = tl.where(r < E, w + r.to(tl.int64) * H, extra)                          # [BE] row pointers
     rm = r < E + HAS_EXTRA
-    logit = _cast(fma_rows(wrow, rm, x, sx, t, tm, H, BLOCK_T, BLOCK_E, BLOCK_K), dt, RNE_BITS)  # [BT, BE] as F.linear
-    tl.store(scratch + t[:, None] * E + r[None, :], logit.to(tl.float32), mask=tm[:, None] & (r < E)[None, :])
+    logit = _cast(fma_rows(wrow, rm, x, sx, one, one < 1, H, 1, BLOCK_E, BLOCK_K), dt, RNE_BITS)  # [1, BE]
+    tl.store(scratch + r[None, :], logit.to(tl.float32), mask=(r < E)[None, :])
     if HAS_EXTRA:
-        tl.store(extra_out + t[:, None] + 0 * r[None, :], logit, mask=tm[:, None] & (r == E)[None, :])
+        tl.store(extra_out + tok + 0 * r[None, :], logit, mask=(r == E)[None, :])
     # Last block reduces: the barrier orders all of this CTA's scratch stores before thread 0's release of the
-    # atomic; the program that sees n_programs - 1 acquires every program's stores.
+    # atomic; the program that sees n_programs - 1 acquires every program's stores to this token's row.
     tl.debug_barrier()
-    count = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    count = tl.atomic_add(counters + tok, 1, sem="acq_rel", scope="gpu")
     if count == n_programs - 1:
         e = tl.arange(0, BLOCK_R)[None, :]
         j = tl.arange(0, BLOCK_TOPK)[None, :]
-        for t0 in range(0, T, ROWS):
-            tr = t0 + tl.arange(0, ROWS)[:, None]                                  # [ROWS, 1] token rows
-            z = tl.load(scratch + tl.minimum(tr, T - 1) * E + e, mask=e < E, other=float("-inf"),
-                        cache_modifier=".cg")                                      # rows >= T: a copy, not stored
-            top_w, top_i = _softmax_topk(z, e < E, K, RENORM, BLOCK_TOPK)
-            om = (tr < T) & (j < K)
-            tl.store(wts + tr * K + j, top_w, mask=om)
-            tl.store(ids + tr * K + j, top_i.to(tl.int64), mask=om)
-        tl.store(counter, 0)                                   # ready for the next call (next kernel on the stream)
+        z = tl.load(scratch + e, mask=e < E, other=float("-inf"), cache_modifier=".cg")     # [1, BLOCK_R]
+        top_w, top_i = _softmax_topk(z, e < E, K, RENORM, BLOCK_TOPK)
+        tl.store(wts + tok * K + j, top_w, mask=j < K)
+        tl.store(ids + tok * K + j, top_i.to(tl.int64), mask=j < K)
+        tl.store(counters + tok, 0)                            # ready for the next call (next kernel on the stream)
 
 
 def _counter(device: torch.device) -> torch.Tensor:
-    """The zeroed int32 [1] counter of `device`, kept for the process lifetime (module docstring)."""
+    """The zeroed int32 [MAX_TOKENS] counters of `device`, kept for the process lifetime (module docstring)."""
     buf = _COUNTERS.get(str(device))
     if buf is None:
-        buf = _COUNTERS[str(device)] = torch.zeros(1, dtype=torch.int32, device=device)
+        buf = _COUNTERS[str(device)] = torch.zeros(MAX_TOKENS, dtype=torch.int32, device=device)
     return buf
 
 
-def launch_tiles(T: int, H: int, tiles: dict | None = None) -> dict:
-    """{BLOCK_E, BLOCK_K, num_warps, acc_elems, topk_elems} for T tokens: TILES' entry for T with `tiles` over it, and
-    BLOCK_K as launched: at most acc_elems / (BLOCK_T BLOCK_E) (the fp32 accumulator), at least 16, at most
-    next_power_of_2(H)."""
-    base = next(v for n, v in sorted(TILES["tokens"].items()) if T <= n)
-    t = {**base, "acc_elems": TILES["acc_elems"], "topk_elems": TILES["topk_elems"], **(tiles or {})}
-    cap = t["acc_elems"] // (triton.next_power_of_2(T) * t["BLOCK_E"])
-    t["BLOCK_K"] = max(16, min(t["BLOCK_K"], cap, triton.next_power_of_2(H)))
+def launch_tiles(H: int, tiles: dict | None = None) -> dict:
+    """{BLOCK_E, BLOCK_K, num_warps, acc_elems}: TILES with `tiles` over it, and BLOCK_K as launched: at most
+    acc_elems / BLOCK_E (the fp32 accumulator), at least 16, at most next_power_of_2(H)."""
+    unknown = set(tiles or {}) - set(TILES)
+    if unknown:
+        raise ValueError(f"unknown router tile keys {sorted(unknown)}; known: {sorted(TILES)}")
+    t = {**TILES, **(tiles or {})}
+    t["BLOCK_K"] = max(16, min(t["BLOCK_K"], t["acc_elems"] // t["BLOCK_E"], triton.next_power_of_2(H)))
     return t
 
 
@@ -113,7 +108,7 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: bool
                 tiles: dict | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """x [T, H] (last dim contiguous), weight [E, H] and extra [1, H] or None (contiguous, x's dtype) -> (ids int64
     [T, k], weights fp32 [T, k], extra_logit [T, 1] in x.dtype or None), one launch (module docstring). `tiles`
-    overrides entries of TILES' choice for T (benchmark sweeps; `launch_tiles`). Outside the bounds (T > MAX_TOKENS,
+    overrides entries of TILES (benchmark sweeps; `launch_tiles`). Outside the bounds (T > MAX_TOKENS,
     E > MAX_EXPERTS, k not in [1, E]): the reference."""
     T, H = x.shape
     E = weight.shape[0]
@@ -128,16 +123,15 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: bool
     extra_logit = None if extra is None else torch.empty(T, 1, dtype=x.dtype, device=x.device)
     if T == 0:
         return ids, weights, extra_logit
-    t = launch_tiles(T, H, tiles)
-    block_t, block_r, block_e = triton.next_power_of_2(T), triton.next_power_of_2(E), t["BLOCK_E"]
-    n_programs = triton.cdiv(E + (extra is not None), block_e)
+    t = launch_tiles(H, tiles)
+    n_programs = triton.cdiv(E + (extra is not None), t["BLOCK_E"])
     scratch = torch.empty(T, E, dtype=torch.float32, device=x.device)
-    _router_kernel[(n_programs,)](
+    _router_kernel[(n_programs, T)](
         x, x.stride(0), weight, weight if extra is None else extra, scratch,
-        weights if extra_logit is None else extra_logit, ids, weights, _counter(x.device), T, E, H, n_programs,
-        K=k, RENORM=bool(renormalize), HAS_EXTRA=extra is not None, RNE_BITS=_rne_bits(x), BLOCK_T=block_t,
-        BLOCK_E=block_e, BLOCK_K=t["BLOCK_K"], BLOCK_R=block_r, ROWS=max(1, min(block_t, t["topk_elems"] // block_r)),
-        BLOCK_TOPK=triton.next_power_of_2(k), num_warps=t["num_warps"], **pdl_args(x.device))
+        weights if extra_logit is None else extra_logit, ids, weights, _counter(x.device), E, H, n_programs,
+        K=k, RENORM=bool(renormalize), HAS_EXTRA=extra is not None, RNE_BITS=_rne_bits(x), BLOCK_E=t["BLOCK_E"],
+        BLOCK_K=t["BLOCK_K"], BLOCK_R=triton.next_power_of_2(E), BLOCK_TOPK=triton.next_power_of_2(k),
+        num_warps=t["num_warps"], **pdl_args(x.device))
     return ids, weights, extra_logit
 
 
