@@ -19,6 +19,7 @@ COMMAND_MODULES = [
     "ft.cli.checkpoint_cmd",
     "ft.cli.serve_cmd",
     "ft.cli.ctl_cmd",
+    "ft.cli.launch_cmd",
     "ft.cli.synth_cmd",
 ]
 

@@ -22,6 +22,7 @@ from ft.runtime.server import anthropic_api, openai_api, responses_api
 from ft.runtime.server.errors import ApiError, install_error_handlers
 from ft.runtime.server.loop import EngineLoop
 from ft.runtime.server.metrics import ServerMetrics, prometheus_text
+from ft.runtime.server.parsers import THINK_OPEN
 from ft.runtime.server.state import ServerState, ServeSettings, check_api_key, server_state
 
 log = logging.getLogger("ft.server")
@@ -64,9 +65,11 @@ def create_app(settings: ServeSettings, load: Callable[[], Any] | None = None) -
 def _model_card(state: ServerState) -> dict:
     engine = state.engine
     created = int(state.loop.loaded_at or state.metrics.started)
+    template = getattr(getattr(engine, "tokenizer", None), "chat_template", None) or ""
     return {"id": state.model_name, "object": "model", "created": created, "owned_by": "ft",
             "max_model_len": engine.max_context, "context_length": engine.max_context,
-            "max_output_tokens": state.settings.engine.max_output_tokens}
+            "max_output_tokens": state.settings.engine.max_output_tokens,
+            "capabilities": {"reasoning": THINK_OPEN in template}}
 
 
 def _ops_router() -> APIRouter:
