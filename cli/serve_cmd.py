@@ -28,6 +28,9 @@ def serve(
                                                     help="Model id in /v1/models and responses "
                                                          "(default: the FTW directory name)."),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
+    keep_alive_on_error: bool = typer.Option(False, "--keep-alive-on-error",
+                                             help="If the model cannot load, keep serving /health (500 with the "
+                                                  "error) instead of exiting with status 1."),
     settings: EngineSettings = None,
 ) -> None:
     """Serve an FTW with OpenAI (/v1/chat/completions, /v1/completions, /v1/responses) and Anthropic
@@ -45,12 +48,21 @@ def serve(
         raise typer.Exit(2)
     try:
         serve_settings = ServeSettings(ftw=ftw, engine=settings, host=host, port=port, api_key=api_key,
-                                       served_model_name=served_model_name)
+                                       served_model_name=served_model_name, keep_alive_on_error=keep_alive_on_error)
     except ValueError as e:
         err.print(f"[red]error[/red]: {e}")
         raise typer.Exit(2)
+    from ft.runtime.server.app import ServeFailed
     from ft.runtime.server.app import serve as run_server
 
     err.print(f"serving [bold]{serve_settings.model_name}[/bold] from {ftw} on http://{host}:{port} (device "
               f"{settings.device}); auth {'on' if api_key else 'off'}")
-    run_server(serve_settings, log_level=log_level)
+    if not api_key and host not in ("127.0.0.1", "localhost", "::1"):
+        err.print(f"[yellow]warning[/yellow]: --host {host} without --api-key: anyone who can reach this machine "
+                  f"can use the server; set --api-key (or FT_API_KEY)")
+    try:
+        run_server(serve_settings, log_level=log_level)
+    except ServeFailed as e:
+        err.print(f"[red]error[/red]: the model cannot be served: {e}; exiting (--keep-alive-on-error keeps the "
+                  f"server up, reporting the error on /health)")
+        raise typer.Exit(1)

@@ -95,7 +95,12 @@ class Tokenizer:
         return None if token is None else self._tok.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of `text`; UnicodeEncodeError (saying where) for text with no UTF-8 form (a lone surrogate)."""
+        try:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:
+            text.encode("utf-8")  # the tokenizer refuses such text with a bare TypeError: raise the cause instead
+            raise
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -39,9 +39,11 @@ def load_engine(settings: ServeSettings) -> Any:
     return engine
 
 
-def create_app(settings: ServeSettings, load: Callable[[], Any] | None = None) -> FastAPI:
+def create_app(settings: ServeSettings, load: Callable[[], Any] | None = None, *,
+               on_fatal: Callable[[str], None] | None = None) -> FastAPI:
+    """The app; `on_fatal(reason)` is called when the engine cannot serve (its load failed or its loop stopped)."""
     metrics = ServerMetrics()
-    loop = EngineLoop(load or (lambda: load_engine(settings)), on_events=metrics.on_engine_events)
+    loop = EngineLoop(load or (lambda: load_engine(settings)), on_events=metrics.on_engine_events, on_fatal=on_fatal)
     state = ServerState(settings, loop, metrics)
 
     @asynccontextmanager
@@ -51,7 +53,7 @@ def create_app(settings: ServeSettings, load: Callable[[], Any] | None = None) -
         await asyncio.to_thread(loop.stop)
 
     app = FastAPI(title="ft", summary="OpenAI- and Anthropic-compatible MoE server", lifespan=lifespan,
-                  docs_url=None, redoc_url=None)
+                  docs_url=None, redoc_url=None, openapi_url=None)  # the schema is served behind the key below
     app.state.server = state
     app.state.metrics = metrics
     install_error_handlers(app)
@@ -101,6 +103,10 @@ def _ops_router() -> APIRouter:
     async def stats(request: Request) -> dict:
         return server_state(request).stats()
 
+    @router.get("/openapi.json", dependencies=auth, include_in_schema=False)
+    async def openapi(request: Request) -> dict:
+        return request.app.openapi()
+
     @router.get("/metrics", dependencies=auth)
     async def metrics(request: Request) -> PlainTextResponse:
         return PlainTextResponse(prometheus_text(server_state(request).stats()),
@@ -109,10 +115,28 @@ def _ops_router() -> APIRouter:
     return router
 
 
+class ServeFailed(RuntimeError):
+    """The engine could not serve (the reason is the message) and the server exited for it."""
+
+
 def serve(settings: ServeSettings, *, log_level: str = "info") -> None:
-    """Run the server until interrupted (blocking)."""
+    """Run the server until interrupted (blocking). If the model cannot load, or the engine loop stops, the server
+    shuts down and ServeFailed is raised, so a supervisor sees the process fail, unless
+    `settings.keep_alive_on_error` keeps it answering /health with the error."""
     import uvicorn
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(settings)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=log_level, timeout_graceful_shutdown=5)
+    failed: list[str] = []
+    server: uvicorn.Server | None = None
+
+    def fatal(reason: str) -> None:
+        failed.append(reason)
+        if not settings.keep_alive_on_error and server is not None:
+            server.should_exit = True
+
+    app = create_app(settings, on_fatal=fatal)
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level,
+                                           timeout_graceful_shutdown=5))
+    server.run()
+    if failed and not settings.keep_alive_on_error:
+        raise ServeFailed(failed[0])

@@ -136,6 +136,13 @@ def install_error_handlers(app: FastAPI) -> None:
             response.status_code = 405
         return response
 
+    @app.exception_handler(UnicodeEncodeError)
+    async def _not_unicode(request: Request, exc: UnicodeEncodeError) -> JSONResponse:
+        bad = exc.object[exc.start:exc.end].encode("unicode_escape").decode()
+        return error_response(request, invalid(
+            f"the request's text is not valid Unicode: {bad} at character {exc.start} of a text field "
+            f"({exc.reason}; a lone UTF-16 surrogate has no UTF-8 form)", code="invalid_unicode"))
+
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)

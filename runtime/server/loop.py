@@ -37,9 +37,11 @@ class EngineFailure(RuntimeError):
 
 
 class EngineLoop:
-    def __init__(self, load: Callable[[], Any], *, on_events: Callable[[list], None] | None = None) -> None:
+    def __init__(self, load: Callable[[], Any], *, on_events: Callable[[list], None] | None = None,
+                 on_fatal: Callable[[str], None] | None = None) -> None:
         self._load = load
         self._on_events = on_events
+        self._on_fatal = on_fatal  # called (on the engine thread) with the reason once the engine cannot serve
         self.engine: Any = None
         self.status = "loading"  # loading -> ok | error
         self.error: str | None = None
@@ -86,13 +88,18 @@ class EngineLoop:
 
     # ---- the engine thread ----------------------------------------------------------------------------------
 
+    def _fatal(self) -> None:
+        if self._on_fatal is not None:
+            self._on_fatal(self.error or "the engine stopped")
+
     def _main(self) -> None:
         try:
             self.engine = self._load()
-        except BaseException as e:  # noqa: BLE001 - reported through /health, the process keeps serving errors
+        except BaseException as e:  # noqa: BLE001 - reported through /health and on_fatal (ft serve exits)
             self.status, self.error = "error", f"{type(e).__name__}: {e}"
             log.exception("loading the engine failed")
             self._refuse_pending()
+            self._fatal()
             return
         self.loaded_at = time.time()
         self.status = "ok"
@@ -110,6 +117,7 @@ class EngineLoop:
         except BaseException as e:  # noqa: BLE001 - a bug in the loop itself: say so on /health, fail requests
             self.status, self.error = "error", f"the engine loop stopped: {type(e).__name__}: {e}"
             log.exception("engine loop crashed")
+            self._fatal()
         finally:
             self._refuse_pending()
             if callable(getattr(self.engine, "close", None)):  # GPU scheduler threads, page-locked banks

@@ -15,7 +15,8 @@ StopField = Union[str, list[str], None]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    # strict: a number or boolean sent as a string ("3", "yes") or a boolean sent as a number is refused, not coerced
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
 class _Sampling(_Body):
@@ -28,7 +29,7 @@ class _Sampling(_Body):
     repetition_penalty: float | None = Field(None, gt=0)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # what a torch.Generator takes
     ignore_eos: bool = False
 
 

@@ -27,6 +27,7 @@ class ServeSettings:
     api_key: str | None = None
     served_model_name: str | None = None  # None -> the FTW directory's name
     keepalive_s: float = 15.0  # silence before an SSE keep-alive (OpenAI comment / Anthropic ping)
+    keep_alive_on_error: bool = False  # a model that cannot load (or an engine that stops): keep serving /health 500
 
     def __post_init__(self) -> None:
         problems = []

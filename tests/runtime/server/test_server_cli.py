@@ -106,3 +106,34 @@ def test_server_imports_neither_the_compiler_nor_transformers():
             "print([m for m in sys.modules if m.startswith(('ft.compiler', 'transformers'))])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_ft_serve_exits_when_the_model_cannot_load(tmp_path):
+    """A supervisor sees the failure: status 1 and the reason, unless --keep-alive-on-error keeps /health at 500;
+    a non-loopback --host without a key is warned about."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = [sys.executable, "-c", "from ft.cli.main import main; main()", "serve", "--ftw", str(tmp_path),
+            "--port", str(port), "--device", "cpu", "--log-level", "error"]
+    env = {k: v for k, v in os.environ.items() if k != "FT_API_KEY"}
+    done = subprocess.run(base + ["--host", "0.0.0.0"], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 1, done.stderr
+    assert "cannot be served" in done.stderr and "--keep-alive-on-error" in done.stderr
+    assert "--host 0.0.0.0 without --api-key" in done.stderr
+    proc = subprocess.Popen(base + ["--keep-alive-on-error"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/health")
+                if r.status_code == 500:
+                    break
+            except httpx.TransportError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read().decode()
+            time.sleep(0.1)
+        assert r.json()["status"] == "error" and proc.poll() is None
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(15)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 
 import httpx
@@ -61,9 +62,48 @@ def test_invalid_json_and_fields_anthropic_shape(server):
         {"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tool_choice"),
     ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": {
         "name": "f", "arguments": "{oops"}}]}, *USER]}, "messages[0].tool_calls[0].function.arguments"),
+    # strict types: no string or boolean coercion; integers within what the sampler takes
+    ({"messages": USER, "max_tokens": "3"}, "max_tokens"),
+    ({"messages": USER, "max_tokens": True}, "max_tokens"),
+    ({"messages": USER, "stream": "yes"}, "stream"),
+    ({"messages": USER, "logprobs": 1}, "logprobs"),
+    ({"messages": USER, "seed": 2**70}, "seed"),
 ])
 def test_invalid_chat_fields(server, body, param):
     _openai_error(httpx.post(server.url + CHAT, json=body), 400, param)
+
+
+def test_strict_types_anthropic(server):
+    for field, bad in (("max_tokens", {"max_tokens": "3"}), ("stream", {"max_tokens": 8, "stream": "yes"}),
+                       ("temperature", {"max_tokens": 8, "temperature": "0.5"})):
+        r = httpx.post(server.url + MSG, json={"messages": USER, **bad})
+        assert _anthropic_error(r, 400, "invalid_request_error").startswith(f"{field}:")
+
+
+def _post_ascii(client: httpx.Client, path: str, body: dict) -> httpx.Response:
+    """JSON with every non-ASCII character escaped, as a client sends a lone surrogate (\\ud800)."""
+    return client.post(path, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+
+
+def test_lone_surrogate_is_a_400_and_the_connection_lives_on(server):
+    text = "\ud800abc"  # valid JSON, no UTF-8 form
+    with httpx.Client(base_url=server.url) as client:  # one keep-alive connection for every request
+        for path, body in ((CHAT, {"messages": [{"role": "user", "content": text}], "max_tokens": 2}),
+                           ("/v1/completions", {"prompt": text, "max_tokens": 2}),
+                           ("/v1/responses", {"input": text, "max_output_tokens": 2})):
+            err = _openai_error(_post_ascii(client, path, body), 400)
+            assert err["code"] == "invalid_unicode" and "\\ud800" in err["message"]
+        message = _anthropic_error(_post_ascii(client, MSG, {"messages": [{"role": "user", "content": text}],
+                                                             "max_tokens": 2}), 400, "invalid_request_error")
+        assert "not valid Unicode" in message
+        assert client.post(CHAT, json={"messages": USER, "max_tokens": 1}).status_code == 200
+
+
+def test_openapi_schema_needs_the_key(server, tight_server):
+    assert httpx.get(server.url + "/openapi.json").json()["info"]["title"] == "ft"
+    assert httpx.get(tight_server.url + "/openapi.json").status_code == 401
+    r = httpx.get(tight_server.url + "/openapi.json", headers={"Authorization": "Bearer secret"})
+    assert r.status_code == 200 and "/v1/chat/completions" in r.json()["paths"]
 
 
 def test_invalid_completion_fields(server):
