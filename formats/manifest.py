@@ -158,6 +158,10 @@ def parse_manifest(m: Any, where: str) -> Manifest:
         names.add(rec.name)
         banks[rec.name] = rec
     assets = _assets(_obj(m, "assets", where, list), where, slot=None)
+    for key in ("file", "chat_template"):  # the tokenizer's side files: assets of this FTW, nothing else
+        ref = m["tokenizer"].get(key)
+        _need(ref is None or (isinstance(ref, str) and ref in assets), E.FtwSchemaError, where,
+              f"tokenizer.{key} {ref!r} names no listed asset")
     slots = {s: tuple(_assets(_obj(m, s, where, list), where, slot=s).values()) for s in ("plans", "kernels")}
     _check_regions(files, tensors, banks, where)
     try:

@@ -145,8 +145,12 @@ class FtwReader:
             self._check_size(self.path / a.name, a.nbytes)
         self._maps: dict[int, torch.Tensor] = {}
 
-    @staticmethod
-    def _check_size(p: Path, nbytes: int) -> None:
+    def _check_size(self, p: Path, nbytes: int) -> None:
+        # an entry is a regular file inside the directory: not a symbolic link (to anything), not under a linked
+        # slot directory that leads elsewhere
+        if p.is_symlink() or (p.exists() and not p.resolve().is_relative_to(self.path.resolve())):
+            raise E.FtwPathError(p, "is a symbolic link or resolves outside the FTW directory; entries must be "
+                                    "regular files inside it")
         if not p.is_file():
             raise E.FtwNotFoundError(p, "file listed in the manifest is missing")
         size = p.stat().st_size

@@ -70,7 +70,8 @@ class Tokenizer:
         template = None
         if meta.get("chat_template"):
             template = reader.asset(meta["chat_template"]).decode("utf-8")
-        return cls(_HfTokenizer.from_file(str(reader.asset_path(meta["file"]))), template, meta)
+        # parsed from the checksummed bytes: a corrupted file is a checksum error, not a parse failure
+        return cls(_HfTokenizer.from_str(reader.asset(meta["file"]).decode("utf-8")), template, meta)
 
     # ---- ids <-> text
 

@@ -198,6 +198,29 @@ def test_V11_unsafe_path(ftw: Path, edit: Callable, word: str) -> None:
     reject(ftw, E.FtwPathError, word)
 
 
+@pytest.mark.parametrize("victim", ["data-00000.ftd", "tokenizer.json", "plans/tiny.plan"])
+def test_V11_a_symbolic_link_is_refused(ftw: Path, tmp_path: Path, victim: str) -> None:
+    # the same bytes, outside the directory: the link is refused whatever it points at
+    outside = tmp_path / "elsewhere"
+    shutil.copyfile(ftw / victim, outside)
+    (ftw / victim).unlink()
+    (ftw / victim).symlink_to(outside)
+    reject(ftw, E.FtwPathError, "symbolic link", file=Path(victim).name)
+
+
+def test_V11_a_linked_slot_directory_is_refused(ftw: Path, tmp_path: Path) -> None:
+    shutil.move(ftw / "plans", tmp_path / "plans")
+    (ftw / "plans").symlink_to(tmp_path / "plans", target_is_directory=True)
+    reject(ftw, E.FtwPathError, "outside the FTW directory", file="tiny.plan")
+
+
+@pytest.mark.parametrize("key,name", [("file", "/etc/passwd"), ("file", "../../tokenizer.json"),
+                                      ("chat_template", "missing.jinja"), ("file", 7)])
+def test_V9_tokenizer_names_a_listed_asset(ftw: Path, key: str, name: Any) -> None:
+    edit_manifest(ftw, lambda m: m["tokenizer"].update({key: name}))
+    reject(ftw, E.FtwSchemaError, f"tokenizer.{key} {name!r} names no listed asset")
+
+
 @pytest.mark.parametrize("edit,word", [
     (set_key(("t.f32", "dtype"), "F64"), "dtype 'F64' not in"),
     (set_key(("t.f32", "dtype"), ["F32"]), "dtype ['F32'] not in"),

@@ -228,3 +228,24 @@ def test_runtime_tokenizer_imports_neither_transformers_nor_the_compiler():
     code = ("import sys, ft.runtime.tokenizer; bad = [m for m in sys.modules if m == 'transformers' "
             "or m.startswith(('transformers.', 'ft.compiler'))]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_corrupted_tokenizer_file_is_a_checksum_error(ftw_for, tmp_path):
+    import shutil
+
+    from ft.formats import FtwReader
+    from ft.formats.errors import FtwChecksumError
+
+    ftw = Path(shutil.copytree(ftw_for("qwen3_moe", "nvfp4"), tmp_path / "m"))
+    path = ftw / FtwReader(ftw).tokenizer["file"]
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x20  # same size: only the checksum can tell
+    path.write_bytes(bytes(raw))
+    with pytest.raises(FtwChecksumError, match="asset xxh3"):
+        Tokenizer.from_reader(FtwReader(ftw))
+
+
+def test_text_without_a_utf8_form_is_refused_with_its_position(toks):
+    with pytest.raises(UnicodeEncodeError) as info:
+        toks["qwen3"].encode("abc\ud800def")
+    assert info.value.start == 3
