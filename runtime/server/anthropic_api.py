@@ -192,4 +192,5 @@ async def _stream(job: Job, run: ChatRun, message_id: str, model: str, keepalive
                                           "usage": {"output_tokens": job.completion_tokens}})
         yield sse_event("message_stop", {"type": "message_stop"})
     except EngineFailure as e:
+        job.state.metrics.error()  # an error answer inside a 200 stream
         yield sse_error(ApiError("server", str(e)), anthropic=True)

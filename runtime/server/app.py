@@ -1,7 +1,7 @@
 """The FastAPI app behind `ft serve`: OpenAI + Anthropic endpoints over one engine loop, plus operations routes.
 
 Routes: GET /health (no auth: 503 {"status": "loading"} -> 200 {"status": "ok"}; 500 {"status": "error"} if the
-load failed), GET /v1/models[/{id}], GET /v1/stats, GET /metrics (Prometheus), and the API routers (openai_api,
+load failed, or while the engine's last step failed), GET /v1/models[/{id}], GET /v1/stats, GET /metrics (Prometheus), and the API routers (openai_api,
 responses_api, anthropic_api). The engine loads on the loop thread, started by the app's lifespan, so the socket is
 bound while the weights load. See specs/server.md.
 """
@@ -81,6 +81,8 @@ def _ops_router() -> APIRouter:
     @router.get("/health")
     async def health(request: Request) -> JSONResponse:
         loop = server_state(request).loop
+        if loop.status == "ok" and loop.failing:  # loaded, but its last step failed: requests fail now
+            return JSONResponse({"status": "error", "error": loop.failing}, status_code=500)
         if loop.status == "ok":
             return JSONResponse({"status": "ok"})
         if loop.status == "error":

@@ -130,6 +130,7 @@ class Job:
         self.token_ids: list[int] = []
         self.logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []  # (id, logprob, top) per token
         self.started = time.perf_counter()
+        self.failed = False  # the engine failed under it (the error answer counts it, not the disconnects)
         self._closed = False
 
     async def batches(self, *, keepalive_s: float | None = None,
@@ -138,7 +139,11 @@ class Job:
         With request (non-streaming), a client that went away ends the iteration (close() then aborts)."""
         checked = time.monotonic()
         while not self.stream.finished:
-            batch = await self.stream.next_batch(keepalive_s or (1.0 if request is not None else None))
+            try:
+                batch = await self.stream.next_batch(keepalive_s or (1.0 if request is not None else None))
+            except EngineFailure:
+                self.failed = True
+                raise
             if request is not None and time.monotonic() - checked >= 1.0:
                 checked = time.monotonic()
                 if await request.is_disconnected():
@@ -164,7 +169,7 @@ class Job:
         self.state.metrics.request_ended(
             prompt_tokens=self.prompt_tokens, completion_tokens=self.completion_tokens,
             finish_reason=self.finish_reason, ttft_s=self.stream.ttft_s,
-            latency_s=time.perf_counter() - self.started)
+            latency_s=time.perf_counter() - self.started, failed=self.failed)
 
     def matched_stop(self) -> str | None:
         """The stop string that ended the output (None: an end-of-sequence token, or not stopped)."""

@@ -45,6 +45,7 @@ class EngineLoop:
         self.engine: Any = None
         self.status = "loading"  # loading -> ok | error
         self.error: str | None = None
+        self.failing: str | None = None  # the last engine step failed with this (cleared by one that works)
         self.loaded_at: float | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._sinks: dict[str, _Sink] = {}
@@ -154,6 +155,7 @@ class EngineLoop:
         except Exception as e:  # noqa: BLE001 - fail the requests, keep the server up
             log.exception("engine.step() failed")
             failure = EngineFailure(f"the engine failed: {type(e).__name__}: {e}")
+            self.failing = str(failure)
             for request_id, sink in list(self._sinks.items()):
                 self._deliver(sink, failure)
                 try:
@@ -162,6 +164,8 @@ class EngineLoop:
                     log.exception("abort after failure")
             self._sinks.clear()
             return
+        if any(ev.token_id is not None for ev in events):  # the model produced tokens again (abort events don't)
+            self.failing = None
         batches: dict[str, list] = {}
         for ev in events:
             if ev.request_id in self._sinks:

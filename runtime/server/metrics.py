@@ -52,12 +52,15 @@ class ServerMetrics:
             self.active += 1
 
     def request_ended(self, *, prompt_tokens: int, completion_tokens: int, finish_reason: str | None,
-                      ttft_s: float | None, latency_s: float) -> None:
+                      ttft_s: float | None, latency_s: float, failed: bool = False) -> None:
+        """`failed`: the engine failed under the request; its error answer is counted by `error()`."""
         with self._lock:
             self.active -= 1
             self.prompt_tokens += prompt_tokens
             self.completion_tokens += completion_tokens
-            if finish_reason in (None, "abort"):
+            if failed:
+                pass
+            elif finish_reason in (None, "abort"):
                 self.disconnected += 1
             else:
                 self.completed += 1

@@ -143,6 +143,7 @@ async def _chat_stream(job: Job, run: ChatRun, meta: dict, include_usage: bool, 
             yield sse({**meta, "object": "chat.completion.chunk", "choices": [], "usage": usage(job)})
         yield "data: [DONE]\n\n"
     except EngineFailure as e:
+        job.state.metrics.error()  # an error answer inside a 200 stream
         yield sse_error(ApiError("server", str(e)), anthropic=False)
 
 
@@ -225,4 +226,5 @@ async def _completion_stream(job: Job, meta: dict, echo: str, include_usage: boo
             yield sse({**meta, "object": "text_completion", "choices": [], "usage": usage(job)})
         yield "data: [DONE]\n\n"
     except EngineFailure as e:
+        job.state.metrics.error()  # an error answer inside a 200 stream
         yield sse_error(ApiError("server", str(e)), anthropic=False)

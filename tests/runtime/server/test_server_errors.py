@@ -209,3 +209,24 @@ def test_load_failure_is_reported(tmp_path, make_server):
 def test_serve_settings_validation(tmp_path, kwargs, flag):
     with pytest.raises(ValueError, match=flag):
         ServeSettings(ftw=tmp_path, **kwargs)
+
+
+def test_engine_failure_is_an_error_not_a_disconnect(qwen3_ftw, make_server):
+    """A forward that raises (a corrupted expert record, say) ends every request with a server error; the stats
+    count those as errors, one per request, never as clients that went away."""
+    def broken():
+        engine = load_engine(settings)
+        engine.model.forward = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("bad expert record"))
+        return engine
+
+    settings = ServeSettings(ftw=qwen3_ftw, engine=EngineSettings(device="cpu"), port=0)
+    live = make_server(settings, broken)
+    _openai_error(httpx.post(live.url + CHAT, json={"messages": USER, "max_tokens": 2}), 500)
+    with httpx.stream("POST", live.url + CHAT, json={"messages": USER, "max_tokens": 2, "stream": True}) as r:
+        assert r.status_code == 200 and '"error"' in r.read().decode()
+    with httpx.stream("POST", live.url + MSG, json={"messages": USER, "max_tokens": 2, "stream": True}) as r:
+        assert "event: error" in r.read().decode()
+    requests = httpx.get(live.url + "/v1/stats").json()["requests"]
+    assert (requests["errors"], requests["disconnected"], requests["completed"]) == (3, 0, 0)
+    health = httpx.get(live.url + "/health")
+    assert health.status_code == 500 and "bad expert record" in health.json()["error"]
