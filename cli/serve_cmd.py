@@ -28,6 +28,8 @@ def serve(
                                                     help="Model id in /v1/models and responses "
                                                          "(default: the FTW directory name)."),
     log_level: str = typer.Option("info", "--log-level", help="debug, info, warning or error."),
+    max_request_bytes: int = typer.Option(32 << 20, "--max-request-bytes",
+                                          help="Largest request body accepted; a larger one gets 413 unparsed."),
     keep_alive_on_error: bool = typer.Option(False, "--keep-alive-on-error",
                                              help="If the model cannot load, keep serving /health (500 with the "
                                                   "error) instead of exiting with status 1."),
@@ -48,7 +50,8 @@ def serve(
         raise typer.Exit(2)
     try:
         serve_settings = ServeSettings(ftw=ftw, engine=settings, host=host, port=port, api_key=api_key,
-                                       served_model_name=served_model_name, keep_alive_on_error=keep_alive_on_error)
+                                       served_model_name=served_model_name, keep_alive_on_error=keep_alive_on_error,
+                                       max_request_bytes=max_request_bytes)
     except ValueError as e:
         err.print(f"[red]error[/red]: {e}")
         raise typer.Exit(2)

@@ -19,7 +19,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from ft.runtime.server import anthropic_api, openai_api, responses_api
-from ft.runtime.server.errors import ApiError, install_error_handlers
+from ft.runtime.server.errors import ApiError, BodyLimit, install_error_handlers
 from ft.runtime.server.loop import EngineLoop
 from ft.runtime.server.metrics import ServerMetrics, prometheus_text
 from ft.runtime.server.parsers import THINK_OPEN
@@ -57,6 +57,7 @@ def create_app(settings: ServeSettings, load: Callable[[], Any] | None = None, *
     app.state.server = state
     app.state.metrics = metrics
     install_error_handlers(app)
+    app.add_middleware(BodyLimit, limit=settings.max_request_bytes)
     app.include_router(_ops_router())
     app.include_router(openai_api.router)
     app.include_router(responses_api.router)

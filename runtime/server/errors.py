@@ -32,6 +32,7 @@ _KINDS = {  # kind -> (OpenAI status, OpenAI type, Anthropic status, Anthropic t
     "invalid_request": (400, "invalid_request_error", 400, "invalid_request_error"),
     "authentication": (401, "invalid_request_error", 401, "authentication_error"),
     "not_found": (404, "invalid_request_error", 404, "not_found_error"),
+    "too_large": (413, "invalid_request_error", 413, "request_too_large"),
     "overloaded": (429, "rate_limit_error", 529, "overloaded_error"),
     "loading": (503, "server_error", 503, "api_error"),
     "server": (500, "server_error", 500, "api_error"),
@@ -147,3 +148,44 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return error_response(request, ApiError("server", f"internal error: {type(exc).__name__}: {exc}"))
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes is answered 413 in its API's error format, before the app
+    parses any of it (a declared Content-Length is checked up front; a body without one is read up to the limit
+    here, then handed on), so one huge request cannot hold the event loop in JSON parsing."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def _refuse(self, scope: dict, receive: Any, send: Any) -> None:
+        err = ApiError("too_large", f"the request body exceeds {self.limit} bytes (--max-request-bytes)",
+                       code="request_too_large")
+        status, body = error_payload(err, is_anthropic_path(scope.get("path", "")))
+        await JSONResponse(body, status_code=status)(scope, receive, send)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        if declared is not None:
+            if declared.isdigit() and int(declared) > self.limit:
+                return await self._refuse(scope, receive, send)
+            return await self.app(scope, receive, send)  # the server stops reading at the declared length
+        parts, seen = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away while sending
+            parts.append(message.get("body", b""))
+            seen += len(parts[-1])
+            if seen > self.limit:
+                return await self._refuse(scope, receive, send)
+            if not message.get("more_body"):
+                break
+        replay = [{"type": "http.request", "body": b"".join(parts), "more_body": False}]
+
+        async def buffered() -> dict:
+            return replay.pop() if replay else await receive()
+
+        await self.app(scope, buffered, send)

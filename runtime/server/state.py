@@ -28,11 +28,14 @@ class ServeSettings:
     served_model_name: str | None = None  # None -> the FTW directory's name
     keepalive_s: float = 15.0  # silence before an SSE keep-alive (OpenAI comment / Anthropic ping)
     keep_alive_on_error: bool = False  # a model that cannot load (or an engine that stops): keep serving /health 500
+    max_request_bytes: int = 32 << 20  # a larger request body is answered 413 before it is parsed
 
     def __post_init__(self) -> None:
         problems = []
         if self.api_key is not None and not self.api_key:
             problems.append("--api-key must not be empty (omit it to disable authentication)")
+        if self.max_request_bytes < 1024:
+            problems.append(f"--max-request-bytes must be at least 1024, got {self.max_request_bytes}")
         if not 0 <= self.port <= 65535:
             problems.append(f"--port must be in 0..65535, got {self.port}")
         if problems:

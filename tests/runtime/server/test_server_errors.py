@@ -230,3 +230,24 @@ def test_engine_failure_is_an_error_not_a_disconnect(qwen3_ftw, make_server):
     assert (requests["errors"], requests["disconnected"], requests["completed"]) == (3, 0, 0)
     health = httpx.get(live.url + "/health")
     assert health.status_code == 500 and "bad expert record" in health.json()["error"]
+
+
+def test_oversized_bodies_are_413_before_parsing(qwen3_ftw, make_server):
+    live = make_server(ServeSettings(ftw=qwen3_ftw, engine=EngineSettings(device="cpu"), port=0,
+                                     max_request_bytes=4096))
+    big = {"messages": [{"role": "user", "content": "x" * 8000}], "max_tokens": 1}
+    err = _openai_error(httpx.post(live.url + CHAT, json=big), 413)
+    assert err["code"] == "request_too_large" and "4096 bytes" in err["message"]
+    _anthropic_error(httpx.post(live.url + MSG, json=big), 413, "request_too_large")
+
+    def chunks():  # no Content-Length: counted as it arrives
+        yield b'{"messages": [{"role": "user", "content": "'
+        for _ in range(10):
+            yield b"y" * 1000
+        yield b'"}]}'
+
+    _openai_error(httpx.post(live.url + CHAT, content=chunks(), headers={"content-type": "application/json"}), 413)
+    assert httpx.post(live.url + CHAT, json={"messages": USER, "max_tokens": 1}).status_code == 200
+    assert httpx.get(live.url + "/health").status_code == 200
+    with pytest.raises(ValueError, match="--max-request-bytes"):
+        ServeSettings(ftw=qwen3_ftw, max_request_bytes=10)
