@@ -24,7 +24,7 @@ from ft.runtime.server.errors import ApiError, invalid, sse_error
 from ft.runtime.server.generation import (ChatRun, Job, JobStreamingResponse, collect, render_chat,
                                           sampling_params, sse_event, submit)
 from ft.runtime.server.loop import EngineFailure
-from ft.runtime.server.parsers import ParsedOutput, ParseEvent
+from ft.runtime.server.parsers import THINK_CLOSE, ParsedOutput, ParseEvent
 from ft.runtime.server.schemas import ResponsesRequest
 from ft.runtime.server.state import check_api_key, server_state
 
@@ -71,7 +71,7 @@ async def responses(body: ResponsesRequest, request: Request) -> Any:
 
 def _final(base: dict, job: Job, items: list[dict], parsed: ParsedOutput, tokenizer: Any) -> dict:
     truncated = job.finish_reason == "length"
-    reasoning_tokens = len(tokenizer.encode(parsed.reasoning)) if parsed.reasoning else 0  # re-tokenized count
+    reasoning_tokens = _reasoning_tokens(job, parsed, tokenizer)
     return {**base, "status": "incomplete" if truncated else "completed", "output": items,
             "incomplete_details": {"reason": "max_output_tokens"} if truncated else None,
             "usage": {"input_tokens": job.prompt_tokens,
@@ -79,6 +79,17 @@ def _final(base: dict, job: Job, items: list[dict], parsed: ParsedOutput, tokeni
                       "output_tokens": job.completion_tokens,
                       "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                       "total_tokens": job.prompt_tokens + job.completion_tokens}}
+
+
+def _reasoning_tokens(job: Job, parsed: ParsedOutput, tokenizer: Any) -> int:
+    """Generated tokens up to and including the one that closes the reasoning block (all of them if it never
+    closed), counted in the output itself, not re-tokenized: never more than output_tokens."""
+    if not parsed.reasoning:
+        return 0
+    close = tokenizer.token_to_id(THINK_CLOSE)
+    ids = job.token_ids
+    end = ids.index(close) + 1 if close is not None and close in ids else len(ids)
+    return min(end, job.completion_tokens)
 
 
 def _reasoning_item(item_id: str, text: str | None) -> dict:

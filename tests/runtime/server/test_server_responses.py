@@ -90,3 +90,15 @@ def test_stateless_refuses_previous_response_id(openai_client):
     with pytest.raises(openai.BadRequestError) as e:
         openai_client.responses.create(model=MODEL, input="x", previous_response_id="resp_1")
     assert e.value.body["param"] == "previous_response_id"
+
+
+def test_reasoning_tokens_are_counted_in_the_output(think_server):
+    """usage.output_tokens_details.reasoning_tokens counts generated tokens (up to the one closing the reasoning),
+    never re-tokenized text: all of them while the output is still reasoning, never more than output_tokens."""
+    client = openai.OpenAI(base_url=think_server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    for n in (2, 9, 24):
+        resp = client.responses.create(model="tiny-qwen35", input="Hi", max_output_tokens=n, temperature=0)
+        usage = resp.usage
+        assert usage.output_tokens == n and usage.output_tokens_details.reasoning_tokens <= n
+        if [item.type for item in resp.output] == ["reasoning"]:  # still thinking when the cap hit
+            assert usage.output_tokens_details.reasoning_tokens == n
