@@ -42,9 +42,11 @@ def signature(thinking: str) -> str:
 async def _render(state: Any, body: CountTokensRequest | MessagesRequest) -> tuple[Any, bool]:
     tools = anthropic_tools(body.tools)
     choice, parallel = anthropic_tool_choice(body.tool_choice, tools)
-    prompt = await asyncio.to_thread(render_chat, state.engine.tokenizer,
-                                     anthropic_messages(body.system, body.messages), tools, choice=choice,
-                                     enable_thinking=anthropic_thinking(body.thinking))
+    chat = anthropic_messages(body.system, body.messages)
+    last = chat[-1]
+    prefill = last["role"] == "assistant" and isinstance(last.get("content"), str) and not last.get("tool_calls")
+    prompt = await asyncio.to_thread(render_chat, state.engine.tokenizer, chat, tools, choice=choice,
+                                     enable_thinking=anthropic_thinking(body.thinking), continue_final=prefill)
     return prompt, parallel
 
 

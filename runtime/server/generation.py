@@ -37,7 +37,11 @@ class ChatPrompt:
 
 
 def render_chat(tokenizer: Any, messages: list[dict], tools: list[dict], *, choice: Any = None,
-                enable_thinking: bool | None = None, template_kwargs: dict | None = None) -> ChatPrompt:
+                enable_thinking: bool | None = None, template_kwargs: dict | None = None,
+                continue_final: bool = False) -> ChatPrompt:
+    """The prompt of a chat request. `continue_final`: the last message is an assistant turn to continue (Anthropic's
+    prefill): the conversation is rendered as it stands and cut right after that message's text (as transformers'
+    `continue_final_message`), so the model goes on from it instead of starting a new turn."""
     kwargs = dict(template_kwargs or {})
     bad = _RESERVED_TEMPLATE_KEYS & kwargs.keys()
     if bad:
@@ -47,10 +51,17 @@ def render_chat(tokenizer: Any, messages: list[dict], tools: list[dict], *, choi
         enable_thinking = thinking
     shown = tools if tools and choice != "none" else []
     try:
-        text = tokenizer.apply_chat_template(messages, tools=shown or None, add_generation_prompt=True,
+        text = tokenizer.apply_chat_template(messages, tools=shown or None, add_generation_prompt=not continue_final,
                                              enable_thinking=enable_thinking, **kwargs)
     except ValueError as e:  # ChatTemplateError: the template refused this conversation
         raise invalid(str(e), "messages") from None
+    if continue_final:
+        final = str(messages[-1].get("content") or "").strip()
+        at = text.rfind(final) if final else -1
+        if at < 0:
+            raise invalid("the final assistant message cannot be continued: its text is empty, or the chat template "
+                          "does not render it verbatim", "messages")
+        text = text[:at + len(final)]
     spec = ParserSpec.detect(getattr(tokenizer, "chat_template", None), text, tools=bool(shown))
     forced = forced_prefix(spec, choice, text) if shown else ""
     return ChatPrompt(text + forced, tokenizer.encode(text + forced), spec, shown, forced)

@@ -131,3 +131,22 @@ def test_unknown_block_type_is_a_400(anthropic_client):
         anthropic_client.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}])
     assert e.value.body["error"]["type"] == "invalid_request_error" and "image" in e.value.body["error"]["message"]
+
+
+@pytest.mark.parametrize("fixture", ["server", "think_server"])
+def test_assistant_prefill_is_continued_not_closed(fixture, request):
+    """A trailing assistant message is the start of the reply: the prompt ends with its text (no end of turn, no
+    new assistant header), as transformers' continue_final_message renders it."""
+    live = request.getfixturevalue(fixture)
+    tok = live.tokenizer
+    chat = [{"role": "user", "content": "Name a color."}, {"role": "assistant", "content": "My favourite color is"}]
+    full = tok.apply_chat_template(chat, add_generation_prompt=False)
+    want = tok.encode(full[:full.rindex("My favourite color is") + len("My favourite color is")])
+    body = {"model": live.state.model_name, "messages": chat}
+    counted = httpx.post(live.url + "/v1/messages/count_tokens", json=body).json()["input_tokens"]
+    assert counted == len(want)
+    reply = httpx.post(live.url + "/v1/messages", json={**body, "max_tokens": 3, "temperature": 0}).json()
+    assert reply["usage"]["input_tokens"] == len(want)
+    empty = httpx.post(live.url + "/v1/messages/count_tokens",
+                       json={**body, "messages": [chat[0], {"role": "assistant", "content": " "}]})
+    assert empty.status_code == 400 and "cannot be continued" in empty.json()["error"]["message"]
