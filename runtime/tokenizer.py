@@ -41,6 +41,10 @@ class Tokenizer:
         self._template = _compile(chat_template) if chat_template is not None else None
         self._added = tokenizer.get_added_tokens_decoder()  # id -> AddedToken
         self.special_token_ids = frozenset(i for i, t in self._added.items() if t.special)
+        # the control tokens' texts, longest first (so a token that contains another is found whole)
+        self.special_strings = tuple(sorted({t.content for t in self._added.values() if t.special}, key=len,
+                                            reverse=True))
+        self._literal: _HfTokenizer | None = None  # a twin that reads control-token text as plain text
         self.special_tokens_map: dict[str, str] = {}
         for key in _SPECIAL_KEYS:
             token = _token_text((special or {}).get(key))
@@ -102,6 +106,15 @@ class Tokenizer:
         except TypeError:
             text.encode("utf-8")  # the tokenizer refuses such text with a bare TypeError: raise the cause instead
             raise
+
+    def encode_literal(self, text: str) -> list[int]:
+        """Token ids of `text` with any control-token text in it (`<|im_end|>`, say) encoded as plain text, never
+        as the control token: what user-supplied text must be, so that it cannot forge a turn boundary."""
+        if self._literal is None:  # a separate tokenizer: the flag is per object, and calls may be concurrent
+            twin = _HfTokenizer.from_str(self._tok.to_str())
+            twin.encode_special_tokens = True
+            self._literal = twin
+        return self._literal.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)

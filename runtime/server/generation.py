@@ -18,6 +18,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from ft.runtime.engine import ContextOverflowError, QueueFullError, SamplingParams
+from ft.runtime.server import shield
 from ft.runtime.server.errors import ApiError, invalid
 from ft.runtime.server.loop import EngineFailure, RequestStream
 from ft.runtime.server.parsers import OutputParser, ParsedOutput, ParseEvent, ParserSpec, new_call_id
@@ -50,6 +51,7 @@ def render_chat(tokenizer: Any, messages: list[dict], tools: list[dict], *, choi
     if enable_thinking is None:
         enable_thinking = thinking
     shown = tools if tools and choice != "none" else []
+    messages, found, nonce = shield.shield(messages, getattr(tokenizer, "special_strings", ()))
     try:
         text = tokenizer.apply_chat_template(messages, tools=shown or None, add_generation_prompt=not continue_final,
                                              enable_thinking=enable_thinking, **kwargs)
@@ -64,7 +66,11 @@ def render_chat(tokenizer: Any, messages: list[dict], tools: list[dict], *, choi
         text = text[:at + len(final)]
     spec = ParserSpec.detect(getattr(tokenizer, "chat_template", None), text, tools=bool(shown))
     forced = forced_prefix(spec, choice, text) if shown else ""
-    return ChatPrompt(text + forced, tokenizer.encode(text + forced), spec, shown, forced)
+    try:  # control-token text inside the messages stays plain text (`shield`)
+        text, ids = shield.encode(tokenizer, text + forced, found, nonce)
+    except shield.NotVerbatim as e:
+        raise invalid(str(e), "messages") from None
+    return ChatPrompt(text, ids, spec, shown, forced)
 
 
 def forced_prefix(spec: ParserSpec, choice: Any, prompt: str) -> str:
