@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from ft.runtime.server.json_close import json_closer
 from ft.runtime.server.param_types import convert_param, schema_types
 
 END_TAG = "</tool_call>"
@@ -108,6 +109,8 @@ class HermesBlock:
                 body = self.buf[: len(self.buf) - partial_suffix(self.buf, (END_TAG,))]
             # The arguments are the body minus the outer object's closing brace (held back until the end).
             args = body[: _OUTER_CLOSE.search(body).start()]
+            if end < 0 and final:  # cut by max_tokens: close what is open, so the arguments stay JSON
+                args += json_closer(args)
             if len(args) > self.sent:
                 events.append(ParseEvent("tool_args", args[self.sent:]))
                 self.sent = len(args)

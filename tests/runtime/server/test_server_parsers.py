@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from ft.runtime.server.parsers import OutputParser, ParsedOutput, ParserSpec, parse_all
 from ft.runtime.server.param_types import convert_param
+from ft.runtime.server.json_close import json_closer
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
     "city": {"type": "string"}, "days": {"type": "integer"}, "unit": {"type": "string", "enum": ["c", "f"]}}}}}
@@ -51,7 +52,7 @@ CASES = [
      "", "Sure. <tool_call>\n{not json}\n</tool_call> done", []),
     ("hermes_truncated_call", HERMES,
      '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par',
-     "", "", [("get_weather", '{"city": "Par')]),
+     "", "", [("get_weather", {"city": "Par"})]),  # cut by max_tokens: closed, still JSON
     ("plain_answer_no_think", HERMES, "Hello! How can I help?", "", "Hello! How can I help?", []),
     ("less_than_signs", HERMES, "if a < b and c <tool", "", "if a < b and c <tool", []),
     ("truncated_reasoning", HERMES, "<think>\nLet me think about <this> carefully", "Let me think about <this> "
@@ -182,3 +183,16 @@ def test_spec_detection():
 ])
 def test_convert_param(text, schema, expected):
     assert convert_param(text, schema) == expected
+
+
+@pytest.mark.parametrize("full", [
+    '{"city": "Par\\"is", "days": [1, 2, {"x": true, "y": -1.5e3}], "note": null, "ok": false, "e": {}, "l": []}',
+    '{"a": {"b": [[1], {"c": "d,}]"}]}, "u": "\\u00e9", "k\\u00e9y": [0.5, "x"] , "z" : {"q":[]}}',
+])
+def test_json_closer_makes_every_cut_valid_json(full):
+    """A tool call's arguments cut anywhere by max_tokens become JSON by appending only (their start has been
+    streamed): strings, escapes, literals and numbers completed, dangling keys given null, brackets closed."""
+    for k in range(1, len(full) + 1):
+        cut = full[:k]
+        json.loads(cut + json_closer(cut))
+    assert json_closer("not json") == "" and json_closer('{"a": 1}}') == ""
