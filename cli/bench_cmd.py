@@ -40,7 +40,8 @@ def bw(
                   f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'none'}).")
         raise typer.Exit(1)
     prof = run_bench(hidden=hidden, inter=inter, top_k=top_k, pool_gib=pool_gib, cpu_threads=cpu_threads or None,
-                     copy_threads=copy_threads, seconds=seconds, registered_mmap=registered_mmap, progress=lambda m: err.print(f"[dim]{m}[/dim]"))
+                     copy_threads=copy_threads, seconds=seconds, registered_mmap=registered_mmap,
+                     progress=lambda m: err.print(f"[dim]{m}[/dim]"))
     path = save_profile(prof, output)
     if json_out:
         typer.echo(json.dumps(prof, indent=2))
@@ -52,7 +53,8 @@ def bw(
     rows = [("H2D pinned, 1 GiB", "h2d_pinned"), ("D2H pinned, 1 GiB", "d2h_pinned"),
             ("H2D pageable, 256 MiB", "h2d_pageable"), ("H2D expert records, pinned", "h2d_expert_pinned"),
             ("H2D expert records, staged (fetch path)", "h2d_expert_staged"),
-            ("H2D expert records, registered file mmap", "h2d_expert_registered_mmap"), ("host memory read", "host_read"),
+            ("H2D expert records, registered file mmap", "h2d_expert_registered_mmap"),
+            ("host memory read", "host_read"),
             (f"CPU expert kernel ({g['cpu_backend']}, {prof['cpu']['threads_used']} threads)", "cpu_expert"),
             ("concurrent: PCIe fetch", "concurrent_pcie"), ("concurrent: CPU experts", "concurrent_cpu")]
     for label, key in rows:

@@ -63,11 +63,13 @@ def inspect(path: Path = typer.Argument(..., help="FTW directory"),
     t.add_row("family", s["family"])
     t.add_row("parameters", f"{_human(p['total'])} total, {_human(p['active_per_token'])} active per token "
                             f"({_human(p['dense'])} dense + {_human(p['experts'])} in experts)")
-    t.add_row("layers", f"{L['total']} ({L['full_attention']} full attention, {L['linear_attention']} linear attention; "
-                        f"{L['moe']} MoE)")
+    t.add_row("layers", f"{L['total']} ({L['full_attention']} full attention, "
+                        f"{L['linear_attention']} linear attention; {L['moe']} MoE)")
     t.add_row("experts", f"{x['per_layer']} per layer, top-{x['per_token']}"
-                         + (f", shared expert {x['shared_expert_intermediate']}" if x["shared_expert_intermediate"] else ""))
-    t.add_row("formats", f"banks {s['formats']['expert_banks']}, quantized linears {s['formats']['linears'] or 'none'}, "
+                         + (f", shared expert {x['shared_expert_intermediate']}"
+                            if x["shared_expert_intermediate"] else ""))
+    t.add_row("formats", f"banks {s['formats']['expert_banks']}, "
+                         f"quantized linears {s['formats']['linears'] or 'none'}, "
                          f"dense dtypes {s['formats']['dense_dtypes']}")
     t.add_row("bytes", f"dense {_mib(b['dense'])}, experts {_mib(b['experts'])}, assets {_mib(b['assets'])}; "
                        f"{b['num_data_files']} data file(s), {_mib(b['data_files'])}")

@@ -66,7 +66,8 @@ class Emitter:
 
     def rows(self, sn: Sniffed, dtype: torch.dtype | None) -> Rows:
         """One HF linear in row-wise form; plain weights converted to `dtype` while reading."""
-        return load(self.ck, lambda n: self.read(n, dtype if n.endswith(".weight") and sn.scheme == "plain" else None), sn)
+        return load(self.ck,
+                    lambda n: self.read(n, dtype if n.endswith(".weight") and sn.scheme == "plain" else None), sn)
 
     def dequant_to(self, r: Rows, dtype: torch.dtype, what: str) -> torch.Tensor:
         """Exact dequantization rounded once to `dtype`, in row chunks (bounded float32 temporaries)."""

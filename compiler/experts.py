@@ -78,7 +78,8 @@ class _FusedBank(Bank):
 
     def expert(self, em: Emitter, e: int) -> dict[str, torch.Tensor]:
         dt = _DTYPE_OF[self.scheme]
-        return {"gate_up": em.read(self.src.gate_up, dt, (e, e + 1))[0], "down": em.read(self.src.down, dt, (e, e + 1))[0]}
+        return {"gate_up": em.read(self.src.gate_up, dt, (e, e + 1))[0],
+                "down": em.read(self.src.down, dt, (e, e + 1))[0]}
 
 
 @dataclass(frozen=True)

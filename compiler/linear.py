@@ -54,7 +54,8 @@ def sniff(ck: Checkpoint, module: str) -> Sniffed:
         return Sniffed(module, "plain", out, cols, (w,))
     if info.dtype == "U8" and ck.has(s) and ck.has(s2):
         si, s2i = ck.info(s), ck.info(s2)
-        if si.dtype != "F8_E4M3" or si.shape != (out, cols * 2 // 16) or s2i.dtype != "F32" or math.prod(s2i.shape) != 1:
+        if (si.dtype != "F8_E4M3" or si.shape != (out, cols * 2 // 16)
+                or s2i.dtype != "F32" or math.prod(s2i.shape) != 1):
             raise CheckpointError(
                 f"{module}: NVFP4 tensors have unexpected layout: weight U8 {list(info.shape)}, weight_scale "
                 f"{si.dtype} {list(si.shape)} (want F8_E4M3 [{out}, {cols * 2 // 16}]), weight_scale_2 {s2i.dtype} "

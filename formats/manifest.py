@@ -199,9 +199,12 @@ def _tensor(t: Any, where: str, num_files: int) -> TensorRecord:
     _need(isinstance(name, str) and 0 < len(name) <= 256, E.FtwSchemaError, where, f"bad tensor name {name!r}")
     _need(_dtype(t["dtype"]), E.FtwDtypeError, where, f"tensor {name}: dtype {t['dtype']!r} not in {sorted(DTYPES)}")
     shape = _shape(t["shape"], where, f"tensor {name}")
-    _need(_int(t["file"]) and t["file"] < num_files, E.FtwRangeError, where, f"tensor {name}: file index {t['file']!r} out of range")
-    _need(_int(t["offset"]) and _int(t["nbytes"]), E.FtwSchemaError, where, f"tensor {name}: offset/nbytes must be integers")
-    _need(t["offset"] % ALIGN == 0, E.FtwAlignmentError, where, f"tensor {name}: offset {t['offset']} is not a multiple of {ALIGN}")
+    _need(_int(t["file"]) and t["file"] < num_files, E.FtwRangeError, where,
+          f"tensor {name}: file index {t['file']!r} out of range")
+    _need(_int(t["offset"]) and _int(t["nbytes"]), E.FtwSchemaError, where,
+          f"tensor {name}: offset/nbytes must be integers")
+    _need(t["offset"] % ALIGN == 0, E.FtwAlignmentError, where,
+          f"tensor {name}: offset {t['offset']} is not a multiple of {ALIGN}")
     _need(nbytes_of(t["dtype"], shape) == t["nbytes"], E.FtwShapeError, where,
           f"tensor {name}: nbytes {t['nbytes']} != {t['dtype']} x {list(shape)} = {nbytes_of(t['dtype'], shape)}")
     _need(_hex(t["xxh3"]), E.FtwSchemaError, where, f"tensor {name}: xxh3 must be 16 lowercase hex digits")
@@ -220,13 +223,15 @@ def _bank(b: Any, where: str, num_files: int) -> BankRecord:
     _need(b["offset"] % ALIGN == 0 and b["stride"] % ALIGN == 0 and b["stride"] > 0, E.FtwAlignmentError,
           where, f"bank {name}: offset {b['offset']} and stride {b['stride']} must be positive multiples of {ALIGN}")
     comps = []
-    _need(isinstance(b["components"], list) and b["components"], E.FtwSchemaError, where, f"bank {name}: components must be a non-empty list")
+    _need(isinstance(b["components"], list) and b["components"], E.FtwSchemaError, where,
+          f"bank {name}: components must be a non-empty list")
     for c in b["components"]:
         _keys(c, ("name", "dtype", "shape", "offset", "nbytes"), where, f"bank {name} component")
         cname = c["name"]
         _need(isinstance(cname, str) and 0 < len(cname) <= 64, E.FtwSchemaError, where,
               f"bank {name}: component name {cname!r} must be a string of 1..64 characters")
-        _need(_dtype(c["dtype"]), E.FtwDtypeError, where, f"bank {name}.{cname}: dtype {c['dtype']!r} not in {sorted(DTYPES)}")
+        _need(_dtype(c["dtype"]), E.FtwDtypeError, where,
+              f"bank {name}.{cname}: dtype {c['dtype']!r} not in {sorted(DTYPES)}")
         shape = _shape(c["shape"], where, f"bank {name}.{cname}")
         _need(_int(c["offset"]) and c["offset"] % COMPONENT_ALIGN == 0, E.FtwAlignmentError, where,
               f"bank {name}.{cname}: offset {c['offset']!r} is not a multiple of {COMPONENT_ALIGN}")
@@ -238,11 +243,13 @@ def _bank(b: Any, where: str, num_files: int) -> BankRecord:
     spans = sorted((c.offset, c.offset + c.nbytes, c.name) for c in comps)
     for (s0, e0, n0), (s1, _, n1) in zip(spans, spans[1:]):
         _need(e0 <= s1, E.FtwOverlapError, where, f"bank {name}: components {n0} and {n1} overlap")
-    _need(len({c.name for c in comps}) == len(comps), E.FtwDuplicateError, where, f"bank {name}: duplicate component names")
+    _need(len({c.name for c in comps}) == len(comps), E.FtwDuplicateError, where,
+          f"bank {name}: duplicate component names")
     sums = b["xxh3"]
     _need(isinstance(sums, list) and len(sums) == b["num_experts"] and all(_hex(s) for s in sums), E.FtwSchemaError,
           where, f"bank {name}: xxh3 must list one 16-hex-digit checksum per expert")
-    return BankRecord(name, b["scheme"], b["file"], b["offset"], b["num_experts"], b["stride"], tuple(comps), tuple(sums))
+    return BankRecord(name, b["scheme"], b["file"], b["offset"], b["num_experts"], b["stride"],
+                      tuple(comps), tuple(sums))
 
 
 def _assets(items: list, where: str, slot: str | None) -> dict[str, AssetRecord]:
@@ -251,7 +258,8 @@ def _assets(items: list, where: str, slot: str | None) -> dict[str, AssetRecord]
         _keys(a, ("name", "nbytes", "xxh3"), where, f"{slot or 'asset'} record")
         name = a["name"]
         ok = is_safe_name(name, allow_slot_dir=True) and (name.startswith(f"{slot}/") if slot else "/" not in name)
-        _need(ok, E.FtwPathError, where, f"{slot or 'asset'} name {name!r} is not a plain name" + (f" under {slot}/" if slot else ""))
+        _need(ok, E.FtwPathError, where,
+              f"{slot or 'asset'} name {name!r} is not a plain name" + (f" under {slot}/" if slot else ""))
         _need(slot is not None or not is_reserved_name(name), E.FtwPathError, where,
               f"asset name {name!r} is reserved (the index, a data file or a slot directory)")
         _need(_int(a["nbytes"]), E.FtwSchemaError, where, f"asset {name}: nbytes must be an integer")
@@ -271,6 +279,7 @@ def _check_regions(files, tensors, banks, where: str) -> None:
         size = files[idx].nbytes
         spans.sort()
         for start, end, name in spans:
-            _need(end <= size, E.FtwRangeError, where, f"{name}: bytes [{start}, {end}) exceed {files[idx].name} size {size}")
+            _need(end <= size, E.FtwRangeError, where,
+                  f"{name}: bytes [{start}, {end}) exceed {files[idx].name} size {size}")
         for (s0, e0, n0), (s1, _, n1) in zip(spans, spans[1:]):
             _need(e0 <= s1, E.FtwOverlapError, where, f"{n0} and {n1} overlap in {files[idx].name}")

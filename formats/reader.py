@@ -39,7 +39,8 @@ def read_index(path: Path) -> dict[str, Any]:
         if magic != MAGIC:
             raise E.FtwMagicError(index, f"expected {MAGIC.hex(' ')}, found {magic.hex(' ')}")
         if h.major != VERSION_MAJOR:
-            raise E.FtwVersionError(index, f"format version {h.major}.{h.minor}; this reader supports {VERSION_MAJOR}.x")
+            raise E.FtwVersionError(index,
+                                    f"format version {h.major}.{h.minor}; this reader supports {VERSION_MAJOR}.x")
         if h.header_size != HEADER_SIZE or h.manifest_offset != HEADER_SIZE or any(h.reserved):
             raise E.FtwHeaderError(index, f"header_size={h.header_size} manifest_offset={h.manifest_offset} "
                                           f"reserved={'zero' if not any(h.reserved) else 'non-zero'}")

@@ -199,7 +199,8 @@ class FtwWriter:
             if not isinstance(cname, str) or not 0 < len(cname) <= 64:
                 raise ValueError(f"bank {name}: component name {cname!r} must be a string of 1..64 characters")
             nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-            comps.append({"name": cname, "dtype": dtype_name(dtype), "shape": list(shape), "offset": off, "nbytes": nbytes})
+            comps.append({"name": cname, "dtype": dtype_name(dtype), "shape": list(shape),
+                          "offset": off, "nbytes": nbytes})
             off = align_up(off + nbytes, COMPONENT_ALIGN)
         stride = align_up(max(1, max(c["offset"] + c["nbytes"] for c in comps)))  # > 0 even if all are empty
         offset = self._region(name, num_experts * stride)

@@ -126,8 +126,10 @@ def render(r: dict) -> str:
     c, d, m, ck, la = r["compile"], r["disk"], r["machine"], r["checkpoint"], r["load_average"]
     x = r.get("extrapolated_40_layers")
     extra = "" if x is None else f"""
-Extrapolated to the full 40 layers ({x['input_bytes_per_layer'] / 2**20:.0f} MiB in, {x['output_bytes_per_layer'] / 2**20:.0f} MiB out
-per layer): input {x['input_bytes'] / G:.1f} GB, output {x['output_bytes'] / G:.1f} GB, I/O floor {x['io_floor_s']:.0f} s,
+Extrapolated to the full 40 layers ({x['input_bytes_per_layer'] / 2**20:.0f} MiB in, \
+{x['output_bytes_per_layer'] / 2**20:.0f} MiB out
+per layer): input {x['input_bytes'] / G:.1f} GB, output {x['output_bytes'] / G:.1f} GB, \
+I/O floor {x['io_floor_s']:.0f} s,
 expected wall {x['wall_s_at_measured_ratio']:.0f} s at the measured ratio.
 """
     older = "".join(_row(o, "older" + (f": {o['note']}" if o.get("note") else "")) + "\n" for o in r.get("older", []))
@@ -136,7 +138,9 @@ expected wall {x['wall_s_at_measured_ratio']:.0f} s at the measured ratio.
 
 - date: {r['date']}
 - machine: {m['cpu']}, {m['cores']} cores, {m['ram_bytes'] / 2**30:.0f} GiB RAM; {m['platform']}
-- load average (1/5/15 min) before {'/'.join(f'{v:.2f}' for v in la['before'])}, after {'/'.join(f'{v:.2f}' for v in la['after'])}, highest 1-min during the compile {la['max_1min_during']:.2f} (the machine is shared)
+- load average (1/5/15 min) before {'/'.join(f'{v:.2f}' for v in la['before'])}, \
+after {'/'.join(f'{v:.2f}' for v in la['after'])}, \
+highest 1-min during the compile {la['max_1min_during']:.2f} (the machine is shared)
 - command: `{r['command']}`
 - compile: `{r['compile_command']}` (fresh process, page cache dropped first)
 - read probe: {d['read_probe']}
@@ -147,12 +151,15 @@ attention and GDN projections, BF16 rest){'' if ck['layers'] == 40 else f' cut t
 | quantity | value |
 |---|---|
 | input / output | {ck['input_bytes'] / G:.2f} GB / {ck['output_bytes'] / G:.2f} GB |
-| disk read (cold) / write (fsync): faster method, mean of probes before and after | {d['read_bytes_per_s'] / G:.2f} GB/s / {d['write_bytes_per_s'] / G:.2f} GB/s |
+| disk read (cold) / write (fsync): faster method, mean of probes before and after \
+| {d['read_bytes_per_s'] / G:.2f} GB/s / {d['write_bytes_per_s'] / G:.2f} GB/s |
 {_probes(d)}| I/O floor (read input + write output) | {c['io_floor_s']:.1f} s |
-| compile wall time (incl. final check `--verify {r.get('verify', 'full')}`) / CPU time | {c['wall_s']:.1f} s / {c['cpu_s']:.1f} s |
+| compile wall time (incl. final check `--verify {r.get('verify', 'full')}`) / CPU time \
+| {c['wall_s']:.1f} s / {c['cpu_s']:.1f} s |
 | wall / floor (target <= 1.3) | **{c['ratio']:.2f}** |
 | peak RSS, ru_maxrss (target < 4 GB) | {c['ru_maxrss_bytes'] / G:.2f} GB ({c['ru_maxrss_bytes'] / 2**30:.2f} GiB) |
-| peak anonymous / file-backed RSS (sampled) | {c['peak_anon_rss_bytes'] / 2**30:.2f} GiB / {c['peak_file_rss_bytes'] / 2**30:.2f} GiB |
+| peak anonymous / file-backed RSS (sampled) \
+| {c['peak_anon_rss_bytes'] / 2**30:.2f} GiB / {c['peak_file_rss_bytes'] / 2**30:.2f} GiB |
 {extra}
 {SUMMARY}
 
@@ -160,7 +167,8 @@ attention and GDN projections, BF16 rest){'' if ck['layers'] == 40 else f' cut t
 
 Rows before 2026-12-02 17:50 UTC: buffered output writes, and a write probe of the buffered path only.
 
-| date | layers | in / out GB | read / write GB/s | floor s | wall s | ratio | ru_maxrss GiB | anon RSS GiB | load | verify | note |
+| date | layers | in / out GB | read / write GB/s \
+| floor s | wall s | ratio | ru_maxrss GiB | anon RSS GiB | load | verify | note |
 |---|---|---|---|---|---|---|---|---|---|---|---|
 {_row(r, note)}
 {older}"""

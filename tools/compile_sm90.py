@@ -6,10 +6,10 @@ The runtime's own launchers are called with CPU tensors of the real shapes while
 reporting a CUDA target and every `kernel[grid](...)` is a warmup (compile, no launch). So each kernel is built with
 the constexprs, specialization (16-byte alignment, divisibility) and launch options a real call on the GPU uses. The
 few constexprs that the launchers set for Triton's CPU interpreter (DOT_F32, RNE_BITS, BITS, INTERP, ASM, F32,
-ROUND_BF16) and PDL
-(`ft.runtime.gpu.pdl`, off without a GPU) are forced to their CUDA values. Prints one line per distinct compiled kernel: registers, stack (spill) bytes, shared memory, or
-the error; exits 1 if any kernel failed to build. Needs `ft` importable (the venv, or PYTHONPATH on a site dir that
-maps the namespace as tools/gpu_run.sh does) and Triton's CUDA backend (its ptxas and cuobjdump ship in the wheel).
+ROUND_BF16) and PDL (`ft.runtime.gpu.pdl`, off without a GPU) are forced to their CUDA values. Prints one line per
+distinct compiled kernel: registers, stack (spill) bytes, shared memory, or the error; exits 1 if any kernel failed to
+build. Needs `ft` importable (the venv, or PYTHONPATH on a site dir that maps the namespace as tools/gpu_run.sh does)
+and Triton's CUDA backend (its ptxas and cuobjdump ship in the wheel).
 """
 
 from __future__ import annotations

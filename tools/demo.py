@@ -58,7 +58,8 @@ def main() -> None:
     t = _step("1. ft synth --arch qwen3_5_moe --preset demo")
     if not (hf_dir / "config.json").exists():
         synth("qwen3_5_moe", "demo", hf_dir, force=True)
-    print(f"   {hf_dir} ({sum(p.stat().st_size for p in hf_dir.iterdir()) / 2**20:.0f} MiB) in {time.perf_counter() - t:.1f} s")
+    print(f"   {hf_dir} ({sum(p.stat().st_size for p in hf_dir.iterdir()) / 2**20:.0f} MiB) "
+          f"in {time.perf_counter() - t:.1f} s")
 
     t = _step("2. ft checkpoint")
     if not (ftw_dir / "model.ftw").exists():

@@ -10,7 +10,6 @@ def hbm_read_gbs(nbytes: int = 4 << 30) -> float:
     """GB/s of a bf16 sum over `nbytes` (one read of each byte), the median of 5 replays after a warm one."""
     x = torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda")
     us = graph_us([lambda: x.sum(dtype=torch.float32)], reps=1)
-    del x
     return nbytes / us / 1e3
 
 

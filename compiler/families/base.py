@@ -103,7 +103,8 @@ def bos_id(c: HFConfig, gen: dict | None) -> int | None:
 
 
 def sparse_mlp_types(c: HFConfig, num_layers: int, num_experts: int) -> tuple[str, ...]:
-    """qwen2_moe / qwen3_moe / qwen3_next: layer i is MoE iff i ∉ mlp_only_layers and (i+1) % decoder_sparse_step == 0."""
+    """qwen2_moe / qwen3_moe / qwen3_next: layer i is MoE iff i ∉ mlp_only_layers and
+    (i+1) % decoder_sparse_step == 0."""
     only = c.get("mlp_only_layers", [])
     step = c.int("decoder_sparse_step", 1)
     if step < 1:
@@ -238,12 +239,14 @@ class Family(ABC):
             kv = torch.arange(nq * 2 * hd, (nq * 2 + 2 * nkv) * hd)
             perm = torch.cat([per_head[:, 0].reshape(-1), kv, per_head[:, 1].reshape(-1)])
         items: list[Item] = [
-            LinearItem(f"{o}qkv_proj", ((f"{p}q_proj", nq * g * hd), (f"{p}k_proj", nkv * hd), (f"{p}v_proj", nkv * hd)),
+            LinearItem(f"{o}qkv_proj",
+                       ((f"{p}q_proj", nq * g * hd), (f"{p}k_proj", nkv * hd), (f"{p}v_proj", nkv * hd)),
                        H, perm=perm, bias=cfg.attn_qkv_bias),
             LinearItem(f"{o}o_proj", ((f"{p}o_proj", H),), nq * hd),
         ]
         if cfg.attn_qk_norm:
-            items += [TensorItem(f"{o}{n}.weight", f"{p}{n}.weight", (hd,), self.norm_kind) for n in ("q_norm", "k_norm")]
+            items += [TensorItem(f"{o}{n}.weight", f"{p}{n}.weight", (hd,), self.norm_kind)
+                      for n in ("q_norm", "k_norm")]
         return items
 
     def moe(self, cfg: ModelConfig, i: int, experts: ExpertSource, *, block: str = "mlp",

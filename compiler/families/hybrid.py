@@ -24,8 +24,10 @@ class HybridFamily(Family):
             num_experts=c.int("num_experts"), num_experts_per_tok=c.int("num_experts_per_tok"),
             moe_intermediate_size=c.int("moe_intermediate_size"),
             shared_expert_intermediate_size=c.int("shared_expert_intermediate_size"),
-            linear_num_key_heads=c.int("linear_num_key_heads", 16), linear_num_value_heads=c.int("linear_num_value_heads", 32),
-            linear_key_head_dim=c.int("linear_key_head_dim", 128), linear_value_head_dim=c.int("linear_value_head_dim", 128),
+            linear_num_key_heads=c.int("linear_num_key_heads", 16),
+            linear_num_value_heads=c.int("linear_num_value_heads", 32),
+            linear_key_head_dim=c.int("linear_key_head_dim", 128),
+            linear_value_head_dim=c.int("linear_value_head_dim", 128),
             linear_conv_kernel_dim=c.int("linear_conv_kernel_dim", 4),
         )
         return f

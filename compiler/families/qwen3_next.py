@@ -12,7 +12,8 @@ from ft.formats import ModelConfig
 
 
 def regroup(num_groups: int, sizes: list[int]) -> torch.Tensor:
-    """Row index turning `num_groups` repeats of [part_0 | part_1 | ...] (sizes) into [all part_0 | all part_1 | ...]."""
+    """Row index turning `num_groups` repeats of [part_0 | part_1 | ...] (sizes) into
+    [all part_0 | all part_1 | ...]."""
     rows = torch.arange(num_groups * sum(sizes)).view(num_groups, sum(sizes))
     return torch.cat([chunk.reshape(-1) for chunk in rows.split(sizes, dim=1)])
 

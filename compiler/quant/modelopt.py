@@ -42,7 +42,8 @@ class QuantDecl:
         for path in _self_and_ancestors(module):
             if path in self.layers:
                 return {self.layers[path]}
-        if self.layers or any(fnmatch.fnmatchcase(p, pat) for p in _self_and_ancestors(module) for pat in self.excluded):
+        if self.layers or any(fnmatch.fnmatchcase(p, pat)
+                              for p in _self_and_ancestors(module) for pat in self.excluded):
             return {"plain"}
         # ModelOpt leaves routers, lm_head, conv1d etc. unquantized by default without listing them
         return {self.default, "plain"}

@@ -105,7 +105,7 @@ def _registered_mmap_rate(records: torch.Tensor, slots: torch.Tensor) -> float |
         try:
             def copy():
                 for i in range(n):
-                    slots[i].copy_(view[i], non_blocking=True)
+                    slots[i].copy_(view[i], non_blocking=True)  # noqa: F821 (bound until the `del view` below)
 
             return _rate(n * stride, copy, iters=5, cuda=True)
         finally:
@@ -134,9 +134,10 @@ def run_bench(*, hidden: int = 2048, inter: int = 512, top_k: int = 8, pool_gib:
     pageable = torch.empty(big // 4, dtype=torch.uint8)
     pageable.fill_(1)
     vram = torch.empty(big, dtype=torch.uint8, device=dev)
-    res["h2d_pinned"] = _rate(big, lambda: vram.copy_(pinned, non_blocking=True), iters=5, cuda=True)
-    res["d2h_pinned"] = _rate(big, lambda: pinned.copy_(vram, non_blocking=True), iters=5, cuda=True)
-    res["h2d_pageable"] = _rate(big // 4, lambda: vram[: big // 4].copy_(pageable), iters=3, cuda=True)
+    # F821 false positive: the lambdas run inside _rate while the buffers are bound (they are `del`eted later)
+    res["h2d_pinned"] = _rate(big, lambda: vram.copy_(pinned, non_blocking=True), iters=5, cuda=True)  # noqa: F821
+    res["d2h_pinned"] = _rate(big, lambda: pinned.copy_(vram, non_blocking=True), iters=5, cuda=True)  # noqa: F821
+    res["h2d_pageable"] = _rate(big // 4, lambda: vram[: big // 4].copy_(pageable), iters=3, cuda=True)  # noqa: F821
     del pageable
 
     layout = RecordLayout.packed(hidden, inter)

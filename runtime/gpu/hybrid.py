@@ -72,7 +72,8 @@ class GpuExperts:
         self.layout = RecordLayout.from_bank(self.banks[self.moe_layers[0]], cfg.hidden_size, cfg.moe_intermediate_size)
         for i, b in self.banks.items():
             if RecordLayout.from_bank(b, cfg.hidden_size, cfg.moe_intermediate_size) != self.layout:
-                raise ValueError(f"expert bank of layer {i} has a different record layout than layer {self.moe_layers[0]}")
+                raise ValueError(f"expert bank of layer {i} has a different record layout "
+                                 f"than layer {self.moe_layers[0]}")
         self.L, self.E, self.k = cfg.num_layers, cfg.num_experts, cfg.num_experts_per_tok
         bad = sorted(set(opts.cpu_layers) - set(self.moe_layers))
         if bad:
@@ -89,7 +90,8 @@ class GpuExperts:
         self._prefill_done: list = [None, None]  # per prefill buffer: event after the last kernel reading it
         self.trace: list[tuple[int, np.ndarray]] = []
         self.counters = dict.fromkeys(("calls", "tokens", "pairs", "hits", "misses", "fetched", "cpu_experts",
-                                       "bytes_h2d", "bytes_cpu", "bytes_mapped", "filled", "prefill_calls", "prefill_streamed"),
+                                       "bytes_h2d", "bytes_cpu", "bytes_mapped", "filled", "prefill_calls",
+                                       "prefill_streamed"),
                                       0)
         self.counters["cpu_seconds"] = 0.0
         self.per_layer = np.zeros((4, self.L), np.int64)  # hits, misses, fetched, cpu-computed per layer

@@ -108,7 +108,8 @@ def _gate_up_kernel(
 def _down_kernel(
     pool, slot_stride, host_base, host_stride, act, out, pair_weight, topk_ids, slot_row, G, H, I,
     OFF_D, OFF_DS, OFF_DS2, KB: tl.constexpr,
-    GP: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr, INTERP: tl.constexpr, MAPPED: tl.constexpr, PDL: tl.constexpr,
+    GP: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr,
+    INTERP: tl.constexpr, MAPPED: tl.constexpr, PDL: tl.constexpr,
 ):
     # out[g, n] = sum over j < G of weight[g*G + j] * (down row n of pair g*G + j) . act[g*G + j]   (fp32 [*, H])
     pdl_wait(PDL)

@@ -193,8 +193,8 @@ def _sum_pairs_kernel(src, out, H: tl.constexpr, TOPK: tl.constexpr, KP: tl.cons
     t = tl.program_id(0)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     j = tl.arange(0, KP)
-    v = tl.load(src + (t * TOPK + j).to(tl.int64)[:, None] * H + h[None, :], mask=(j < TOPK)[:, None] & (h < H)[None, :],
-                other=0.0)
+    v = tl.load(src + (t * TOPK + j).to(tl.int64)[:, None] * H + h[None, :],
+                mask=(j < TOPK)[:, None] & (h < H)[None, :], other=0.0)
     total = tl.sum(v, axis=0)
     if ROUND_BF16:  # the interpreter truncates on a bf16 store: round to nearest even first
         total = _to_bf16(total, True)

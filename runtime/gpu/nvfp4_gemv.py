@@ -27,9 +27,9 @@ the interpreter takes the plain Triton path. The product with the activation is 
 bits) and is summed over the block's 16 codes; the block sum is multiplied by the block's e4m3 scale
 (`_e4m3_shifted`, value times 2^-8, decoded once per 16 weights). About 4 instructions per weight in the inner loop
 (2 to unpack, 1 conversion, 1 FMA); 5 to 9 per weight over a whole sm_90 kernel, by tile config, with address math,
-the sum over K and the epilogue (`tools/bench_moe_decode.py --compile-only` prints it per config). Factoring the scale out of
-the block sum is exact in real arithmetic; in fp32 it differs from multiplying every weight by its scale only by
-rounding, like a change of summation order.
+the sum over K and the epilogue (`tools/bench_moe_decode.py --compile-only` prints it per config). Factoring the
+scale out of the block sum is exact in real arithmetic; in fp32 it differs from multiplying every weight by its
+scale only by rounding, like a change of summation order.
 
 Masking: rows, words or activations outside the masks load as 0 (code 0 is +0.0, scale 0), so they add exactly 0 and
 their bytes are never read. Every sum runs in a fixed order: deterministic.

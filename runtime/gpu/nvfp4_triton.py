@@ -64,8 +64,10 @@ def _e4m3_shifted(b):
 @triton.jit
 def _weight_tile(rec, off_codes, off_scale, rows, row_mask, K, k0, j):
     # rows [BN] output rows; j [BK/2] byte index in the K tile -> (w_even, w_odd) bf16 [BN, BK/2], value * 2^-22
-    codes = tl.load(rec + off_codes + rows[:, None] * (K // 2) + (k0 // 2 + j)[None, :], mask=row_mask[:, None], other=0)
-    sc = tl.load(rec + off_scale + rows[:, None] * (K // 16) + ((k0 + 2 * j) // 16)[None, :], mask=row_mask[:, None], other=0)
+    codes = tl.load(rec + off_codes + rows[:, None] * (K // 2) + (k0 // 2 + j)[None, :],
+                    mask=row_mask[:, None], other=0)
+    sc = tl.load(rec + off_scale + rows[:, None] * (K // 16) + ((k0 + 2 * j) // 16)[None, :],
+                 mask=row_mask[:, None], other=0)
     c = codes.to(tl.uint16)
     s = _e4m3_shifted(sc.to(tl.uint16))
     w_even = (_e2m1_shifted(c & 15) * s).to(tl.bfloat16)

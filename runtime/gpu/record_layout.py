@@ -43,7 +43,8 @@ class RecordLayout:
             if off % 16:
                 raise ValueError(f"component {name} offset {off} is not 16-byte aligned")
             if off + self.nbytes(name) > self.stride:
-                raise ValueError(f"component {name} [{off}, +{self.nbytes(name)}) overruns the record ({self.stride} B)")
+                raise ValueError(f"component {name} [{off}, +{self.nbytes(name)}) overruns "
+                                 f"the record ({self.stride} B)")
 
     def shape(self, name: str) -> tuple[int, ...]:
         return component_shape(name, self.hidden, self.inter)

@@ -207,7 +207,8 @@ def test_family_compiles_to_documented_layout(work: Path, arch: str, quant: str)
     assert cfg.norm_topk_prob is c.get("norm_topk_prob", True)  # mixtral and qwen3_5_moe always renormalise
     assert r.provenance["source"] == src.name and r.provenance["compiler"].startswith("ft ")
     assert set(r.provenance["files"]) >= {"config.json", "tokenizer.json"}
-    assert r.tokenizer["file"] == "tokenizer.json" and r.asset("tokenizer.json") == (src / "tokenizer.json").read_bytes()
+    assert (r.tokenizer["file"] == "tokenizer.json"
+            and r.asset("tokenizer.json") == (src / "tokenizer.json").read_bytes())
     assert r.tokenizer["chat_template"] == "chat_template.jinja" and r.asset("chat_template.jinja")
     assert r.generation["eos_token_ids"] == list(cfg.eos_token_ids) and cfg.eos_token_ids
     if quant == "nvfp4":

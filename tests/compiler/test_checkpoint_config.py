@@ -23,7 +23,8 @@ NEXT = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "
         "num_hidden_layers": 8, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "num_experts": 8,
         "num_experts_per_tok": 2, "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "rope_theta": 1e7,
         "partial_rotary_factor": 0.25, "full_attention_interval": 4, "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4}
+        "linear_num_value_heads": 4, "linear_key_head_dim": 16, "linear_value_head_dim": 16,
+        "linear_conv_kernel_dim": 4}
 
 
 def norm(hf: dict, gen: dict | None = None):
@@ -58,7 +59,8 @@ def test_spellings_of_the_same_config_agree() -> None:
 
 def test_qwen3_5_text_config_nesting() -> None:
     text = variant(NEXT, architectures=None, model_type="qwen3_5_moe_text", full_attention_interval=None,
-                   rope_theta=None, partial_rotary_factor=None, layer_types=["linear_attention"] * 3 + ["full_attention"],
+                   rope_theta=None, partial_rotary_factor=None,
+                   layer_types=["linear_attention"] * 3 + ["full_attention"],
                    num_hidden_layers=4, rope_parameters={"rope_type": "default", "rope_theta": 1e7,
                                                          "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1],
                                                          "mrope_interleaved": True}, eos_token_id=9)

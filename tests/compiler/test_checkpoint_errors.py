@@ -100,7 +100,8 @@ def test_unaccounted_tensor_is_refused(copy, tmp_path: Path) -> None:
     index = json.loads((d / "model.safetensors.index.json").read_text())
     index["weight_map"]["model.layers.0.self_attn.o_proj.bias"] = f.name
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
-    refused(d, tmp_path / "o.ftw", r"tensors the config does not account for: model\.layers\.0\.self_attn\.o_proj\.bias")
+    refused(d, tmp_path / "o.ftw",
+            r"tensors the config does not account for: model\.layers\.0\.self_attn\.o_proj\.bias")
 
 
 @pytest.mark.parametrize("name, match", [("config.json", r"config\.json: missing"),

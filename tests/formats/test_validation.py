@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
-from ftw_testlib import edit_manifest, patch_bytes, read_manifest, small_ftw, write_manifest
+from ftw_testlib import edit_manifest, patch_bytes, small_ftw, write_manifest
 
 from ft.formats import FtwError, FtwReader
 from ft.formats import errors as E

@@ -190,7 +190,8 @@ def test_cpu_load_binds_zero_copy_views(ftw_for):
     """On the CPU every plain weight is the FTW's mmap view itself (no copy, no re-layout)."""
     reader = FtwReader(ftw_for("qwen3_next", "none"))
     model = load_model(reader)
-    for name in ("embed_tokens.weight", "layers.0.linear_attn.in_proj_qkvz.weight", "layers.3.self_attn.qkv_proj.weight",
+    for name in ("embed_tokens.weight", "layers.0.linear_attn.in_proj_qkvz.weight",
+                 "layers.3.self_attn.qkv_proj.weight",
                  "layers.1.mlp.shared_expert.gate_up_proj.weight", "norm.weight"):
         op = model
         for part in name.split(".")[:-1]:
@@ -198,7 +199,7 @@ def test_cpu_load_binds_zero_copy_views(ftw_for):
         assert getattr(op, name.split(".")[-1]).data_ptr() == reader.tensor(name).data_ptr(), name
 
 
-# ---- refusals ---------------------------------------------------------------------------------------------------------
+# ---- refusals -------------------------------------------------------------------------------------------------------
 
 def test_unknown_family_is_refused_with_supported_list():
     with pytest.raises(ValueError, match="unsupported model family 'gpt_oss'") as e:

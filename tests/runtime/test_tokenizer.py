@@ -141,7 +141,8 @@ def test_chat_template_errors(toks):
 
 # ---- ids ---------------------------------------------------------------------------------------------------------
 
-STREAM_TEXTS = ["Hello, world!", "héllo 世界 😀👨‍👩‍👧 🇺🇸", "<think>\n推理\n</think>\n\n<tool_call>\n{\"a\": 1}\n</tool_call>",
+STREAM_TEXTS = ["Hello, world!", "héllo 世界 😀👨‍👩‍👧 🇺🇸",
+                "<think>\n推理\n</think>\n\n<tool_call>\n{\"a\": 1}\n</tool_call>",
                 "def f(x):\n    return x  # ✓\n", "<|im_start|>user\nhi<|im_end|>\n<|endoftext|>"]
 
 

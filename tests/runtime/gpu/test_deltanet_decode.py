@@ -117,7 +117,7 @@ def test_kernel_updates_only_its_states(hk, hv, dk, dv):
     """gdn_decode on strided views (as split from the projections), with the states of 3 sequences laid out of order
     inside one arena with guard gaps: results equal the reference, the states change in place, nothing else does
     (inputs, the gaps, a fourth state that no row points at)."""
-    n, dtype = 3, torch.float32
+    n = 3
     c, vd = 2 * hk * dk + hv * dv, hv * dv
     g = torch.Generator().manual_seed(11)
     proj = torch.randn(n, c + vd, generator=g).to(DEV)

@@ -135,7 +135,8 @@ def _mapping_perms(addr: int) -> str:
 
 def test_pin_banks_registers_a_shared_read_only_mapping_of_the_bank(reader):
     # The reader's mapping is private and writable (copy-on-write): a long-term pin there makes the kernel copy every
-    # page (minutes per bank on the GPU VM). What gets page-locked must be a shared, read-only mapping of the same bytes.
+    # page (minutes per bank on the GPU VM). What gets page-locked must be a shared, read-only mapping of the same
+    # bytes.
     assert _mapping_perms(bank_range(reader.bank("layers.0.mlp.experts"))[0]).endswith("p")
     banks = [reader.bank(f"layers.{i}.mlp.experts") for i in range(2)]
     rec = _Recorder(True)
