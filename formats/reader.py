@@ -125,6 +125,22 @@ class ExpertBankView:
                                flat.storage_offset() + c.offset // item)
 
 
+def _stamp(p: Path) -> tuple[int, int, int] | None:
+    try:
+        st = p.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _what(old: tuple | None, new: tuple | None) -> str:
+    if new is None:
+        return "removed"
+    if old[0] != new[0]:
+        return "replaced"
+    return f"{old[1]} -> {new[1]} bytes" if old[1] != new[1] else "modified"
+
+
 def _view(buf: torch.Tensor, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
     return buf.view(torch_dtype(dtype)).view(shape)
 
@@ -142,9 +158,19 @@ class FtwReader:
         self._checked_experts: set[tuple[str, int]] = set()
         for f in self._m.files:
             self._check_size(self.path / f.name, f.nbytes)
+        self._stamps = {f.name: _stamp(self.path / f.name) for f in self._m.files}  # what `changed` compares to
         for a in (*self._m.assets.values(), *self._m.slots["plans"], *self._m.slots["kernels"]):
             self._check_size(self.path / a.name, a.nbytes)
         self._maps: dict[int, torch.Tensor] = {}
+
+    def changed(self) -> str | None:
+        """None while every data file is the one opened (same inode, size and modification time); else what changed.
+        A data file truncated or replaced under a mapping turns a read of it into SIGBUS: callers check before use."""
+        for name, stamp in self._stamps.items():
+            now = _stamp(self.path / name)
+            if now != stamp:
+                return f"{self.path / name} changed on disk since it was opened ({_what(stamp, now)})"
+        return None
 
     def _check_size(self, p: Path, nbytes: int) -> None:
         # an entry is a regular file inside the directory: not a symbolic link (to anything), not under a linked

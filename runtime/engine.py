@@ -95,6 +95,7 @@ class Engine:
         self.tokenizer = Tokenizer.from_reader(reader)
         self.generation_config: dict = dict(reader.generation)  # generation_config.json defaults
         self.model_name = Path(reader.path).name.removesuffix(".ftw")  # the directory the user named
+        self._reader = reader  # its data files are mapped: `check_storage` before a forward reads them
         self.device = torch.device(s.device)
         self.eos_token_ids = frozenset(self.config.eos_token_ids) | frozenset(
             self.generation_config.get("eos_token_ids") or ())
@@ -114,6 +115,13 @@ class Engine:
         """Stop the experts implementation's worker threads (GPU scheduler) and release pinned host memory."""
         if callable(getattr(self._experts, "close", None)):
             self._experts.close()
+
+    def check_storage(self) -> None:
+        """Raise OSError if a data file of the FTW was truncated, replaced or removed since the engine opened it:
+        reading the mapped weights would then kill the process (SIGBUS), so the server stops using them instead."""
+        why = self._reader.changed()
+        if why is not None:
+            raise OSError(f"{why}; the model can no longer be served from it: restart the server")
 
     @property
     def max_context(self) -> int:

@@ -151,6 +151,9 @@ class EngineLoop:
 
     def _step(self) -> None:
         try:
+            check = getattr(self.engine, "check_storage", None)
+            if check is not None:  # one stat per data file: a truncated mapping must not be read (SIGBUS)
+                check()
             events = self.engine.step()
         except Exception as e:  # noqa: BLE001 - fail the requests, keep the server up
             log.exception("engine.step() failed")

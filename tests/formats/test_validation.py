@@ -368,3 +368,17 @@ def test_every_rule_has_its_own_class_and_a_fixture() -> None:
     tests = [n for n in dir(sys.modules[__name__]) if n.startswith("test_V")]
     for c in E.ALL_ERRORS:
         assert any(n.startswith(f"test_{c.rule}_") for n in tests), f"no fixture for {c.rule}"
+
+
+def test_changed_reports_a_data_file_truncated_replaced_or_removed(ftw: Path) -> None:
+    r = FtwReader(ftw)
+    assert r.changed() is None
+    data = ftw / "data-00000.ftd"
+    raw = data.read_bytes()
+    with open(data, "r+b") as f:
+        f.truncate(4096)
+    assert f"{len(raw)} -> 4096 bytes" in r.changed() and "data-00000.ftd" in r.changed()
+    data.unlink()
+    assert "removed" in r.changed()
+    data.write_bytes(raw)  # the same bytes in a new file
+    assert "replaced" in r.changed() or "modified" in r.changed()

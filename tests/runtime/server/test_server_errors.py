@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
@@ -251,3 +252,20 @@ def test_oversized_bodies_are_413_before_parsing(qwen3_ftw, make_server):
     assert httpx.get(live.url + "/health").status_code == 200
     with pytest.raises(ValueError, match="--max-request-bytes"):
         ServeSettings(ftw=qwen3_ftw, max_request_bytes=10)
+
+
+def test_a_data_file_truncated_while_serving_is_an_error_not_a_crash(qwen3_ftw, make_server, tmp_path):
+    """Reading a truncated mapping kills the process (SIGBUS): the engine checks its files before each step, so a
+    request gets a clean 500 naming the file, /health reports it, and the process lives on."""
+    import shutil
+
+    ftw = Path(shutil.copytree(qwen3_ftw, tmp_path / "m"))
+    live = make_server(ServeSettings(ftw=ftw, engine=EngineSettings(device="cpu"), port=0))
+    assert httpx.post(live.url + CHAT, json={"messages": USER, "max_tokens": 2}).status_code == 200
+    data = sorted(ftw.glob("data-*.ftd"))[0]
+    with open(data, "r+b") as f:
+        f.truncate(data.stat().st_size // 2)
+    err = _openai_error(httpx.post(live.url + CHAT, json={"messages": USER, "max_tokens": 2}), 500)
+    assert data.name in err["message"] and "changed on disk" in err["message"]
+    health = httpx.get(live.url + "/health")
+    assert health.status_code == 500 and "restart the server" in health.json()["error"]
