@@ -19,7 +19,7 @@ Kernel (grid (cdiv(E + has_extra, BLOCK_E), T), a function of shapes only, so it
      gpu-scope atomic increment of token t's counter; the program that reads n_programs - 1 sees every other store
      to row t, loads it (.cg: not from a stale L1) and runs `fused_ops._softmax_topk` on it, writes ids / weights and
      stores 0 back into the counter. So the T top-ks run on T CTAs at once, not one after another on one (a top-k of
-     k rounds of block-wide max is latency: 2.4 us per call at T = 1, ~5 us more at T = 8 on one CTA).
+     k rounds of block-wide max is latency, not work).
 The counters are one zeroed int32 [MAX_TOKENS] per device (`_counter`), kept for the process lifetime and left zeroed
 by every call, so graph replays need no reset; calls on one device must therefore not run concurrently on different
 streams.
@@ -45,10 +45,10 @@ MAX_TOKENS = 16
 MAX_EXPERTS = 4096
 # Tiles for E = 256, H = 2048, bf16 (1 MB of weight) on the H200: a program takes BLOCK_E = 4 weight rows whole (64
 # programs per token of 16 KB, one K step, 16-byte loads); acc_elems caps the [1, BLOCK_E, BK] accumulator (BK
-# shrinks where BLOCK_E grows). Swept by tools/bench_router.py (T = 1, 8); measured there (CUDA-graph replays, per
-# call): T = 1 5.1-5.3 us against 7.9 us for F.linear + fused_ops.route_topk and 11.8 us with the shared gate's
-# F.linear. About 1 us of it is the launch, 1.2 us the GEMV, 0.7 us the atomic and 2.4 us the reducing program's load
-# and top-k.
+# shrinks where BLOCK_E grows). The T = 1 winner of tools/bench_router.py's sweep, which every T now runs per token
+# (not re-swept since); measured there (CUDA-graph replays, per call): T = 1 5.1-5.3 us against 7.9 us for F.linear
+# + fused_ops.route_topk and 11.8 us with the shared gate's F.linear. About 1 us of it is the launch, 1.2 us the
+# GEMV, 0.7 us the atomic and 2.4 us the reducing program's load and top-k.
 TILES = {"BLOCK_E": 4, "BLOCK_K": 2048, "num_warps": 4, "acc_elems": 8192}
 _COUNTERS: dict[str, torch.Tensor] = {}
 
