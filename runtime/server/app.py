@@ -2,9 +2,8 @@
 
 Routes: GET /health (no auth: 503 {"status": "loading"} -> 200 {"status": "ok"}; 500 {"status": "error"} if the
 load failed, or while the engine's last step failed), GET /v1/models[/{id}], GET /v1/stats, GET /metrics (Prometheus),
-and the API routers (openai_api,
-responses_api, anthropic_api). The engine loads on the loop thread, started by the app's lifespan, so the socket is
-bound while the weights load. See specs/server.md.
+GET /openapi.json (behind the key), and the API routers (openai_api, responses_api, anthropic_api). The engine loads
+on the loop thread, started by the app's lifespan, so the socket is bound while the weights load. See specs/server.md.
 """
 
 from __future__ import annotations
