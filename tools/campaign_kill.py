@@ -39,10 +39,10 @@ def state(out: Path) -> str:
     if not out.exists():
         return "absent"
     try:
-        FtwReader(out).verify()
+        problems = FtwReader(out).verify()  # structure at open (raises), then every checksum and padding byte
     except FtwError as e:
         return f"refused ({e.rule})"
-    return "complete"
+    return f"refused ({problems[0].rule})" if problems else "complete"
 
 
 def compile_cmd(hf: Path, out: Path) -> list[str]:
