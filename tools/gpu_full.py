@@ -107,6 +107,7 @@ def main() -> None:
     ap.add_argument("--budgets", default="", help="comma-separated VRAM budgets in GiB to run each model at too")
     ap.add_argument("--skip-resident", action="store_true",
                     help="models: only the --budgets rows (peak memory is then the budget engine's alone)")
+    ap.add_argument("--lane-ab", action="store_true", help="each budget row also with the CPU lane off")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -151,7 +152,8 @@ def main() -> None:
                                                         llama=LLAMA_CPP if preset == "qwen3moe-35b-geom" else None,
                                                         deadline=T0 + args.deadline_s,
                                                         budgets=tuple(float(b) for b in args.budgets.split(",") if b),
-                                                        resident=not args.skip_resident, traces=args.out)
+                                                        resident=not args.skip_resident, traces=args.out,
+                                                        lane_ab=args.lane_ab)
                 except Exception:  # noqa: BLE001 - the next model and stage still run
                     res["models"][preset] = {"error": traceback.format_exc()[-3000:]}
                     log(f"{preset} failed:\n{res['models'][preset]['error']}")

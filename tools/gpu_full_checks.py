@@ -111,6 +111,50 @@ def agreement(model, steps: int = 32) -> dict:
             "routing_sets_differ": differ / max(total, 1)}
 
 
+def lane_agreement(model, lane, steps: int = 32) -> dict:
+    """Teacher-forced logits of one engine's decode with the CPU lane taking its share of the misses and with the
+    lane off (the GPU copies every miss), on the same tokens: a 64-token prompt, then `steps` steps fed the lane
+    run's greedy tokens. Graphed as served; then eagerly with the lane run's routing forced on the other, which
+    separates routing flips (a near-tie between two experts decided the other way) from the numerical distance of
+    the CPU kernel (the same function summed in another order, an activation maybe rounded to the other bf16
+    neighbour)."""
+    V = model.config.vocab_size
+    prompt = ids(64, V)
+
+    def run(on: bool, feed: list[int] | None, graphs) -> tuple[list[int], torch.Tensor]:
+        lane.set_enabled(on)
+        saved, model.graphs = model.graphs, graphs
+        st = model.new_state(len(prompt) + steps + 2)
+        try:
+            rows = [prefill(model, st, prompt)[-1].float()]
+            toks = [int(rows[0].argmax())] if feed is None else list(feed)
+            for i in range(steps):
+                rows.append(model.forward(torch.tensor([toks[i]]), [Segment(st, 1)])[0][-1].float())
+                if feed is None:
+                    toks.append(int(rows[-1].argmax()))
+        finally:
+            st.free()
+            model.graphs = saved
+        return toks, torch.stack(rows).cpu()
+
+    def compare(a: torch.Tensor, b: torch.Tensor) -> dict:
+        d = (a - b).abs()
+        return {"max_dlogit": float(d.max()), "decode_max_dlogit": float(d[1:].max()),
+                "argmax_agree": float((a.argmax(-1) == b.argmax(-1)).float().mean())}
+
+    try:
+        feed, on = run(True, None, model.graphs)
+        _, off = run(False, feed, model.graphs)
+        with _Routing() as routes:
+            _, on_eager = run(True, feed, None)
+        with _Routing(replay=routes.calls):
+            _, off_forced = run(False, feed, None)
+    finally:
+        lane.set_enabled(True)
+    return {"positions": steps + 1, "logit_scale": float(off.abs().max()), "graphed": compare(on, off),
+            "same_routing": compare(on_eager, off_forced)}
+
+
 def profile(model, *, context: int = 512, steps: int = 8, prefill_tokens: int = 4096) -> dict:
     """CUDA time per kernel (torch.profiler): eager batch-1 decode steps (the graph replays the same kernels) and one
     prefill chunk -> the top kernels, in us per step / per chunk, so the gap to the bound can be split by cause."""

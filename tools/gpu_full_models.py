@@ -20,7 +20,7 @@ import torch
 
 from ft.runtime.engine import Engine, EngineSettings, SamplingParams
 from ft.runtime.gpu.offload_config import OffloadConfig
-from gpu_full_checks import CHUNK, agreement, engine_profile, finish, profile
+from gpu_full_checks import CHUNK, agreement, engine_profile, finish, lane_agreement, profile
 from gpu_full_checks import ids as _ids
 from gpu_full_checks import prefill as _prefill
 
@@ -40,7 +40,7 @@ def decode(eng: Engine, batch: int, context: int, steps: int, warmup: int = 3) -
         eng.add_request(name, _ids(context, V), params)
     out: dict[str, list[int]] = {name: [] for name in names}
     start = end = None
-    with _timed_replays(eng.model.graphs) as marks:
+    with _timed_replays() as marks:
         while eng.has_unfinished() and end is None:
             for ev in eng.step():
                 if ev.token_id is not None:
@@ -65,27 +65,24 @@ def decode(eng: Engine, batch: int, context: int, steps: int, warmup: int = 3) -
 
 
 @contextlib.contextmanager
-def _timed_replays(graphs):
-    """CUDA events (before, after) around every decode graph replay while the block runs, in replay order."""
+def _timed_replays():
+    """CUDA events (before, after) around every CUDA graph replay while the block runs, in replay order (patched on
+    the class: graphs captured inside the block, as at a VRAM budget once the banks are mapped, count too)."""
     marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-    patched = [g.graph for g in (graphs._graphs.values() if graphs is not None else ()) if g.graph is not None]
+    replay = torch.cuda.CUDAGraph.replay
 
-    def timed(replay):
-        def run():
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            replay()
-            b.record()
-            marks.append((a, b))
-        return run
+    def timed(graph):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        replay(graph)
+        b.record()
+        marks.append((a, b))
 
-    for graph in patched:
-        graph.replay = timed(graph.replay)
+    torch.cuda.CUDAGraph.replay = timed
     try:
         yield marks
     finally:
-        for graph in patched:
-            del graph.replay  # the class's method again
+        torch.cuda.CUDAGraph.replay = replay
 
 
 def pdl_ab(eng: Engine) -> dict:
@@ -174,29 +171,41 @@ def step_bytes(model, ex, batch: int, context: int) -> dict:
             "total": dense[0] + experts + kv + state}
 
 
-def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64) -> dict:
+def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64, lane: bool = True) -> dict:
     """The default scheduler (`ft serve --vram-budget`) at `gib` GiB: decode batch 1 at a 32-token context once the
     banks are page-locked, prefill of 4096 tokens twice (the first in a process includes compiling the prefill
     kernels: `prefill_first`), and the process's peak device memory against the budget: the
     allocator's peak plus what the device held outside the allocator while the engine ran (what nvidia-smi shows;
-    meaningful for the first engine of a process only: later ones may find memory the earlier ones left)."""
+    meaningful for the first engine of a process only: later ones may find memory the earlier ones left).
+    `lane` off: the GPU copies every miss (the CPU lane's A/B baseline)."""
     torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
-    eng = _engine(ftw, vram_budget=int(gib * (1 << 30)))
+    eng = _engine(ftw, vram_budget=int(gib * (1 << 30)),
+                  offload=None if lane else OffloadConfig(mode="mapped", cpu_lane=False))
     model, ex = eng.model, eng._experts
-    res: dict = {"budget_gib": gib, "mode": ex.opts.mode, "load_s": time.perf_counter() - t,
+    res: dict = {"budget_gib": gib, "mode": ex.opts.mode, "cpu_lane": lane, "load_s": time.perf_counter() - t,
                  "plan": ex.vram_plan.as_dict() if ex.vram_plan is not None else None}
     res["pin"] = {k: v for k, v in ex.wait_pinned(timeout=120).items() if isinstance(v, (int, float, str))}
     res["pinned_after_s"] = time.perf_counter() - t
     try:
+        ex.reset_stats()
         r = decode(eng, 1, 32, steps, warmup=16)
-        r.pop("tokens")
-        res["decode"] = r
+        res["decode"] = r  # with its first tokens: lane on and off must agree
+        ex.settle()
+        stats = ex.stats()
+        res["moe"] = {k: v for k, v in stats.items() if isinstance(v, (int, float))}
+        res["lane"] = stats.get("cpu_lane")
+        tokens = max(1, res["moe"]["tokens"] // max(1, len(ex.moe_layers)))  # prompt + decoded tokens, per layer
+        res["bytes_per_token"] = {k: res["moe"][c] / tokens for k, c in
+                                  (("gpu_mapped", "bytes_mapped"), ("cpu", "bytes_cpu"), ("uploads", "bytes_h2d"))}
+        res["engine_profile"] = engine_profile(eng, 1, steps=16)
+        res["cuda_graphs"] = eng.stats().get("cuda_graphs")
+        if lane and stats.get("cpu_lane"):
+            res["lane_agreement"] = lane_agreement(model, ex.mapped.lane)
         res["prefill_first"] = prefill(model, 4096, repeat=1)  # the process's first: Triton compiles its kernels
         res["prefill"] = prefill(model, 4096, repeat=1)
         if llama and f"decode_{gib:g}gib" in llama:
             res["decode"]["vs_llama_cpp"] = r["tok_s"] / llama[f"decode_{gib:g}gib"]
-        res["moe"] = {k: v for k, v in ex.stats().items() if isinstance(v, (int, float))}
         # while the engine lives: the device's use (context + allocator + what bypasses it) beside the allocator's
         free, total = torch.cuda.mem_get_info()
         res["device_used_gib"] = (total - free) / (1 << 30)
@@ -213,24 +222,27 @@ def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64) -
         # the allocator's peak plus what the device held outside it while the engine ran (the CUDA context, module
         # images, library workspaces): nvidia-smi's peak, if this engine is the process's first
         res["peak_device_gib"] = res["peak_reserved_gib"] + res.get("outside_allocator_gib", res["context_gib"])
-    log(f"budget {gib:g} GiB ({res['mode']}): decode {res['decode']['tok_s']:.1f} tok/s, prefill 4096 "
-        f"{res['prefill']['tok_s']:.0f} tok/s (first {res['prefill_first']['tok_s']:.0f}), peak "
-        f"{res['peak_device_gib']:.2f} GiB incl. context")
+    bpt = {k: round(v / 1e6, 1) for k, v in res.get("bytes_per_token", {}).items()}
+    log(f"budget {gib:g} GiB ({res['mode']}, lane {'on' if lane else 'off'}): decode {res['decode']['tok_s']:.1f} "
+        f"tok/s, MB/token {bpt}, prefill 4096 {res['prefill']['tok_s']:.0f} tok/s (first "
+        f"{res['prefill_first']['tok_s']:.0f}), peak {res['peak_device_gib']:.2f} GiB incl. context; lane "
+        f"{res.get('lane')}")
     return res
 
 
 def bench_model(ftw, preset: str, *, hbm_gbs: float, log, llama: dict | None, deadline: float,
-                budgets: tuple[float, ...] = (), resident: bool = True, traces: Path | None = None) -> dict:
+                budgets: tuple[float, ...] = (), resident: bool = True, traces: Path | None = None,
+                lane_ab: bool = False) -> dict:
     """The resident rows (unless `resident` is off), then each VRAM budget in its own engine (`bench_budget`).
-    `traces`: where the engine profiles' chrome traces go."""
+    `traces`: where the engine profiles' chrome traces go. `lane_ab`: each budget also without the CPU lane."""
     res = bench_resident(ftw, preset, hbm_gbs=hbm_gbs, log=log, llama=llama, deadline=deadline,
                          traces=traces) if resident else {}
     res["budgets"] = []
-    for gib in budgets:
+    for gib, lane in [(g, on) for g in budgets for on in ((False, True) if lane_ab else (True,))]:
         if time.perf_counter() > deadline - 90:
             break
         try:
-            res["budgets"].append(bench_budget(ftw, gib, log=log, llama=llama))
+            res["budgets"].append(bench_budget(ftw, gib, log=log, llama=llama, lane=lane))
         except Exception:  # noqa: BLE001
             res["budgets"].append({"budget_gib": gib, "error": traceback.format_exc()[-2000:]})
             log(f"budget {gib} GiB failed:\n{res['budgets'][-1]['error']}")

@@ -16,6 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+#include "cpu_nvfp4.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -23,16 +25,11 @@
 #include <immintrin.h>
 #endif
 
-typedef struct {
-    int64_t hidden, inter;
-    int64_t off_gu, off_gus, off_gus2, off_d, off_ds, off_ds2;
-} ft_layout;
-
 static const float E2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
 static float E4M3[256];
 static int tables_ready = 0;
 
-static void init_tables(void) {
+void init_tables(void) {
     if (tables_ready) return;
     for (int b = 0; b < 256; b++) {
         int e = (b >> 3) & 15, m = b & 7;
@@ -116,70 +113,88 @@ static void row_dots(const uint8_t *codes, const uint8_t *scales, int64_t K, con
 #define DOWN_ROWS 128 /* down rows per work item */
 #define SUM_COLS 256 /* y columns per work item */
 
+void job_items(const moe_job *j, int64_t n[3]) {
+    const int64_t H = j->L->hidden, I = j->L->inter;
+    n[0] = (int64_t)j->n_groups * ((I + GU_ROWS - 1) / GU_ROWS);
+    n[1] = (int64_t)j->n_groups * ((H + DOWN_ROWS - 1) / DOWN_ROWS);
+    n[2] = (int64_t)j->T * ((H + SUM_COLS - 1) / SUM_COLS);
+}
+
+void gu_item(const moe_job *j, int64_t item) {
+    const ft_layout *L = j->L;
+    const int64_t H = L->hidden, I = L->inter, chunks = (I + GU_ROWS - 1) / GU_ROWS;
+    const int64_t g = item / chunks, r0 = (item % chunks) * GU_ROWS;
+    const int64_t r1 = r0 + GU_ROWS < I ? r0 + GU_ROWS : I;
+    const uint8_t *rec = j->recs[g];
+    const uint8_t *codes = rec + L->off_gu, *scales = rec + L->off_gus;
+    const float *s2 = (const float *)(rec + L->off_gus2);
+    for (int32_t p0 = j->grp_start[g]; p0 < j->grp_start[g + 1]; p0 += MAXT) {
+        int nt = j->grp_start[g + 1] - p0 < MAXT ? j->grp_start[g + 1] - p0 : MAXT;
+        const float *xs[MAXT];
+        for (int t = 0; t < nt; t++) xs[t] = j->x + (int64_t)j->pair_tok[p0 + t] * H;
+        for (int64_t n = r0; n < r1; n++) {
+            float gv[MAXT], uv[MAXT];
+            row_dots(codes + n * (H / 2), scales + n * (H / 16), H, xs, nt, gv);
+            row_dots(codes + (I + n) * (H / 2), scales + (I + n) * (H / 16), H, xs, nt, uv);
+            for (int t = 0; t < nt; t++) {
+                float gg = gv[t] * s2[n], uu = uv[t] * s2[I + n];
+                j->act[(int64_t)(p0 + t) * I + n] = bf16_rne(gg / (1.f + expf(-gg)) * uu);
+            }
+        }
+    }
+}
+
+void down_item(const moe_job *j, int64_t item) {
+    const ft_layout *L = j->L;
+    const int64_t H = L->hidden, I = L->inter, chunks = (H + DOWN_ROWS - 1) / DOWN_ROWS;
+    const int64_t g = item / chunks, r0 = (item % chunks) * DOWN_ROWS;
+    const int64_t r1 = r0 + DOWN_ROWS < H ? r0 + DOWN_ROWS : H;
+    const uint8_t *rec = j->recs[g];
+    const uint8_t *codes = rec + L->off_d, *scales = rec + L->off_ds;
+    const float *s2 = (const float *)(rec + L->off_ds2);
+    for (int32_t p0 = j->grp_start[g]; p0 < j->grp_start[g + 1]; p0 += MAXT) {
+        int nt = j->grp_start[g + 1] - p0 < MAXT ? j->grp_start[g + 1] - p0 : MAXT;
+        const float *as[MAXT];
+        for (int t = 0; t < nt; t++) as[t] = j->act + (int64_t)(p0 + t) * I;
+        for (int64_t n = r0; n < r1; n++) {
+            float dv[MAXT];
+            row_dots(codes + n * (I / 2), scales + n * (I / 16), I, as, nt, dv);
+            for (int t = 0; t < nt; t++) j->part[(int64_t)(p0 + t) * H + n] = dv[t] * s2[n] * j->pair_w[p0 + t];
+        }
+    }
+}
+
+/* y[t, columns] = sum of the pair outputs of token t, in pair order (results do not depend on the thread count). */
+void sum_item(const moe_job *j, int64_t item) {
+    const int64_t H = j->L->hidden, chunks = (H + SUM_COLS - 1) / SUM_COLS;
+    const int64_t t = item / chunks, c0 = (item % chunks) * SUM_COLS;
+    const int64_t c1 = c0 + SUM_COLS < H ? c0 + SUM_COLS : H;
+    float *yr = j->y + t * H;
+    for (int64_t c = c0; c < c1; c++) yr[c] = 0.f;
+    for (int32_t p = 0; p < j->grp_start[j->n_groups]; p++) {
+        if (j->pair_tok[p] != t) continue;
+        const float *pr = j->part + (int64_t)p * H;
+        for (int64_t c = c0; c < c1; c++) yr[c] += pr[c];
+    }
+}
+
 int ft_nvfp4_moe(const ft_layout *L, int32_t n_groups, const uint8_t *const *recs, const int32_t *grp_start,
                  const int32_t *pair_tok, const float *pair_w, int32_t T, const float *x, float *act, float *part,
                  float *y, int32_t nthreads) {
     init_tables();
-    const int64_t H = L->hidden, I = L->inter;
-    if (H % 32 || I % 32 || n_groups < 0 || T < 0) return -1;
-    const int32_t P = grp_start[n_groups];
-    const int64_t gu_chunks = (I + GU_ROWS - 1) / GU_ROWS, d_chunks = (H + DOWN_ROWS - 1) / DOWN_ROWS;
-    const int64_t y_chunks = (H + SUM_COLS - 1) / SUM_COLS;
+    if (L->hidden % 32 || L->inter % 32 || n_groups < 0 || T < 0) return -1;
+    const moe_job j = {L, n_groups, T, recs, grp_start, pair_tok, pair_w, x, act, part, y};
+    int64_t n[3];
+    job_items(&j, n);
     if (nthreads < 1) nthreads = 1;
 #pragma omp parallel num_threads(nthreads)
     {
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < (int64_t)n_groups * gu_chunks; item++) {
-            const int64_t g = item / gu_chunks, r0 = (item % gu_chunks) * GU_ROWS;
-            const int64_t r1 = r0 + GU_ROWS < I ? r0 + GU_ROWS : I;
-            const uint8_t *rec = recs[g];
-            const uint8_t *codes = rec + L->off_gu, *scales = rec + L->off_gus;
-            const float *s2 = (const float *)(rec + L->off_gus2);
-            for (int32_t p0 = grp_start[g]; p0 < grp_start[g + 1]; p0 += MAXT) {
-                int nt = grp_start[g + 1] - p0 < MAXT ? grp_start[g + 1] - p0 : MAXT;
-                const float *xs[MAXT];
-                for (int t = 0; t < nt; t++) xs[t] = x + (int64_t)pair_tok[p0 + t] * H;
-                for (int64_t n = r0; n < r1; n++) {
-                    float gv[MAXT], uv[MAXT];
-                    row_dots(codes + n * (H / 2), scales + n * (H / 16), H, xs, nt, gv);
-                    row_dots(codes + (I + n) * (H / 2), scales + (I + n) * (H / 16), H, xs, nt, uv);
-                    for (int t = 0; t < nt; t++) {
-                        float gg = gv[t] * s2[n], uu = uv[t] * s2[I + n];
-                        act[(int64_t)(p0 + t) * I + n] = bf16_rne(gg / (1.f + expf(-gg)) * uu);
-                    }
-                }
-            }
-        }
+        for (int64_t item = 0; item < n[0]; item++) gu_item(&j, item);
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < (int64_t)n_groups * d_chunks; item++) {
-            const int64_t g = item / d_chunks, r0 = (item % d_chunks) * DOWN_ROWS;
-            const int64_t r1 = r0 + DOWN_ROWS < H ? r0 + DOWN_ROWS : H;
-            const uint8_t *rec = recs[g];
-            const uint8_t *codes = rec + L->off_d, *scales = rec + L->off_ds;
-            const float *s2 = (const float *)(rec + L->off_ds2);
-            for (int32_t p0 = grp_start[g]; p0 < grp_start[g + 1]; p0 += MAXT) {
-                int nt = grp_start[g + 1] - p0 < MAXT ? grp_start[g + 1] - p0 : MAXT;
-                const float *as[MAXT];
-                for (int t = 0; t < nt; t++) as[t] = act + (int64_t)(p0 + t) * I;
-                for (int64_t n = r0; n < r1; n++) {
-                    float dv[MAXT];
-                    row_dots(codes + n * (I / 2), scales + n * (I / 16), I, as, nt, dv);
-                    for (int t = 0; t < nt; t++) part[(int64_t)(p0 + t) * H + n] = dv[t] * s2[n] * pair_w[p0 + t];
-                }
-            }
-        }
+        for (int64_t item = 0; item < n[1]; item++) down_item(&j, item);
 #pragma omp for schedule(static)
-        for (int64_t item = 0; item < (int64_t)T * y_chunks; item++) {
-            const int64_t t = item / y_chunks, c0 = (item % y_chunks) * SUM_COLS;
-            const int64_t c1 = c0 + SUM_COLS < H ? c0 + SUM_COLS : H;
-            float *yr = y + t * H;
-            for (int64_t c = c0; c < c1; c++) yr[c] = 0.f;
-            for (int32_t p = 0; p < P; p++) {
-                if (pair_tok[p] != t) continue;
-                const float *pr = part + (int64_t)p * H;
-                for (int64_t c = c0; c < c1; c++) yr[c] += pr[c];
-            }
-        }
+        for (int64_t item = 0; item < n[2]; item++) sum_item(&j, item);
     }
     return 0;
 }

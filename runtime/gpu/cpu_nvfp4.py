@@ -27,7 +27,7 @@ import torch
 from .moe_reference import expert_forward_ref
 from .record_layout import RecordLayout
 
-_SRC = Path(__file__).with_name("cpu_nvfp4.c")
+_SOURCES = [Path(__file__).with_name(n) for n in ("cpu_nvfp4.c", "cpu_lane.c", "cpu_nvfp4.h")]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-pthread", "-shared", "-fPIC", "-std=c11"]
 
 
@@ -53,7 +53,7 @@ def build_library(cc: str | None = None, extra_flags: tuple[str, ...] = ()) -> P
     cc = cc or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         return None
-    src = _SRC.read_bytes()
+    src = b"".join(p.read_bytes() for p in _SOURCES)
     flags = [*_FLAGS, *extra_flags]
     key = hashlib.sha256(src + " ".join(flags).encode() + _cpu_signature().encode()).hexdigest()[:16]
     out = cache_dir() / "kernels" / f"cpu_nvfp4-{key}.so"
@@ -62,7 +62,8 @@ def build_library(cc: str | None = None, extra_flags: tuple[str, ...] = ()) -> P
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         tmp_so = Path(tmp) / out.name
-        res = subprocess.run([cc, *flags, "-o", str(tmp_so), str(_SRC), "-lm"], capture_output=True, text=True)
+        sources = [str(p) for p in _SOURCES if p.suffix == ".c"]
+        res = subprocess.run([cc, *flags, "-o", str(tmp_so), *sources, "-lm"], capture_output=True, text=True)
         if res.returncode != 0:
             raise RuntimeError(f"building the CPU NVFP4 kernel with {cc} failed:\n{res.stderr[-2000:]}")
         os.replace(tmp_so, out)
@@ -95,6 +96,12 @@ def load_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         lib.ft_memcpy.argtypes = [p, p, ctypes.c_int64, ctypes.c_int32]
         lib.ft_memcpy.restype = None
         lib.ft_has_avx512.restype = ctypes.c_int
+        lib.ft_lane_new.argtypes = [p, p, ctypes.c_int64, ctypes.c_int32, p, p, p, ctypes.c_int32]
+        lib.ft_lane_new.restype = p
+        lib.ft_lane_free.argtypes = [p]
+        lib.ft_lane_free.restype = None
+        lib.ft_lane_stats.argtypes = [p, p]
+        lib.ft_lane_stats.restype = None
         _LIBS[extra_flags] = lib
     return _LIBS[extra_flags]
 

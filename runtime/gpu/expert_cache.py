@@ -93,6 +93,12 @@ class ExpertCache:
         np.add.at(self.counts[layer], np.asarray(experts, np.int64), 1.0)
         self.tokens[layer] += tokens
 
+    def observe_flat(self, flat_ids: np.ndarray, layers: np.ndarray, tokens: int) -> None:
+        """`observe` for several layer calls at once: `flat_ids` layer * E + expert (with repeats), `layers` the
+        distinct layers of the calls, each of `tokens` tokens."""
+        np.add.at(self.counts.reshape(-1), np.asarray(flat_ids, np.int64), 1.0)
+        self.tokens[np.asarray(layers, np.int64)] += tokens
+
     def touch(self, slots: np.ndarray) -> None:
         """Mark slots as used now and protect them until the clock moves."""
         s = np.asarray(slots, np.int64)

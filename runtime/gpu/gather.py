@@ -10,7 +10,8 @@ One decode call of one MoE layer, P = T * k routed pairs (P <= 64), with no host
    and admits the new expert in the device table and owner mirror at once, so later calls (later layers, the next
    step) see it; a second pair of the same expert then hits it. A miss without a usable candidate goes to staging
    row `staging0 + p` (read once, not admitted). Out: `pair_slot` [P] (the row the pair's kernel reads) and
-   `pair_copy` [P] (1 = its record must be copied there; every miss, filled or staged).
+   `pair_copy` [P] (1 = its record must be copied there; every miss, filled or staged; the CPU lane may then turn a
+   staged miss into 2 = computed on the CPU, not copied: `cpu_lane.py`).
 2. `_copy_kernel`, grid (P, chunks): copies the records of the pairs with `pair_copy`, 32 KiB per program in 4 KiB
    loads, so enough independent reads are in flight to fill the link (run M: 50.2 GB/s against 54 for copy-engine
    H2D; the GEMV kernel reading records in place reached 30).
@@ -77,7 +78,7 @@ def _copy_kernel(pool, slot_stride, host_base, host_stride, ids, pair_slot, pair
                  CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     p = tl.program_id(0)
     c = tl.program_id(1)
-    if tl.load(pair_copy + p) != 0:
+    if tl.load(pair_copy + p) == 1:
         e = tl.load(ids + p).to(tl.int64)
         src = (host_base.to(tl.int64) + e * host_stride).to(tl.pointer_type(tl.int64))
         dst = (pool + tl.load(pair_slot + p).to(tl.int64) * slot_stride).to(tl.pointer_type(tl.int64))
@@ -101,13 +102,14 @@ def _check(pool, layout, topk_ids, host_base, host_stride, staging0) -> int:
 
 def gather_missing(pool: torch.Tensor, layout: RecordLayout, topk_ids: torch.Tensor, table: torch.Tensor, layer: int,
                    host_base: int, host_stride: int, staging0: int, *, owner: torch.Tensor | None = None,
-                   candidates: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   candidates: torch.Tensor | None = None, between=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Plan and copy one call's misses (module docstring) -> (pair_slot, pair_copy), int32 [P] each.
 
     pool u8 [rows, stride]; topk_ids [T, k]; table int32 [L, E] (updated in place by fills); host_base: the device
     address of this layer's mapped bank (expert e at host_base + e * host_stride). owner int32 [S] and candidates
     int32 [2, R] enable fills; without them every miss is staged. Rows staging0 .. staging0 + P - 1 must be free for
-    this call's kernels."""
+    this call's kernels. `between(pair_slot, pair_copy)` launches work after the plan and before the copies (the CPU
+    lane's post, which takes misses off the copy list)."""
     words = _check(pool, layout, topk_ids, host_base, host_stride, staging0)
     P, dev = topk_ids.numel(), pool.device
     ids = topk_ids.reshape(-1).contiguous()
@@ -119,6 +121,8 @@ def gather_missing(pool: torch.Tensor, layout: RecordLayout, topk_ids: torch.Ten
     pair_copy = torch.empty(P, dtype=torch.int32, device=dev)
     _plan_kernel[(1,)](ids, table, owner, candidates, pair_slot, pair_copy, layer, table.shape[1], P, R, staging0,
                        BLOCK_P=64, BLOCK_R=max(16, triton.next_power_of_2(R)), num_warps=1)
+    if between is not None:
+        between(pair_slot, pair_copy)
     _copy_kernel[(P, triton.cdiv(words, COPY_CHUNK))](
         pool, layout.stride, host_base, host_stride, ids, pair_slot, pair_copy, words,
         CHUNK=COPY_CHUNK, BLOCK=COPY_BLOCK, num_warps=4)

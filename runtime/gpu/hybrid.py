@@ -321,6 +321,8 @@ class GpuExperts:
             cap_allocator(self.capped, None)
             self.capped = None
         self.cpu.close()
+        if self.mapped is not None and self.mapped.lane is not None:
+            self.mapped.lane.close()
         if self.pinner is not None:
             self.pinner.stop()  # before the uploader unregisters: nothing may be registered after that
         if getattr(self, "uploader", None) is not None:

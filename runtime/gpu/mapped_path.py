@@ -24,6 +24,10 @@ over a device change it has not seen (it uploads only its own changes, made afte
 Run O: faster than the default at 8 GiB, but one CUDA engine test (8-token prefill chunks through this path) decoded
 other tokens than the resident engine, which its CPU emulation does not reproduce: off until that is understood.
 
+The CPU lane (`cpu_lane.py`, on unless `OffloadConfig.cpu_lane` is off or no C compiler exists) computes part of
+each call's staged misses on the host's cores at the same time as the GPU copies the rest, split by the measured
+costs of both paths; it is made with the mapped banks (`ready`) and answers inside graph replays.
+
 Records are read by the GPU without the reader's lazy checksum, so a bank takes this path only after the pinner has
 verified all its records (`pin_banks(verify=True)`); other layers (and every layer before the pinner is done) take
 the host-planned path. Host-planned calls in between first read everything back (`release`).
@@ -36,6 +40,7 @@ from collections import deque
 import numpy as np
 import torch
 
+from .cpu_lane import lane_for
 from .device_path import MAX_DEVICE_PAIRS, count_call
 from .mapped_readback import read_back
 from .pinning import bank_range, verify_bank
@@ -57,7 +62,9 @@ class MappedDecode:
         self.table = ex.cache.device_table(ex.device)
         self.fill = ex.opts.fill and ex.cache.S > 0
         self.base: dict[int, int] | None = None  # layer -> device address of its verified, mapped bank
-        # (event, layer, T, entry int32 [3, P]: ids, rows read, copied; ring index or -1) not read back yet
+        self.lane = None  # CpuLane over the mapped banks, made with them (`ready`)
+        # (event, layers, T, entries int32 [len(layers), 3, P]: ids, rows read, how served; ring index or -1) not read
+        # back yet
         self.records: deque = deque()
         self.landing: deque = deque()  # fill=False: (event, layer, experts), uploads whose table entries are hidden
         cuda = ex.device.type == "cuda"
@@ -101,6 +108,7 @@ class MappedDecode:
                     addr = ex.uploader.mapped_address(*bank_range(bank))
                     if addr is not None:
                         self.base[i] = addr
+            self.lane = lane_for(self)
         return layer in self.base
 
     def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -120,7 +128,7 @@ class MappedDecode:
         for row, t in enumerate((topk_ids.reshape(-1), pair_slot, pair_copy)):
             entry[row, :T * k].copy_(t, non_blocking=True)
         ev = ex._record_compute()
-        self.records.append((ev, layer, T, entry, r))
+        self.records.append((ev, [layer], T, entry[None], r))
         ex._prefill_done[:] = [ev, ev]  # staging wrote prefill-buffer rows: prefill uploads wait for this call
         return y
 
@@ -160,8 +168,9 @@ class MappedDecode:
         block.copy_(self.graph_buf, non_blocking=True)
         ev = self.block_copied[i] = self.ex._record_compute()
         self.ex._prefill_done[:] = [ev, ev]  # as in __call__
-        for layer in self.graph_layers:
-            self.records.append((ev, layer, num_tokens, block[layer], -1))
+        if self.graph_layers:  # one record for the whole step: its layers are read back in one vectorized pass
+            layers = sorted(self.graph_layers)
+            self.records.append((ev, layers, num_tokens, block, -1))  # block: all L rows, read at `layers`
 
     def refresh(self) -> None:
         """Choose the next call's fill candidates (R per MoE layer, the cache's next victims, none offered by the last
@@ -217,9 +226,13 @@ class MappedDecode:
         from .gather import gather_missing
         from .nvfp4_decode import moe_nvfp4_device
 
+        lane = self.lane if self.lane is not None and topk_ids.shape[0] <= self.lane.tmax else None
+        post = None if lane is None else (lambda s, c: lane.post(layer, x, topk_ids, topk_weights, s, c, ex.num_slots))
         pair_slot, copied = gather_missing(ex.pool, ex.layout, topk_ids, self.table.tensor, layer, self.base[layer],
-                                           bank.stride, ex.num_slots, owner=owner, candidates=cand)
+                                           bank.stride, ex.num_slots, owner=owner, candidates=cand, between=post)
         y = moe_nvfp4_device(ex.pool, ex.layout, x, self._pairs(P).view(topk_ids.shape), pair_slot, topk_weights)
+        if lane is not None:
+            lane.finish(y)
         return self._check(y, bank, x, topk_ids, topk_weights), pair_slot, copied
 
     def _check(self, got, bank, x, topk_ids, topk_weights) -> torch.Tensor:
@@ -240,6 +253,9 @@ class MappedDecode:
 
     def poll(self) -> None:
         """Publish landed uploads, then read back every routing record whose copy has completed (no waiting)."""
+        if self.lane is not None:
+            self.lane.check()
+            self.lane.refit()
         self.publish()
         while self.records and (self.records[0][0] is None or self.records[0][0].query()):
             self._pop(wait=False)
@@ -262,10 +278,11 @@ class MappedDecode:
             self.table.show()
 
     def _pop(self, *, wait: bool) -> None:
-        ev, layer, T, entry, ring_index = self.records.popleft()
+        ev, layers, T, entries, ring_index = self.records.popleft()
         if wait and ev is not None:
             ev.synchronize()
-        read_back(self, layer, T, entry)
+        entries = entries.numpy()
+        read_back(self, layers, T, entries if len(entries) == len(layers) else entries[layers])
         if ring_index >= 0:
             self._ring_busy[ring_index] = False
 

@@ -1,14 +1,17 @@
-"""The host's side of mode mapped (`mapped_path.py`): what it does with one call's entry once it has come back.
+"""The host's side of mode mapped (`mapped_path.py`): what it does with calls' entries once they have come back.
 
 An entry is int32 [3, P] for P = T * k routed pairs: the expert ids, the pool row each pair's kernel read (a slot,
-a staging row >= num_slots, or -1 for a record read in place from host memory) and whether its record was copied
-from host memory for this call (1: a miss). Per entry, in call order:
-  * counters (hits / misses over the call's distinct experts, bytes read from host memory), per-layer counts, the
-    routing trace and frequency counts (`ExpertCache.observe`), recency of the slots hit;
+a staging row >= num_slots, or -1 for a record read in place from host memory or computed on the CPU) and how a
+miss was served (1: its record was copied from host memory for this call; 2: the CPU lane computed it). One
+`read_back` takes the entries of one eager call or of a whole graph replay (every MoE layer of the step) and handles
+them in one vectorized pass over flat expert ids (layer * E + expert): this runs once per decode step on the thread
+that must queue the next one, so its cost is paid per step, not per layer.
+  * counters (hits / misses over each call's distinct experts, bytes read from host memory by the GPU and by the
+    CPU lane), per-layer counts, the routing trace and frequency counts, recency of the slots hit;
   * fill mode: every miss the device copied into a candidate slot is mirrored in the host table (`adopt`). The device
     table already holds it, so the table is marked synced (no upload) unless the host had changes of its own pending,
     which only happens after `MappedDecode.release` has read everything back;
-  * otherwise: `admit_uploads` (up to `admit_max` per call, filtered by routing frequency; see `mapped_path.py`).
+  * otherwise: `admit_uploads` over the step's missed experts.
 """
 
 from __future__ import annotations
@@ -16,62 +19,84 @@ from __future__ import annotations
 import numpy as np
 
 
-def read_back(md, layer: int, T: int, entry) -> None:
+def read_back(md, layers: list[int], T: int, entries: np.ndarray) -> None:
+    """entries int32 [len(layers), 3, >= T * k]: one entry per layer call (distinct layers)."""
     ex, cache = md.ex, md.ex.cache
-    P = T * ex.k
-    ids = entry[0, :P].numpy().astype(np.int64)
-    rows, copied = entry[1, :P].numpy(), entry[2, :P].numpy()
-    cache.observe(layer, ids, T)
-    uniq, first = np.unique(ids, return_index=True)
-    miss = copied[first] != 0
-    hits, misses = int((~miss).sum()), int(miss.sum())
+    E, P = ex.E, T * ex.k
+    lay = np.asarray(layers, np.int64)
+    flat = lay[:, None] * E + entries[:, 0, :P].astype(np.int64)
+    cache.observe_flat(flat.ravel(), lay, T)
+    uniq, first = np.unique(flat, return_index=True)  # sorted: by layer, then expert
+    how = entries[:, 2, :P].ravel()[first]
+    miss, on_cpu = how != 0, how == 2
+    layer_of = uniq // E
     c = ex.counters
-    c["hits"] += hits
-    c["misses"] += misses
-    c["bytes_mapped"] += misses * ex.layout.payload_bytes
-    ex.per_layer[:2, layer] += (hits, misses)
+    c["hits"] += int((~miss).sum())
+    c["misses"] += int(miss.sum())
+    c["cpu_experts"] += int(on_cpu.sum())
+    c["bytes_mapped"] += int((how == 1).sum()) * ex.layout.payload_bytes
+    c["bytes_cpu"] += int(on_cpu.sum()) * ex.layout.payload_bytes
+    for row, mask in ((0, ~miss), (1, miss), (3, on_cpu)):
+        np.add.at(ex.per_layer[row], layer_of[mask], 1)
     if len(ex.trace) < ex.opts.trace_limit:
-        ex.trace.append((layer, uniq))
+        starts = np.flatnonzero(np.r_[True, layer_of[1:] != layer_of[:-1]])
+        for part in np.split(uniq, starts[1:]):
+            ex.trace.append((int(part[0] // E), part % E))
     if md.fill:
-        filled = first[miss & (rows[first] >= 0) & (rows[first] < ex.num_slots)]
-        if len(filled):
+        rows = entries[:, 1, :P].ravel()[first]
+        filled = miss & (rows >= 0) & (rows < ex.num_slots)
+        if filled.any():
             clean = not md.table.dirty
-            for p in filled.tolist():
-                cache.adopt(layer, int(ids[p]), int(rows[p]))
+            for f, r in zip(uniq[filled].tolist(), rows[filled].tolist()):
+                cache.adopt(f // E, f % E, int(r))
             if clean:
                 md.table.mark_synced()
-            c["filled"] += len(filled)
-            ex.per_layer[2, layer] += len(filled)
-    slots = cache.lookup(layer, uniq)
+            c["filled"] += int(filled.sum())
+            np.add.at(ex.per_layer[2], layer_of[filled], 1)
+    slots = cache.slot_of.ravel()[uniq]
     cache.touch(slots[slots >= 0])
     if not md.fill:
-        admit_uploads(md, layer, uniq[slots < 0])
+        admit_uploads(md, uniq[slots < 0])
 
 
-def admit_uploads(md, layer: int, missed: np.ndarray) -> None:
-    """fill=False: upload up to `admit_max` missed experts, most frequently routed first, into victim slots whose
-    owner is routed `admit_margin` x less often (empty slots always); their entries stay hidden until they land."""
+def admit_uploads(md, missed: np.ndarray) -> None:
+    """fill=False: upload missed experts (flat ids), at most `admit_max` per layer, most frequently routed first,
+    into victim slots whose owner is routed `admit_margin` x less often (empty slots always); their table entries stay
+    hidden until they land. One victims() choice for all (O(S) numpy work once per read-back)."""
     ex, cache = md.ex, md.ex.cache
-    n = min(len(missed), ex.opts.admit_max)
-    if n == 0 or cache.S == 0:
+    if ex.opts.admit_max == 0 or cache.S == 0 or len(missed) == 0:
         return
-    freq = cache.frequency(layer * ex.E + missed)
-    order = np.argsort(-freq, kind="stable")[:n]
-    victims = cache.victims(n)
+    E = ex.E
+    freq = cache.frequency(missed)
+    layer_of = missed // E
+    by_layer = np.lexsort((-freq, layer_of))  # per layer, most frequent first
+    lo = layer_of[by_layer]
+    rank = np.arange(len(lo)) - np.searchsorted(lo, lo)
+    cand = by_layer[rank < ex.opts.admit_max]
+    cand = cand[np.argsort(-freq[cand], kind="stable")]
+    victims = cache.victims(len(cand))
     owners = cache.owner[victims]
     # candidates most frequent first, victims easiest first: admit up to the first that does not pay
-    pays = (owners < 0) | (freq[order[:len(victims)]] > ex.opts.admit_margin * cache.frequency(np.maximum(owners, 0)))
+    pays = (owners < 0) | (freq[cand[:len(victims)]] > ex.opts.admit_margin * cache.frequency(np.maximum(owners, 0)))
     keep = len(pays) if pays.all() else int(np.argmin(pays))
     if keep == 0:
         return
-    experts = missed[order[:keep]]
+    chosen, into = missed[cand[:keep]], victims[:keep]
     ex.uploader.after_compute(ex._record_compute())  # the evicted experts may still be read by queued kernels
-    slots, _ = cache.admit_many(layer, experts, victims[:len(experts)])
-    admitted = experts[slots >= 0]
-    md.table.hide(layer, admitted)
-    for e, s in zip(admitted.tolist(), slots[slots >= 0].tolist()):
-        ex.uploader.upload(s, ex.banks[layer].record(e))
-    ex.counters["fetched"] += len(admitted)
-    ex.counters["bytes_h2d"] += len(admitted) * ex.layout.stride
-    ex.per_layer[2, layer] += len(admitted)
-    md.landing.append((ex.uploader.fence(), layer, admitted))
+    admitted_by_layer = []
+    for layer in np.unique(chosen // E).tolist():
+        mine = chosen // E == layer
+        experts = chosen[mine] % E
+        slots, _ = cache.admit_many(layer, experts, into[mine])
+        admitted = experts[slots >= 0]
+        md.table.hide(layer, admitted)
+        for e, s in zip(admitted.tolist(), slots[slots >= 0].tolist()):
+            ex.uploader.upload(s, ex.banks[layer].record(e))
+        ex.per_layer[2, layer] += len(admitted)
+        admitted_by_layer.append((layer, admitted))
+    n = sum(len(a) for _, a in admitted_by_layer)
+    ex.counters["fetched"] += n
+    ex.counters["bytes_h2d"] += n * ex.layout.stride
+    fence = ex.uploader.fence()
+    for layer, admitted in admitted_by_layer:
+        md.landing.append((fence, layer, admitted))

@@ -40,6 +40,7 @@ class OffloadConfig:
     prefetch: bool = True
     prefetch_max: int | None = None  # experts per layer and step; None = top-k
     fill: bool = False  # mode mapped, experimental: misses the GPU copies become cache entries on the device
+    cpu_lane: bool = True  # mode mapped: the CPU computes part of each decode call's misses (cpu_lane.py)
     admit_max: int = 2  # mode mapped without fill: experts uploaded into the cache per layer call at most
     admit_margin: float = 1.25  # mode mapped: a miss replaces a resident expert routed this many times less often
     prefill_tokens: int = 64  # calls with at least this many tokens stream their misses (prefill path)

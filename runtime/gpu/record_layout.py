@@ -16,6 +16,7 @@ a pinned staging buffer and the mmapped file hold byte-identical records.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -52,9 +53,10 @@ class RecordLayout:
     def nbytes(self, name: str) -> int:
         return component_nbytes(name, self.hidden, self.inter)
 
-    @property
+    @functools.cached_property
     def payload_bytes(self) -> int:
-        """Bytes of the six components (what a kernel must read), without record padding."""
+        """Bytes of the six components (what a kernel must read), without record padding (read per layer call by
+        the schedulers' counters: computed once)."""
         return sum(self.nbytes(c) for c in COMPONENTS)
 
     def view(self, record: torch.Tensor, name: str) -> torch.Tensor:

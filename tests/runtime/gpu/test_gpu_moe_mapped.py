@@ -78,6 +78,24 @@ def test_mapped_decode_computes_every_pair_and_refills_the_cache(reader, interpr
     ex.close()
 
 
+@pytest.mark.skipif(not INTERP, reason="needs Triton's interpreter on a machine without CUDA")
+def test_cpu_lane_takes_the_misses_when_the_link_is_slow(reader):
+    """A link costed at 1 MB/s: every staged miss goes to the CPU lane, the results still cover every pair, and the
+    counters say which path served what."""
+    opts = OffloadConfig(mode="mapped", num_slots=3, prefetch=False, admit_max=1, b_pcie=1e6, cpu_threads=2)
+    ex = GpuExperts(reader, opts, device="cpu", device_plan=True, interpret=True)
+    try:
+        for layer, x, ids, w in _calls(reader, (1, 2, 1, 3, 1, 1), seed=9):
+            assert rel_err(ex(layer, x, ids, w).float(), _full(reader, layer, x, ids, w)) < 1e-2
+        s = ex.stats()
+        assert s["cpu_experts"] > 0 and s["bytes_cpu"] == s["cpu_experts"] * ex.layout.payload_bytes
+        assert s["bytes_mapped"] == (s["misses"] - s["cpu_experts"]) * ex.layout.payload_bytes
+        assert s["cpu_lane"]["jobs"] > 0 and s["cpu_lane"]["refused"] == 0
+        assert sum(s["per_layer"]["cpu_experts"]) == s["cpu_experts"]
+    finally:
+        ex.close()
+
+
 def test_mapped_falls_back_to_the_host_path_for_prefill_and_publishes_hidden_entries(reader):
     ex = GpuExperts(reader, OffloadConfig(mode="mapped", num_slots=4, prefetch=False), device="cpu", device_plan=True)
     big = MAX_DEVICE_PAIRS // K + 1

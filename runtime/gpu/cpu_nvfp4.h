@@ -1,0 +1,30 @@
+/* Declarations shared by the CPU expert kernel (cpu_nvfp4.c) and the lane that runs it for the GPU (cpu_lane.c). */
+#ifndef FT_CPU_NVFP4_H
+#define FT_CPU_NVFP4_H
+#include <stdint.h>
+
+/* Byte offsets of one expert record's components (see record_layout.py). */
+typedef struct {
+    int64_t hidden, inter;
+    int64_t off_gu, off_gus, off_gus2, off_d, off_ds, off_ds2;
+} ft_layout;
+
+/* One MoE layer step: the arguments of `ft_nvfp4_moe`, split into work items of three phases (gate_up row chunks
+ * per expert, down row chunks per expert, y column chunks per token) so that an OpenMP team (`ft_nvfp4_moe`) or the
+ * lane's spinning team (cpu_lane.c) can run them; items of one phase are independent, phases are ordered.
+ * Pairs are grouped by expert: group g (record recs[g]) owns pairs grp_start[g] .. grp_start[g + 1] - 1. */
+typedef struct {
+    const ft_layout *L;
+    int32_t n_groups, T;
+    const uint8_t *const *recs;
+    const int32_t *grp_start, *pair_tok;
+    const float *pair_w, *x;
+    float *act, *part, *y;
+} moe_job;
+
+void init_tables(void);
+void job_items(const moe_job *j, int64_t n[3]); /* items per phase */
+void gu_item(const moe_job *j, int64_t item);
+void down_item(const moe_job *j, int64_t item);
+void sum_item(const moe_job *j, int64_t item);
+#endif

@@ -1,0 +1,117 @@
+"""The CPU lane (`cpu_lane.py` + `cpu_lane.c`): a decode call's misses split between the GPU's staged copies and the
+CPU's spinning team, through the mailbox, summed into one result equal to the reference over all pairs. Without
+CUDA the post / wait kernels run under Triton's interpreter on CPU tensors while the lane's threads answer."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from ft.runtime.gpu.cpu_lane import CpuLane  # noqa: E402
+from ft.runtime.gpu.cpu_nvfp4 import load_library  # noqa: E402
+from ft.runtime.gpu.gather import gather_missing  # noqa: E402
+from ft.runtime.gpu.moe_reference import moe_ref  # noqa: E402
+from ft.runtime.gpu.nvfp4_decode import moe_nvfp4_device  # noqa: E402
+from ft.runtime.gpu.record_layout import RecordLayout  # noqa: E402
+
+from .gpu_fixtures import random_records, rel_err  # noqa: E402
+
+pytestmark = pytest.mark.skipif(load_library() is None, reason="no C compiler for the CPU expert kernel")
+
+CUDA = torch.cuda.is_available()
+DEV = torch.device("cuda" if CUDA else "cpu")
+TOL = 2e-3 if CUDA else 1e-5
+E, L, H, I = 16, 3, 64, 32
+
+
+@pytest.fixture(scope="module")
+def bank():
+    layout = RecordLayout.packed(H, I)
+    recs = random_records(layout, E, 11)
+    return layout, recs, (recs.clone().pin_memory() if CUDA else recs.clone())
+
+
+def _lane(layout, host, k, **bw):
+    banks = {1: (host.data_ptr(), host.stride(0), E), 2: (host.data_ptr(), host.stride(0), E)}
+    # 1e7 B/s: a miss costs far more than the CPU's fixed cost per call
+    return CpuLane(layout, banks, L, k, DEV, threads=2, **({"b_gpu": 1e7, "b_cpu": 1e7} | bw))
+
+
+def _call(lane, layout, host, ids, w, x, *, resident=()):
+    """One mapped decode call of layer 1 with the lane: plan, post, GPU share, wait + add."""
+    T, k = ids.shape
+    pool = torch.zeros(len(resident) + T * k, layout.stride, dtype=torch.uint8, device=DEV)
+    table = torch.full((L, E), -1, dtype=torch.int32, device=DEV)
+    for slot, e in enumerate(resident):
+        table[1, e] = slot
+        pool[slot] = host[e].to(DEV)
+    S = len(resident)
+    slot, copy = gather_missing(pool, layout, ids.to(DEV), table, 1, host.data_ptr(), host.stride(0), S)
+    lane.post(1, x.to(DEV), ids.to(DEV), w.to(DEV), slot, copy, S)
+    pairs = torch.arange(T * k, dtype=torch.int32, device=DEV).view(T, k)
+    y = moe_nvfp4_device(pool, layout, x.to(DEV), pairs, slot, w.to(DEV)).float().contiguous()
+    lane.finish(y)
+    if CUDA:
+        torch.cuda.synchronize()
+    lane.check()
+    return y.cpu(), slot.cpu(), copy.cpu()
+
+
+@pytest.mark.parametrize("T,k,resident", [(1, 4, ()), (2, 4, (3, 5)), (3, 2, (0,))])
+def test_split_call_equals_reference_over_all_pairs(bank, T, k, resident):
+    layout, recs, host = bank
+    lane = _lane(layout, host, k)
+    g = torch.Generator().manual_seed(T * 10 + k)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    w = torch.rand(T, k, generator=g)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    try:
+        for _ in range(2):  # the second call reuses the mailbox with the next sequence number
+            y, slot, copy = _call(lane, layout, host, ids, w, x, resident=resident)
+            assert rel_err(y, moe_ref(recs, layout, x, ids, w)) < TOL
+        staged = int((copy != 0).sum())
+        on_cpu = int((copy == 2).sum())
+        # equal costs per miss, plus the CPU's fixed cost: the CPU takes the smaller half
+        assert on_cpu == staged // 2 and staged >= 2
+        assert bool((slot[copy == 2] == -1).all())
+        assert all(int(ids.reshape(-1)[p]) not in resident for p in torch.nonzero(copy == 2).flatten().tolist())
+        assert lane.counters()["jobs"] == (2 if on_cpu else 0)
+    finally:
+        lane.close()
+
+
+@pytest.mark.parametrize("bw,expect", [({"b_cpu": 0.0}, "none"), ({"b_gpu": 1e3, "b_cpu": 1e9}, "all")])
+def test_split_follows_the_bandwidths(bank, bw, expect):
+    layout, recs, host = bank
+    lane = _lane(layout, host, 4, **bw)
+    ids = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    w = torch.rand(2, 4, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(2, H, generator=torch.Generator().manual_seed(6)).to(torch.bfloat16)
+    try:
+        y, _, copy = _call(lane, layout, host, ids, w, x)
+        assert int((copy == 2).sum()) == (0 if expect == "none" else 8)
+        assert rel_err(y, moe_ref(recs, layout, x, ids, w)) < TOL
+    finally:
+        lane.close()
+
+
+def test_a_post_for_a_layer_without_a_bank_is_refused(bank):
+    layout, recs, host = bank
+    lane = _lane(layout, host, 4, b_gpu=1e3)
+    try:
+        ids = torch.tensor([[1, 2, 3, 4]], device=DEV)
+        x = torch.randn(1, H).to(torch.bfloat16).to(DEV)
+        slot = torch.arange(4, dtype=torch.int32, device=DEV)
+        copy = torch.ones(4, dtype=torch.int32, device=DEV)
+        lane.post(0, x, ids, torch.ones(1, 4, device=DEV), slot, copy, 0)  # layer 0: no bank in this lane
+        y = lane.finish(torch.zeros(1, H, device=DEV))
+        if CUDA:
+            torch.cuda.synchronize()
+        assert float(y.abs().max()) == 0.0
+        with pytest.raises(RuntimeError, match="refused a malformed post"):
+            lane.check()
+        assert lane.counters()["refused"] == 1
+    finally:
+        lane.close()
