@@ -74,6 +74,14 @@ def run_script(name: str, out: Path, timeout: float, quick: bool = False, tests:
     return row
 
 
+def parse_variants(text: str) -> tuple[dict, ...]:
+    """'a=1,b=False;c=2.0' -> ({"a": 1, "b": False}, {"c": 2.0}) (values as Python literals)."""
+    import ast
+
+    return tuple({k.strip(): ast.literal_eval(v.strip()) for k, v in (kv.split("=", 1) for kv in part.split(","))}
+                 for part in text.split(";") if part.strip())
+
+
 def build(work: Path, preset: str, routing: str) -> Path:
     from ft.compiler import compile_checkpoint
     from ft.compiler.synth import synth
@@ -107,7 +115,9 @@ def main() -> None:
     ap.add_argument("--budgets", default="", help="comma-separated VRAM budgets in GiB to run each model at too")
     ap.add_argument("--skip-resident", action="store_true",
                     help="models: only the --budgets rows (peak memory is then the budget engine's alone)")
-    ap.add_argument("--lane-ab", action="store_true", help="each budget row also with the CPU lane off")
+    ap.add_argument("--variants", default="",
+                    help="each budget also with these scheduler options, after the default: ';'-separated variants of "
+                         "','-separated OffloadConfig fields, e.g. 'cpu_lane=False;admit_margin=2.0'")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
@@ -153,7 +163,7 @@ def main() -> None:
                                                         deadline=T0 + args.deadline_s,
                                                         budgets=tuple(float(b) for b in args.budgets.split(",") if b),
                                                         resident=not args.skip_resident, traces=args.out,
-                                                        lane_ab=args.lane_ab)
+                                                        variants=parse_variants(args.variants))
                 except Exception:  # noqa: BLE001 - the next model and stage still run
                     res["models"][preset] = {"error": traceback.format_exc()[-3000:]}
                     log(f"{preset} failed:\n{res['models'][preset]['error']}")

@@ -171,19 +171,22 @@ def step_bytes(model, ex, batch: int, context: int) -> dict:
             "total": dense[0] + experts + kv + state}
 
 
-def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64, lane: bool = True) -> dict:
+def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64, variant: dict | None = None) -> dict:
     """The default scheduler (`ft serve --vram-budget`) at `gib` GiB: decode batch 1 at a 32-token context once the
     banks are page-locked, prefill of 4096 tokens twice (the first in a process includes compiling the prefill
     kernels: `prefill_first`), and the process's peak device memory against the budget: the
     allocator's peak plus what the device held outside the allocator while the engine ran (what nvidia-smi shows;
     meaningful for the first engine of a process only: later ones may find memory the earlier ones left).
-    `lane` off: the GPU copies every miss (the CPU lane's A/B baseline)."""
+    `variant`: OffloadConfig fields that differ from the default scheduler's (e.g. {"cpu_lane": False}: the GPU
+    copies every miss)."""
     torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
     eng = _engine(ftw, vram_budget=int(gib * (1 << 30)),
-                  offload=None if lane else OffloadConfig(mode="mapped", cpu_lane=False))
+                  offload=OffloadConfig(**{"mode": "mapped", **variant}) if variant else None)
+    lane = eng._experts.opts.cpu_lane
     model, ex = eng.model, eng._experts
-    res: dict = {"budget_gib": gib, "mode": ex.opts.mode, "cpu_lane": lane, "load_s": time.perf_counter() - t,
+    res: dict = {"budget_gib": gib, "mode": ex.opts.mode, "variant": variant or {}, "cpu_lane": lane,
+                 "load_s": time.perf_counter() - t,
                  "plan": ex.vram_plan.as_dict() if ex.vram_plan is not None else None}
     res["pin"] = {k: v for k, v in ex.wait_pinned(timeout=120).items() if isinstance(v, (int, float, str))}
     res["pinned_after_s"] = time.perf_counter() - t
@@ -200,7 +203,7 @@ def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64, l
                                   (("gpu_mapped", "bytes_mapped"), ("cpu", "bytes_cpu"), ("uploads", "bytes_h2d"))}
         res["engine_profile"] = engine_profile(eng, 1, steps=16)
         res["cuda_graphs"] = eng.stats().get("cuda_graphs")
-        if lane and stats.get("cpu_lane"):
+        if lane and stats.get("cpu_lane") and not variant:
             res["lane_agreement"] = lane_agreement(model, ex.mapped.lane)
         res["prefill_first"] = prefill(model, 4096, repeat=1)  # the process's first: Triton compiles its kernels
         res["prefill"] = prefill(model, 4096, repeat=1)
@@ -223,7 +226,7 @@ def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64, l
         # images, library workspaces): nvidia-smi's peak, if this engine is the process's first
         res["peak_device_gib"] = res["peak_reserved_gib"] + res.get("outside_allocator_gib", res["context_gib"])
     bpt = {k: round(v / 1e6, 1) for k, v in res.get("bytes_per_token", {}).items()}
-    log(f"budget {gib:g} GiB ({res['mode']}, lane {'on' if lane else 'off'}): decode {res['decode']['tok_s']:.1f} "
+    log(f"budget {gib:g} GiB ({res['mode']}, {variant or 'default'}): decode {res['decode']['tok_s']:.1f} "
         f"tok/s, MB/token {bpt}, prefill 4096 {res['prefill']['tok_s']:.0f} tok/s (first "
         f"{res['prefill_first']['tok_s']:.0f}), peak {res['peak_device_gib']:.2f} GiB incl. context; lane "
         f"{res.get('lane')}")
@@ -232,17 +235,18 @@ def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64, l
 
 def bench_model(ftw, preset: str, *, hbm_gbs: float, log, llama: dict | None, deadline: float,
                 budgets: tuple[float, ...] = (), resident: bool = True, traces: Path | None = None,
-                lane_ab: bool = False) -> dict:
+                variants: tuple[dict, ...] = ()) -> dict:
     """The resident rows (unless `resident` is off), then each VRAM budget in its own engine (`bench_budget`).
-    `traces`: where the engine profiles' chrome traces go. `lane_ab`: each budget also without the CPU lane."""
+    `traces`: where the engine profiles' chrome traces go. `variants`: OffloadConfig overrides each budget also runs
+    with, after the default scheduler."""
     res = bench_resident(ftw, preset, hbm_gbs=hbm_gbs, log=log, llama=llama, deadline=deadline,
                          traces=traces) if resident else {}
     res["budgets"] = []
-    for gib, lane in [(g, on) for g in budgets for on in ((False, True) if lane_ab else (True,))]:
+    for gib, variant in [(g, v) for g in budgets for v in ({}, *variants)]:
         if time.perf_counter() > deadline - 90:
             break
         try:
-            res["budgets"].append(bench_budget(ftw, gib, log=log, llama=llama, lane=lane))
+            res["budgets"].append(bench_budget(ftw, gib, log=log, llama=llama, variant=variant))
         except Exception:  # noqa: BLE001
             res["budgets"].append({"budget_gib": gib, "error": traceback.format_exc()[-2000:]})
             log(f"budget {gib} GiB failed:\n{res['budgets'][-1]['error']}")

@@ -55,7 +55,8 @@ struct ft_lane {
     int32_t grp_start[MB_PAIRS + 1], pair_tok[MB_PAIRS];
     float pair_w[MB_PAIRS];
     float *act, *part;
-    _Atomic int64_t stats[5]; /* jobs, pairs, experts, busy ns, refused posts */
+    in_t *xin, *actin; /* bf16 copies of x and act where the kernel reads bf16 (else x and act themselves) */
+    _Atomic int64_t stats[7]; /* jobs, pairs, experts, busy ns, refused posts, sum experts^2, sum experts * ns */
 };
 
 static int64_t now_ns(void) {
@@ -138,8 +139,16 @@ static int prepare(ft_lane *l) {
         l->pair_w[slot] = w[p];
     }
     float *x = (float *)(l->mb + MB_X);
+#if defined(FT_BF16)
+    to_bf16(x, l->xin, (int64_t)T * l->L.hidden);
+    const in_t *xin = l->xin;
+    in_t *actin = l->actin;
+#else
+    const in_t *xin = x;
+    in_t *actin = l->act;
+#endif
     l->job = (moe_job){&l->L, ng, T, l->recs, l->grp_start, l->pair_tok, l->pair_w, x, l->act, l->part,
-                       x + l->tmax * l->L.hidden};
+                       x + l->tmax * l->L.hidden, xin, actin};
     job_items(&l->job, l->items);
     return 0;
 }
@@ -160,10 +169,13 @@ static void lead(ft_lane *l) {
             for (int p = 0; p < 3; p++) atomic_store_explicit(&l->next[p], 0, memory_order_relaxed);
             atomic_fetch_add_explicit(&l->gen, 1, memory_order_release);
             run_phases(l);
+            int64_t ns = now_ns() - t, g = l->job.n_groups;
             atomic_fetch_add(&l->stats[0], 1);
-            atomic_fetch_add(&l->stats[1], l->grp_start[l->job.n_groups]);
-            atomic_fetch_add(&l->stats[2], l->job.n_groups);
-            atomic_fetch_add(&l->stats[3], now_ns() - t);
+            atomic_fetch_add(&l->stats[1], l->grp_start[g]);
+            atomic_fetch_add(&l->stats[2], g);
+            atomic_fetch_add(&l->stats[3], ns);
+            atomic_fetch_add(&l->stats[5], g * g);
+            atomic_fetch_add(&l->stats[6], g * ns);
         } else {
             memset(l->mb + MB_X + l->tmax * l->L.hidden, 0, sizeof(float) * l->tmax * l->L.hidden);
             atomic_fetch_add(&l->stats[4], 1);
@@ -211,9 +223,11 @@ ft_lane *ft_lane_new(const ft_layout *L, int32_t *mailbox, int64_t tmax, int32_t
     l->n_experts = (int32_t *)calloc(n_layers, sizeof(int32_t));
     l->act = (float *)malloc(sizeof(float) * MB_PAIRS * L->inter);
     l->part = (float *)malloc(sizeof(float) * MB_PAIRS * L->hidden);
+    l->xin = (in_t *)malloc(sizeof(in_t) * tmax * L->hidden);
+    l->actin = (in_t *)malloc(sizeof(in_t) * MB_PAIRS * L->inter);
     l->th = (pthread_t *)calloc(nthreads, sizeof(pthread_t));
     l->args = (lane_arg *)calloc(nthreads, sizeof(lane_arg));
-    if (!l->bank || !l->stride || !l->n_experts || !l->act || !l->part || !l->th || !l->args) {
+    if (!l->bank || !l->stride || !l->n_experts || !l->act || !l->part || !l->xin || !l->actin || !l->th || !l->args) {
         l->nthreads = 0;
         ft_lane_free(l);
         return NULL;
@@ -236,11 +250,13 @@ void ft_lane_free(ft_lane *l) {
     if (!l) return;
     atomic_store(&l->stop, 1);
     for (int i = 0; i < l->nthreads; i++) pthread_join(l->th[i], NULL);
-    free(l->bank), free(l->stride), free(l->n_experts), free(l->act), free(l->part), free(l->th), free(l->args);
+    free(l->bank), free(l->stride), free(l->n_experts), free(l->act), free(l->part), free(l->xin), free(l->actin);
+    free(l->th), free(l->args);
     free(l);
 }
 
-/* out[5] = jobs, pairs, experts, busy nanoseconds (post seen -> answer written), refused posts; all cumulative. */
+/* out[7] = jobs, pairs, experts, busy nanoseconds (post seen -> answer written), refused posts, and over jobs the sums
+ * of experts^2 and experts * ns (a least-squares line of job time against experts); all cumulative. */
 void ft_lane_stats(ft_lane *l, int64_t *out) {
-    for (int i = 0; i < 5; i++) out[i] = atomic_load(&l->stats[i]);
+    for (int i = 0; i < 7; i++) out[i] = atomic_load(&l->stats[i]);
 }

@@ -49,6 +49,8 @@ MB_N, MB_T, MB_LAYER = tl.constexpr(32), tl.constexpr(33), tl.constexpr(34)
 MB_EXPERT, MB_TOKEN, MB_WEIGHT, MB_X = tl.constexpr(64), tl.constexpr(128), tl.constexpr(192), tl.constexpr(256)
 WAIT_LIMIT = 5_000_000  # polls of MB_DONE (about a microsecond each over PCIe) before the GPU gives up
 CPU_FIXED_S = 15e-6  # starting guess of the lane's cost per call beyond its experts (signal, barriers, y back)
+SIGNAL_S = 5e-6  # the post reaching the lane and its answer reaching the GPU (PCIe round trips), outside its job time
+STATS = ("jobs", "pairs", "experts", "busy_ns", "refused", "experts_sq", "experts_ns")
 
 
 @triton.jit
@@ -159,7 +161,7 @@ class CpuLane:
         self.split = torch.empty(4, dtype=torch.float32, device=device)
         self._split_host = torch.empty(4, dtype=torch.float32, pin_memory=self.cuda)
         self._upload_split()
-        self._seen = np.zeros(5, np.int64)
+        self._seen = np.zeros(len(STATS), np.float64)
 
     def _upload_split(self) -> None:
         big = 1e30  # an unavailable path costs "infinitely" much, finitely (inf * 0 would be nan in the kernel)
@@ -198,26 +200,36 @@ class CpuLane:
             raise RuntimeError(f"the CPU expert lane refused a malformed post (code {int(self.words[MB_ERR.value])})")
 
     def counters(self) -> dict:
-        out = np.zeros(5, np.int64)
+        out = np.zeros(len(STATS), np.int64)
         self.lib.ft_lane_stats(self.handle, out.ctypes.data)
-        return dict(zip(("jobs", "pairs", "experts", "busy_ns", "refused"), out.tolist()))
+        return dict(zip(STATS, out.tolist()))
 
     def refit(self, min_jobs: int = 64) -> None:
-        """Per-expert CPU seconds from the lane's jobs since the last refit (busy time minus the fixed part);
-        uploads the split when it moved."""
-        now = np.array(list(self.counters().values()), np.int64)
-        d = now - self._seen
-        if d[0] < min_jobs or d[2] <= 0:
+        """The CPU's cost line from the lane's jobs since the last refit: job seconds = fixed + per * experts, least
+        squares (falls back to per = mean time per expert when the jobs' sizes do not spread); the split's fixed cost
+        adds the signalling around a job (SIGNAL_S). Uploads the split when it moved by more than 5 %."""
+        now = np.array(list(self.counters().values()), np.float64)
+        w, _, sn, sy, _, snn, sny = now - self._seen
+        if w < min_jobs or sn <= 0:
             return
         self._seen = now
-        per = max(1e-7, float(d[3] * 1e-9 - d[0] * self.t_fixed / 2) / float(d[2]))
-        if abs(per - self.t_cpu) > 0.05 * self.t_cpu:
-            self.t_cpu = per if math.isinf(self.t_cpu) else 0.5 * (self.t_cpu + per)
+        sy *= 1e-9
+        sny *= 1e-9
+        det = w * snn - sn * sn
+        per = (w * sny - sn * sy) / det if det > 1e-6 * w * snn else 0.0
+        fixed = (sy - per * sn) / w if per > 0 else 0.0
+        if per <= 0 or fixed < 0:
+            per, fixed = sy / sn, 0.0
+        t_cpu, t_fixed = max(per, 1e-7), fixed + SIGNAL_S
+        if abs(t_cpu - self.t_cpu) > 0.05 * min(t_cpu, self.t_cpu) or abs(t_fixed - self.t_fixed) > 0.05 * t_fixed:
+            self.t_cpu, self.t_fixed = t_cpu, t_fixed
             self._upload_split()
 
     def stats(self) -> dict:
         c = self.counters()
+        del c["experts_sq"], c["experts_ns"]
         return {**c, "threads": self.threads, "t_gpu_us": self.t_gpu * 1e6, "t_cpu_us": self.t_cpu * 1e6,
+                "t_fixed_us": self.t_fixed * 1e6,
                 "cpu_share": self.t_gpu / (self.t_gpu + self.t_cpu) if math.isfinite(self.t_gpu + self.t_cpu) else 0.0,
                 "busy_us_per_job": c["busy_ns"] / 1e3 / max(1, c["jobs"])}
 

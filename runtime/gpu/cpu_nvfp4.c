@@ -27,6 +27,9 @@
 
 static const float E2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
 static float E4M3[256];
+#if defined(FT_BF16)
+static uint16_t E2M1_BF16[32]; /* E2M1 as bf16 bits (16 used: a vpermw table has 32 entries) */
+#endif
 static int tables_ready = 0;
 
 void init_tables(void) {
@@ -37,6 +40,9 @@ void init_tables(void) {
         if ((b & 0x7F) == 0x7F) v = NAN;
         E4M3[b] = (b & 0x80) ? -v : v;
     }
+#if defined(FT_BF16)
+    to_bf16(E2M1, E2M1_BF16, 16);
+#endif
     tables_ready = 1;
 }
 
@@ -50,9 +56,42 @@ static inline float bf16_rne(float v) {
 
 #define MAXT 4 /* token vectors per pass over a weight row */
 
+void to_bf16(const float *src, uint16_t *dst, int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t u;
+        memcpy(&u, src + i, 4);
+        dst[i] = (uint16_t)(u >> 16);
+    }
+}
+
 /* out[t] = sum_i W[row, i] * xs[t][i] (without scale_2) for NT token vectors, K inputs (K % 32 == 0).
  * NT is a compile-time constant in every instantiation, so the accumulators stay in registers. */
-#if defined(__AVX512F__)
+#if defined(FT_BF16)
+/* 32 weights per step: the 16 code bytes widen to 16 dwords whose low / high u16 hold the low / high nibble, i.e.
+ * the codes of elements 2i / 2i + 1 in weight order; one vpermw maps them to the E2M1 values as bf16 (exact), one
+ * vdpbf16ps multiplies them with 32 bf16 inputs and sums pairs (exact products, fp32 sums). Dword lanes 0-7 hold
+ * the first scale block, 8-15 the second: the pair sums are scaled per lane and accumulated. One shuffle-port uop
+ * per 16 weights instead of four in the fp32 path below. */
+static inline __attribute__((always_inline)) void row_dots_nt(const uint8_t *codes, const uint8_t *scales,
+                                                              int64_t K, const in_t *const *xs, float *out,
+                                                              const int NT) {
+    const __m512i lut = _mm512_loadu_si512(E2M1_BF16), low4 = _mm512_set1_epi32(0x0F), high4 = _mm512_set1_epi32(0xF0);
+    __m512 a0[MAXT], a1[MAXT]; /* even / odd steps: two independent FMA chains per token */
+    for (int t = 0; t < NT; t++) a0[t] = a1[t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < K / 16; b += 2) {
+        __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + 8 * b)));
+        __m512i idx = _mm512_or_si512(_mm512_and_si512(v, low4), _mm512_slli_epi32(_mm512_and_si512(v, high4), 12));
+        __m512bh w = (__m512bh)_mm512_permutexvar_epi16(idx, lut);
+        __m512 sc = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(E4M3[scales[b]]), _mm512_set1_ps(E4M3[scales[b + 1]]));
+        for (int t = 0; t < NT; t++) {
+            __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), w, (__m512bh)_mm512_loadu_si512(xs[t] + 16 * b));
+            if (b & 2) a1[t] = _mm512_fmadd_ps(d, sc, a1[t]);
+            else a0[t] = _mm512_fmadd_ps(d, sc, a0[t]);
+        }
+    }
+    for (int t = 0; t < NT; t++) out[t] = _mm512_reduce_add_ps(_mm512_add_ps(a0[t], a1[t]));
+}
+#elif defined(__AVX512F__)
 static inline __attribute__((always_inline)) __m512 decode_block(const uint8_t *codes, uint8_t scale, __m512 lut) {
     const __m128i low4 = _mm_set1_epi8(0x0F);
     __m128i raw = _mm_loadl_epi64((const __m128i *)codes);
@@ -79,7 +118,7 @@ static inline __attribute__((always_inline)) void row_dots_nt(const uint8_t *cod
     for (int t = 0; t < NT; t++) out[t] = _mm512_reduce_add_ps(_mm512_add_ps(a0[t], a1[t]));
 }
 #else
-static inline void row_dots_nt(const uint8_t *codes, const uint8_t *scales, int64_t K, const float *const *xs,
+static inline void row_dots_nt(const uint8_t *codes, const uint8_t *scales, int64_t K, const in_t *const *xs,
                                float *out, const int NT) {
     float acc[MAXT] = {0};
     for (int64_t b = 0; b < K / 16; b++) {
@@ -99,7 +138,7 @@ static inline void row_dots_nt(const uint8_t *codes, const uint8_t *scales, int6
 }
 #endif
 
-static void row_dots(const uint8_t *codes, const uint8_t *scales, int64_t K, const float *const *xs, int nt,
+static void row_dots(const uint8_t *codes, const uint8_t *scales, int64_t K, const in_t *const *xs, int nt,
                      float *out) {
     switch (nt) {
     case 1: row_dots_nt(codes, scales, K, xs, out, 1); break;
@@ -109,8 +148,11 @@ static void row_dots(const uint8_t *codes, const uint8_t *scales, int64_t K, con
     }
 }
 
-#define GU_ROWS 32   /* gate/up row pairs per work item */
-#define DOWN_ROWS 128 /* down rows per work item */
+/* Work items small enough that a decode call of 1-2 experts spreads evenly over a dozen threads (an item of gate_up
+ * rows reads 16 KiB of codes per row pair group, a down item 8 KiB): with 32 / 128 rows the lane's jobs ran in two
+ * uneven rounds. */
+#define GU_ROWS 8    /* gate/up row pairs per work item */
+#define DOWN_ROWS 32 /* down rows per work item */
 #define SUM_COLS 256 /* y columns per work item */
 
 void job_items(const moe_job *j, int64_t n[3]) {
@@ -130,15 +172,19 @@ void gu_item(const moe_job *j, int64_t item) {
     const float *s2 = (const float *)(rec + L->off_gus2);
     for (int32_t p0 = j->grp_start[g]; p0 < j->grp_start[g + 1]; p0 += MAXT) {
         int nt = j->grp_start[g + 1] - p0 < MAXT ? j->grp_start[g + 1] - p0 : MAXT;
-        const float *xs[MAXT];
-        for (int t = 0; t < nt; t++) xs[t] = j->x + (int64_t)j->pair_tok[p0 + t] * H;
+        const in_t *xs[MAXT];
+        for (int t = 0; t < nt; t++) xs[t] = j->xin + (int64_t)j->pair_tok[p0 + t] * H;
         for (int64_t n = r0; n < r1; n++) {
             float gv[MAXT], uv[MAXT];
             row_dots(codes + n * (H / 2), scales + n * (H / 16), H, xs, nt, gv);
             row_dots(codes + (I + n) * (H / 2), scales + (I + n) * (H / 16), H, xs, nt, uv);
             for (int t = 0; t < nt; t++) {
                 float gg = gv[t] * s2[n], uu = uv[t] * s2[I + n];
-                j->act[(int64_t)(p0 + t) * I + n] = bf16_rne(gg / (1.f + expf(-gg)) * uu);
+                float a = bf16_rne(gg / (1.f + expf(-gg)) * uu);
+                j->act[(int64_t)(p0 + t) * I + n] = a;
+#if defined(FT_BF16)
+                to_bf16(&a, j->actin + (int64_t)(p0 + t) * I + n, 1);
+#endif
             }
         }
     }
@@ -154,8 +200,8 @@ void down_item(const moe_job *j, int64_t item) {
     const float *s2 = (const float *)(rec + L->off_ds2);
     for (int32_t p0 = j->grp_start[g]; p0 < j->grp_start[g + 1]; p0 += MAXT) {
         int nt = j->grp_start[g + 1] - p0 < MAXT ? j->grp_start[g + 1] - p0 : MAXT;
-        const float *as[MAXT];
-        for (int t = 0; t < nt; t++) as[t] = j->act + (int64_t)(p0 + t) * I;
+        const in_t *as[MAXT];
+        for (int t = 0; t < nt; t++) as[t] = j->actin + (int64_t)(p0 + t) * I;
         for (int64_t n = r0; n < r1; n++) {
             float dv[MAXT];
             row_dots(codes + n * (I / 2), scales + n * (I / 16), I, as, nt, dv);
@@ -183,7 +229,19 @@ int ft_nvfp4_moe(const ft_layout *L, int32_t n_groups, const uint8_t *const *rec
                  float *y, int32_t nthreads) {
     init_tables();
     if (L->hidden % 32 || L->inter % 32 || n_groups < 0 || T < 0) return -1;
-    const moe_job j = {L, n_groups, T, recs, grp_start, pair_tok, pair_w, x, act, part, y};
+    moe_job j = {L, n_groups, T, recs, grp_start, pair_tok, pair_w, x, act, part, y, NULL, NULL};
+#if defined(FT_BF16)
+    uint16_t *xb = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)T * L->hidden + 64);
+    uint16_t *ab = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)grp_start[n_groups] * L->inter + 64);
+    if (!xb || !ab) {
+        free(xb), free(ab);
+        return -3;
+    }
+    to_bf16(x, xb, (int64_t)T * L->hidden);
+    j.xin = xb, j.actin = ab;
+#else
+    j.xin = x, j.actin = act;
+#endif
     int64_t n[3];
     job_items(&j, n);
     if (nthreads < 1) nthreads = 1;
@@ -196,6 +254,9 @@ int ft_nvfp4_moe(const ft_layout *L, int32_t n_groups, const uint8_t *const *rec
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < n[2]; item++) sum_item(&j, item);
     }
+#if defined(FT_BF16)
+    free((void *)j.xin), free(j.actin);
+#endif
     return 0;
 }
 

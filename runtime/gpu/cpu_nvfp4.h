@@ -3,6 +3,15 @@
 #define FT_CPU_NVFP4_H
 #include <stdint.h>
 
+/* The kernel's input vectors (x, the gated activations): bf16 bit patterns where the CPU has AVX512-BF16 dot products
+ * (vdpbf16ps, 32 weights per instruction), else fp32 holding bf16 values. */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define FT_BF16 1
+typedef uint16_t in_t;
+#else
+typedef float in_t;
+#endif
+
 /* Byte offsets of one expert record's components (see record_layout.py). */
 typedef struct {
     int64_t hidden, inter;
@@ -20,9 +29,12 @@ typedef struct {
     const int32_t *grp_start, *pair_tok;
     const float *pair_w, *x;
     float *act, *part, *y;
+    const in_t *xin; /* x as the dots read it: x itself, or its bf16 bits (`to_bf16`) */
+    in_t *actin;     /* act as the down dots read it: act itself, or bf16 bits written beside it */
 } moe_job;
 
 void init_tables(void);
+void to_bf16(const float *src, uint16_t *dst, int64_t n); /* the top half of each float (exact for bf16 values) */
 void job_items(const moe_job *j, int64_t n[3]); /* items per phase */
 void gu_item(const moe_job *j, int64_t item);
 void down_item(const moe_job *j, int64_t item);

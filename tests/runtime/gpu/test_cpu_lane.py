@@ -115,3 +115,23 @@ def test_a_post_for_a_layer_without_a_bank_is_refused(bank):
         assert lane.counters()["refused"] == 1
     finally:
         lane.close()
+
+
+def test_refit_fits_the_cost_line_of_the_lanes_jobs(bank):
+    """Jobs of 1 and 3 experts taking 50 and 110 us: fixed 20 us (+ the signalling) and 30 us per expert."""
+    from ft.runtime.gpu.cpu_lane import SIGNAL_S, STATS
+
+    layout, recs, host = bank
+    lane = _lane(layout, host, 4)
+    try:
+        jobs = [(1, 50_000)] * 40 + [(3, 110_000)] * 40
+        totals = {"jobs": len(jobs), "pairs": sum(e for e, _ in jobs), "experts": sum(e for e, _ in jobs),
+                  "busy_ns": sum(ns for _, ns in jobs), "refused": 0, "experts_sq": sum(e * e for e, _ in jobs),
+                  "experts_ns": sum(e * ns for e, ns in jobs)}
+        assert set(totals) == set(STATS)
+        lane.counters = lambda: totals
+        lane.refit()
+        assert lane.t_cpu == pytest.approx(30e-6) and lane.t_fixed == pytest.approx(20e-6 + SIGNAL_S)
+        assert lane.split.cpu().tolist()[1:3] == pytest.approx([30e-6, 20e-6 + SIGNAL_S])
+    finally:
+        lane.close()
