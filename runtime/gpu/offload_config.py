@@ -42,7 +42,9 @@ class OffloadConfig:
     fill: bool = False  # mode mapped, experimental: misses the GPU copies become cache entries on the device
     cpu_lane: bool = True  # mode mapped: the CPU computes part of each decode call's misses (cpu_lane.py)
     admit_max: int = 2  # mode mapped without fill: experts uploaded into the cache per layer call at most
-    admit_margin: float = 1.25  # mode mapped: a miss replaces a resident expert routed this many times less often
+    admit_margin: float = 2.0  # mode mapped: a miss replaces a resident expert routed this many times less often
+    # (routing counts over a few hundred tokens are noisy: with a smaller margin, swaps at uniform routing mostly spend
+    # the link on uploads; benchmarks/gpu_full.md, run 25)
     prefill_tokens: int = 64  # calls with at least this many tokens stream their misses (prefill path)
     prefill_slots: int = 32  # slots per prefill buffer (two buffers)
     num_staging: int = 8  # pinned staging records
