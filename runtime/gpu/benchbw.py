@@ -25,7 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .cpu_nvfp4 import CpuMoe, cache_dir, default_threads
+from .cpu_build import cache_dir
+from .cpu_nvfp4 import CpuMoe, default_threads
 from .record_layout import RecordLayout
 
 PROFILE_VERSION = 1

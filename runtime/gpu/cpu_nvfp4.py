@@ -1,7 +1,8 @@
 """CPU side of the hybrid expert path: NVFP4 expert MLPs computed from host memory.
 
-The kernel is `cpu_nvfp4.c` (plain C + OpenMP, AVX-512 when the CPU has it), built once per machine with the system C
-compiler into the user cache (`$XDG_CACHE_HOME/ft/kernels` or `~/.cache/ft/kernels`) and called through ctypes.
+The kernel is `cpu_nvfp4.c` (plain C + OpenMP; AVX-512, and AVX512-BF16 dot products, where the CPU has them), built
+with the package for each x86-64 ISA level and picked by this CPU's flags (`cpu_build.py`; built here once, into the
+user cache, only where no prebuilt library fits) and called through ctypes.
 `CpuMoe.__call__` runs it in the calling thread; `CpuMoe.submit` hands it to the library's native worker thread and
 returns at once, so the CPU experts run while the calling thread goes on driving the GPU, without a Python thread
 that would first have to win the GIL. Where no C compiler is found, `CpuMoe` computes the same function with the
@@ -11,64 +12,16 @@ PyTorch reference (much slower; `backend` says which is used).
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import time
 import weakref
-from pathlib import Path
 
 import numpy as np
 import torch
 
+from .cpu_build import library_path
 from .moe_reference import expert_forward_ref
 from .record_layout import RecordLayout
-
-_SOURCES = [Path(__file__).with_name(n) for n in ("cpu_nvfp4.c", "cpu_lane.c", "cpu_nvfp4.h")]
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-pthread", "-shared", "-fPIC", "-std=c11"]
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "ft"
-
-
-def _cpu_signature() -> str:
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "model name")):
-                flags += line
-    except OSError:
-        flags = platform.processor()
-    return flags
-
-
-def build_library(cc: str | None = None, extra_flags: tuple[str, ...] = ()) -> Path | None:
-    """Compile (or reuse) the kernel library for this CPU; None if no C compiler is available.
-    `extra_flags` (e.g. "-mno-avx512f" to build the portable path) are appended to the defaults."""
-    cc = cc or os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        return None
-    src = b"".join(p.read_bytes() for p in _SOURCES)
-    flags = [*_FLAGS, *extra_flags]
-    key = hashlib.sha256(src + " ".join(flags).encode() + _cpu_signature().encode()).hexdigest()[:16]
-    out = cache_dir() / "kernels" / f"cpu_nvfp4-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        tmp_so = Path(tmp) / out.name
-        sources = [str(p) for p in _SOURCES if p.suffix == ".c"]
-        res = subprocess.run([cc, *flags, "-o", str(tmp_so), *sources, "-lm"], capture_output=True, text=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"building the CPU NVFP4 kernel with {cc} failed:\n{res.stderr[-2000:]}")
-        os.replace(tmp_so, out)
-    return out
-
 
 class _Layout(ctypes.Structure):
     _fields_ = [(n, ctypes.c_int64) for n in ("hidden", "inter", "gu", "gus", "gus2", "d", "ds", "ds2")]
@@ -79,7 +32,7 @@ _LIBS: dict[tuple[str, ...], ctypes.CDLL] = {}
 
 def load_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     if extra_flags not in _LIBS:
-        path = build_library(extra_flags=extra_flags)
+        path = library_path(extra_flags)
         if path is None:
             return None
         lib = ctypes.CDLL(str(path))
