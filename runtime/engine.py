@@ -6,8 +6,11 @@ never starved by later small ones). Admission reserves only what the request nee
 prefill plus one token, rounded to a block, and, when others run, one block of headroom left free for their growth.
 Running requests then advance together in ONE `model.forward`: every request past its prefill contributes one decode
 token, and the oldest request still prefilling contributes one chunk of at most `max_prefill_length` tokens, so a
-long prompt never stalls running streams. Sampled tokens become TokenEvents; a finished or aborted request frees
-its state and KV reservation at once.
+long prompt never stalls running streams. Sampled tokens become TokenEvents; an aborted request frees its state and
+KV reservation at once, a finished one hands them to the prefix cache (`ft.runtime.prefix_cache`, unless
+`prefix_cache_entries` is 0): a later request whose prompt starts with the same tokens takes the state at admission
+and prefills only the rest (`num_cached_tokens` on its events). Kept states give way first whenever an admission or
+a running request's growth needs their KV.
 
 Growth and preemption (recompute, as vLLM): before the forward, each scheduled request, oldest first, makes its
 reservation and KV buffers cover the tokens it adds. When the budget cannot, the most recently admitted running
@@ -17,8 +20,9 @@ emitted again and its sampler state is untouched. The oldest running request is 
 advances. One alone that still cannot grow ends with "length" (unreachable while the engine owns the whole budget).
 
 Invariants: `_running` is in admission order and `_running + _waiting` in arrival order, preempted requests included;
-`kv.used == sum of the running reservations <= kv.total`; a running state's KV capacity <= its reservation, so the
-KV memory held stays within the budget; waiting requests hold neither state nor KV.
+`kv.used == sum of the running reservations + what the prefix cache holds <= kv.total`; a running state's KV
+capacity <= its reservation, so the KV memory held stays within the budget; waiting requests hold neither state nor
+KV.
 The engine is single-threaded: its owner applies add/abort between calls to `step`.
 """
 
@@ -38,6 +42,7 @@ from ft.runtime.engine_stats import EngineCounters
 from ft.runtime.generate import GenerationResult, generate
 from ft.runtime.kv import ContextOverflowError, KvBudget, QueueFullError
 from ft.runtime.model import Segment, load_model
+from ft.runtime.prefix_cache import PrefixCache
 from ft.runtime.request import Request, StopStringFilter, TokenEvent
 from ft.runtime.sampling import (PendingSample, RequestSampler, SampleOutput, SamplingParams, _to_device, sample,
                                   sample_async)
@@ -100,6 +105,7 @@ class Engine:
         self.eos_token_ids = frozenset(self.config.eos_token_ids) | frozenset(
             self.generation_config.get("eos_token_ids") or ())
         self.kv = KvBudget(s.kv_reserve_tokens, self.config.max_position_embeddings, s.kv_block_tokens)
+        self.prefix = PrefixCache(self.kv, s.prefix_cache_entries) if s.prefix_cache_entries else None
         self.max_prefill_length = s.max_prefill_length
         self.max_running_requests = s.max_running_requests
         self.max_output_tokens = s.max_output_tokens
@@ -209,6 +215,8 @@ class Engine:
         prefill.num_prefilled += segments[-1].num_tokens
         if not prefill.is_prefilling:
             sampling.append((prefill, logits[-1]))
+            if self.prefix is not None and prefill.state.recurrent:  # a later prompt may share this one exactly
+                prefill.snapshots[prefill.state.length] = prefill.state.recurrent_snapshot()
         if sampling:
             out = sample(torch.cat([lg[-1:] for _, lg in sampling]), [r.sampler for r, _ in sampling])
             events += self._accept([r for r, _ in sampling], out)
@@ -265,13 +273,25 @@ class Engine:
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.max_running_requests:
             req = self._waiting[0]
+            hit = self.prefix.take(req.prefill_ids) if self.prefix is not None else None
             size = self.kv.rounded(req.prefill_length + 1, req.max_length)  # prefill + the first decode
             # A block of headroom for the running requests' growth: a request just preempted is not re-admitted (and
-            # recomputed) straight away.
-            if not self.kv.try_reserve(req.request_id, size, headroom=self.kv.block if self._running else 0):
-                return  # strict FIFO: later requests wait behind the head
+            # recomputed) straight away. Kept prefixes give way first.
+            while not self.kv.try_reserve(req.request_id, size, headroom=self.kv.block if self._running else 0):
+                if self.prefix is None or not self.prefix.evict():
+                    if hit is not None:
+                        hit.state.free()
+                    return  # strict FIFO: later requests wait behind the head
             self._waiting.popleft()
-            req.state = self.model.new_state(req.max_length, capacity=size)
+            if hit is None:
+                req.state = self.model.new_state(req.max_length, capacity=size)
+            else:
+                req.state, req.num_prefilled = hit.state, hit.length
+                req.state.max_tokens = max(req.state.max_tokens, req.max_length)
+                if req.state.capacity > size:  # KV buffers within the reservation (and max_length)
+                    req.state.resize(size)
+                if not req.output_ids:  # what usage reports: the first admission's reuse (not a recompute's)
+                    req.num_cached = hit.length
             self._running.append(req)
 
     def _schedule(self, events: list[TokenEvent]) -> tuple[list[Request], Request | None]:
@@ -293,6 +313,8 @@ class Engine:
         admitted running requests (`req` itself last) until they do."""
         need = req.state.length + num_tokens
         while not self.kv.try_grow(req.request_id, need, req.max_length):
+            if self.prefix is not None and self.prefix.evict():  # kept prefixes give way to running requests
+                continue
             victim = self._running[-1]
             if victim is req and len(self._running) == 1:
                 events.append(req.finish_event("length"))  # alone and still too long: capped by the budget
@@ -325,6 +347,10 @@ class Engine:
 
     def _finish(self, req: Request) -> None:
         self._running.remove(req)
+        if self.prefix is not None and req.state is not None:  # kept for a later prompt that starts the same way
+            state, req.state = req.state, None
+            self.kv.release(req.request_id)
+            self.prefix.put((req.prompt_ids + req.output_ids)[:state.length], state, req.snapshots)
         self._release(req)
         self._ids.discard(req.request_id)
         self._counters.add("requests_finished")
@@ -341,10 +367,14 @@ class Engine:
     def stats(self) -> dict:
         """Counters since start (`EngineCounters`), the queue and the KV budget. "moe" holds the experts
         implementation's own counters when it has any, "cuda_graphs" the decode graphs'."""
+        cached = self.prefix.held() if self.prefix is not None else 0  # kept prefixes: theirs, not the requests'
         out = self._counters.snapshot() | {"running": len(self._running), "waiting": len(self._waiting),
-                                           "kv_tokens_used": self.kv.used, "kv_tokens_total": self.kv.total}
+                                           "kv_tokens_used": self.kv.used - cached, "kv_tokens_cached": cached,
+                                           "kv_tokens_total": self.kv.total}
         if callable(getattr(self._experts, "stats", None)):  # e.g. the GPU expert cache's hit/miss counters
             out["moe"] = self._experts.stats()
         if self.model.graphs is not None:  # CUDA-graph decode: replays, captures and their seconds, eager steps
             out["cuda_graphs"] = dict(self.model.graphs.counters)
+        if self.prefix is not None:
+            out["prefix_cache"] = self.prefix.stats()
         return out

@@ -19,6 +19,7 @@ class TokenEvent:
     finish_reason: str | None  # None while running; "stop" | "length" | "abort" on the last event
     num_prompt_tokens: int
     num_output_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens taken from a kept prefix instead of prefilled
 
 
 class StopStringFilter:
@@ -77,6 +78,8 @@ class Request:
     num_prefilled: int = 0  # tokens of the prefill (prompt + recomputed output) already in the state
     num_recompute: int = 0  # output tokens to prefill again after the last preemption (they are not re-emitted)
     output_ids: list[int] = field(default_factory=list)
+    num_cached: int = 0  # prompt tokens the first admission took from the prefix cache
+    snapshots: dict = field(default_factory=dict)  # length -> recurrent-layer states (prefix cache, hybrid models)
     first_token_time: float | None = None
     finish_reason: str | None = None
 
@@ -92,6 +95,10 @@ class Request:
     def prefill_length(self) -> int:
         """Tokens to prefill: the prompt, plus the output generated before the last preemption (recompute)."""
         return len(self.prompt_ids) + self.num_recompute
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids[:self.num_recompute]
 
     @property
     def is_prefilling(self) -> bool:
@@ -135,7 +142,7 @@ class Request:
                 text += tail
                 self.finish_reason = "stop" if stopped else "length"
         return TokenEvent(self.request_id, token_id, text, logprob, top_logprobs, self.finish_reason,
-                          self.num_prompt_tokens, self.num_output_tokens)
+                          self.num_prompt_tokens, self.num_output_tokens, self.num_cached)
 
     def _drain(self) -> tuple[str, bool]:
         """At the end of the output: the decoder's held-back bytes and the stop filter's held-back text."""
@@ -147,7 +154,7 @@ class Request:
         text, stopped = self._drain()
         self.finish_reason = "stop" if stopped else reason
         return TokenEvent(self.request_id, None, text, None, None, self.finish_reason, self.num_prompt_tokens,
-                          self.num_output_tokens)
+                          self.num_output_tokens, self.num_cached)
 
     def abort_event(self) -> TokenEvent:
         return TokenEvent(self.request_id, None, "", None, None, "abort", self.num_prompt_tokens,

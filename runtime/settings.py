@@ -38,6 +38,10 @@ class EngineSettings:
                                     "Waiting requests beyond which new ones are refused (OpenAI 429, Anthropic 529 "
                                     "overloaded_error).")
     kv_block_tokens: int = _opt(256, "--kv-block-tokens", "Step in which a request's KV reservation grows.")
+    prefix_cache_entries: int = _opt(8, "--prefix-cache-entries",
+                                     "Finished requests whose state is kept, so that a later prompt starting with "
+                                     "the same tokens prefills only the rest (agents resend the conversation every "
+                                     "turn); kept states give way to running requests. 0 = off.")
     memory_ratio: float = _opt(0.9, "--memory-ratio",
                                "CUDA only: share of free GPU memory for weights + expert cache + KV when "
                                "--vram-budget is not given, in (0, 1].")
@@ -67,6 +71,8 @@ class EngineSettings:
                      "max_queued_requests", "kv_block_tokens"):
             if getattr(self, name) < 1:
                 problems.append(f"{flag(name)} must be >= 1, got {getattr(self, name)}")
+        if self.prefix_cache_entries < 0:
+            problems.append(f"--prefix-cache-entries must be >= 0, got {self.prefix_cache_entries}")
         if not 0 < self.memory_ratio <= 1:
             problems.append(f"--memory-ratio must be in (0, 1], got {self.memory_ratio}")
         if self.dense_weights not in DENSE_WEIGHTS:

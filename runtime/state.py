@@ -31,6 +31,7 @@ class SequenceState:
         if not 0 <= capacity <= max_tokens:
             raise ValueError(f"capacity must be in [0, max_tokens={max_tokens}], got {capacity}")
         self.config = config
+        self.device = torch.device(device)
         self.max_tokens = max_tokens
         self.length = 0
         self._capacity = capacity
@@ -78,15 +79,57 @@ class SequenceState:
         limit = self.max_tokens if at_most is None else min(at_most, self.max_tokens)
         if num_tokens > limit:
             raise ValueError(f"{num_tokens} tokens exceed the state's limit {limit} (max_tokens {self.max_tokens})")
-        new = min(max(num_tokens, 2 * self._capacity), limit)
+        self.resize(min(max(num_tokens, 2 * self._capacity), limit))
+
+    def resize(self, capacity: int) -> None:
+        """KV buffers of `capacity` rows (>= length), the `length` filled rows copied over, one layer at a time (so
+        the transient extra memory is one layer's old buffers)."""
+        if not self.length <= capacity <= self.max_tokens:
+            raise ValueError(f"capacity {capacity} outside [{self.length}, {self.max_tokens}]")
         for i, pair in self.kv.items():
-            grown = []
+            resized = []
             for old in pair:
-                buf = old.new_empty((new, *old.shape[1:]))  # rows past `length` are never read
+                buf = old.new_empty((capacity, *old.shape[1:]))  # rows past `length` are never read
                 buf[: self.length] = old[: self.length]
-                grown.append(buf)
-            self.kv[i] = (grown[0], grown[1])
-        self._capacity = new
+                resized.append(buf)
+            self.kv[i] = (resized[0], resized[1])
+        self._capacity = capacity
+        self._addresses = None
+
+    def recurrent_snapshot(self) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
+        """Host copies of the linear-attention layers' conv and DeltaNet states (valid at the current `length`);
+        empty for attention-only models. Syncs with the device (the forwards that wrote them must be done)."""
+        return ({i: t.to("cpu", copy=True) for i, t in self.conv.items()},
+                {i: t.to("cpu", copy=True) for i, t in self.recurrent.items()})
+
+    def rewind(self, length: int, snapshot: tuple[dict, dict] | None = None) -> None:
+        """Go back to the first `length` tokens: KV rows past it are stale from now on (never read); the recurrent
+        layers' states are only valid at one length, so a model that has them needs `snapshot` taken at `length`
+        (`recurrent_snapshot`) unless `length` is the current one."""
+        if self._freed:
+            raise ValueError("the state was freed")
+        if not 0 <= length <= self.length:
+            raise ValueError(f"can only rewind to 0..{self.length} tokens, not {length}")
+        if self.recurrent and length != self.length:
+            if snapshot is None:
+                raise ValueError("a model with recurrent layers rewinds only to a snapshot of its state")
+            conv, rec = snapshot
+            for i, t in conv.items():
+                self.conv[i].copy_(t)
+            for i, t in rec.items():
+                self.recurrent[i].copy_(t)
+        self.length = length
+
+    def park(self) -> None:
+        """Move the recurrent layers' states to host memory (a state kept for reuse holds device memory only for its
+        KV rows, which the KV budget counts); `unpark` brings them back before the state runs again."""
+        self.conv = {i: t.to("cpu") for i, t in self.conv.items()}
+        self.recurrent = {i: t.to("cpu") for i, t in self.recurrent.items()}
+        self._addresses = None
+
+    def unpark(self) -> None:
+        self.conv = {i: t.to(self.device) for i, t in self.conv.items()}
+        self.recurrent = {i: t.to(self.device) for i, t in self.recurrent.items()}
         self._addresses = None
 
     @property

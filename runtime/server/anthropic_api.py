@@ -87,7 +87,7 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
     stop_reason, stop_sequence = _stop(job, bool(parsed.tool_calls))
     return {"id": message_id, "type": "message", "role": "assistant", "model": state.model_name,
             "content": content, "stop_reason": stop_reason, "stop_sequence": stop_sequence,
-            "usage": {"input_tokens": job.prompt_tokens, "output_tokens": job.completion_tokens}}
+            "usage": _usage(job)}
 
 
 def _input(arguments: str) -> dict:
@@ -168,13 +168,19 @@ class _Blocks:
         self.kind = None
 
 
+def _usage(job: Job) -> dict:
+    """Anthropic's split: input_tokens are the prompt tokens not read from the cache."""
+    return {"input_tokens": job.prompt_tokens - job.cached_tokens, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": job.cached_tokens, "output_tokens": job.completion_tokens}
+
+
 async def _stream(job: Job, run: ChatRun, message_id: str, model: str, keepalive_s: float) -> AsyncIterator[str]:
     blocks = _Blocks()
     try:
         yield sse_event("message_start", {"type": "message_start", "message": {
             "id": message_id, "type": "message", "role": "assistant", "model": model, "content": [],
             "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": job.prompt_tokens, "output_tokens": 0}}})
+            "usage": {"input_tokens": job.prompt_tokens, "cache_read_input_tokens": 0, "output_tokens": 0}}})
         yield sse_event("ping", {"type": "ping"})
         async for batch in job.batches(keepalive_s=keepalive_s):
             if batch is None:
@@ -191,7 +197,7 @@ async def _stream(job: Job, run: ChatRun, message_id: str, model: str, keepalive
         stop_reason, stop_sequence = _stop(job, bool(run.parsed.tool_calls))
         yield sse_event("message_delta", {"type": "message_delta",
                                           "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence},
-                                          "usage": {"output_tokens": job.completion_tokens}})
+                                          "usage": _usage(job)})
         yield sse_event("message_stop", {"type": "message_stop"})
     except EngineFailure as e:
         job.state.metrics.error()  # an error answer inside a 200 stream

@@ -142,6 +142,7 @@ class Job:
     def __init__(self, state: ServerState, stream: RequestStream, prompt_tokens: int, params: SamplingParams):
         self.state, self.stream, self.params = state, stream, params
         self.prompt_tokens = prompt_tokens
+        self.cached_tokens = 0  # of the prompt, taken from the engine's prefix cache instead of prefilled
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.token_ids: list[int] = []
@@ -175,6 +176,7 @@ class Job:
                     if ev.logprob is not None:
                         self.logprobs.append((ev.token_id, ev.logprob, ev.top_logprobs or []))
                 self.completion_tokens = ev.num_output_tokens
+                self.cached_tokens = ev.num_cached_tokens
                 self.finish_reason = ev.finish_reason or self.finish_reason
             yield batch
 

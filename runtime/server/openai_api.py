@@ -36,7 +36,8 @@ def sampling_fields(body: Any) -> dict:
 
 def usage(job: Job) -> dict:
     return {"prompt_tokens": job.prompt_tokens, "completion_tokens": job.completion_tokens,
-            "total_tokens": job.prompt_tokens + job.completion_tokens}
+            "total_tokens": job.prompt_tokens + job.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": job.cached_tokens}}
 
 
 # ---- chat ----------------------------------------------------------------------------------------------------

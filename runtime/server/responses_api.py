@@ -75,7 +75,7 @@ def _final(base: dict, job: Job, items: list[dict], parsed: ParsedOutput, tokeni
     return {**base, "status": "incomplete" if truncated else "completed", "output": items,
             "incomplete_details": {"reason": "max_output_tokens"} if truncated else None,
             "usage": {"input_tokens": job.prompt_tokens,
-                      "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                      "input_tokens_details": {"cached_tokens": job.cached_tokens, "cache_write_tokens": 0},
                       "output_tokens": job.completion_tokens,
                       "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                       "total_tokens": job.prompt_tokens + job.completion_tokens}}

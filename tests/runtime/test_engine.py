@@ -14,6 +14,12 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 PROMPTS = [[(7 * i + 3) % 200 + 10 for i in range(n)] for n in (23, 5, 11, 1)]
 
 
+
+def _settings(**kw) -> EngineSettings:
+    """These tests count KV reservations and preemptions exactly: no states kept for prefix reuse between requests
+    (tests/runtime/test_prefix_cache.py covers that)."""
+    return EngineSettings(prefix_cache_entries=0, **kw)
+
 @pytest.fixture(scope="module")
 def ftw(ftw_for):
     return ftw_for(ARCH, "none")
@@ -21,7 +27,7 @@ def ftw(ftw_for):
 
 @pytest.fixture(scope="module")
 def engine(ftw):
-    return Engine(ftw, EngineSettings(kv_reserve_tokens=256, max_prefill_length=64))
+    return Engine(ftw, _settings(kv_reserve_tokens=256, max_prefill_length=64))
 
 
 def _run_all(engine: Engine) -> dict[str, list]:
@@ -92,7 +98,7 @@ def test_kv_budget_grows_in_blocks_then_takes_what_is_left():
 def test_chunked_prefill_gives_identical_greedy_tokens(ftw_for, arch):
     path = ftw_for(arch, "none")
     prompt = PROMPTS[0]
-    results = [generate(Engine(path, EngineSettings(kv_reserve_tokens=128, max_prefill_length=n)), prompt,
+    results = [generate(Engine(path, _settings(kv_reserve_tokens=128, max_prefill_length=n)), prompt,
                         GREEDY).token_ids for n in (64, 7, 3, 1)]
     assert all(r == results[0] for r in results), results
     assert len(results[0]) == GREEDY.max_tokens
@@ -114,7 +120,7 @@ def test_batched_decode_equals_each_request_alone(engine):
 
 
 def test_long_prompt_prefill_interleaves_with_running_decode(ftw):
-    eng = Engine(ftw, EngineSettings(kv_reserve_tokens=256, max_prefill_length=4))
+    eng = Engine(ftw, _settings(kv_reserve_tokens=256, max_prefill_length=4))
     eng.add_request("short", PROMPTS[3], GREEDY)
     eng.step()  # short: prefilled, first token
     eng.add_request("long", PROMPTS[0], GREEDY)
@@ -130,7 +136,7 @@ def test_stop_token_ids_and_eos(ftw, engine):
     res = generate(engine, PROMPTS[0], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
                                                        stop_token_ids=(stop_tok,)))
     assert res.finish_reason == "stop" and res.token_ids == ref[: first + 1]
-    eos_engine = Engine(ftw, EngineSettings(kv_reserve_tokens=256))
+    eos_engine = Engine(ftw, _settings(kv_reserve_tokens=256))
     assert eos_engine.eos_token_ids >= set(eos_engine.config.eos_token_ids)
     eos_engine.eos_token_ids = frozenset({stop_tok})  # pretend the model's EOS is that token
     res = generate(eos_engine, PROMPTS[0], SamplingParams(max_tokens=12, temperature=0))
@@ -160,17 +166,17 @@ def test_stop_string_across_tokens_is_trimmed(engine):
 def test_max_tokens_length_and_clamp(ftw, engine):
     res = generate(engine, PROMPTS[1], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     assert res.finish_reason == "length" and len(res.token_ids) == 3
-    clamped = Engine(ftw, EngineSettings(kv_reserve_tokens=256, max_output_tokens=5))
+    clamped = Engine(ftw, _settings(kv_reserve_tokens=256, max_output_tokens=5))
     res = generate(clamped, PROMPTS[1], SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
     assert res.finish_reason == "length" and len(res.token_ids) == 5
     # The KV budget caps the sequence too: 60 prompt tokens in a 64-token budget leave room for 4.
-    tight = Engine(ftw, EngineSettings(kv_reserve_tokens=64))
+    tight = Engine(ftw, _settings(kv_reserve_tokens=64))
     res = generate(tight, [11] * 60, SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
     assert res.finish_reason == "length" and len(res.token_ids) == 4
 
 
 def test_context_overflow_message_is_exact(ftw):
-    eng = Engine(ftw, EngineSettings(kv_reserve_tokens=64))
+    eng = Engine(ftw, _settings(kv_reserve_tokens=64))
     with pytest.raises(ContextOverflowError) as e:
         eng.add_request("big", [5] * 100, GREEDY)
     assert str(e.value) == "prompt is 100 tokens; the KV budget is 64; raise --kv-reserve-tokens"
@@ -178,7 +184,7 @@ def test_context_overflow_message_is_exact(ftw):
 
 
 def test_queue_full_and_fifo_waiting_for_kv(ftw):
-    eng = Engine(ftw, EngineSettings(kv_reserve_tokens=64, max_queued_requests=2))  # KV block: 8 tokens
+    eng = Engine(ftw, _settings(kv_reserve_tokens=64, max_queued_requests=2))  # KV block: 8 tokens
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
     eng.add_request("a", [9] * 40, params)  # reserves 48 (40 + 1, rounded to a block)
     eng.add_request("b", PROMPTS[0], params)  # needs 24 + 8 of headroom: must wait for "a"
@@ -190,7 +196,7 @@ def test_queue_full_and_fifo_waiting_for_kv(ftw):
     eng.add_request("c", PROMPTS[1], params)  # the queue has room again; c waits behind b (FIFO)
     events = _run_all(eng)
     assert [ev.finish_reason for ev in events["a"]][-1] == "length"
-    alone = generate(Engine(ftw, EngineSettings(kv_reserve_tokens=64)), PROMPTS[0], params).token_ids
+    alone = generate(Engine(ftw, _settings(kv_reserve_tokens=64)), PROMPTS[0], params).token_ids
     assert [ev.token_id for ev in events["b"]] == alone
     assert eng.stats()["kv_tokens_used"] == 0
 
@@ -254,7 +260,7 @@ def test_custom_experts_are_used_and_their_counters_reach_stats(ftw, engine):
             return {"calls": self.calls}
 
     experts = CountingExperts(reader, reader.config, dtype=reader.tensor("embed_tokens.weight").dtype)
-    eng = Engine(reader, EngineSettings(kv_reserve_tokens=256), experts=experts)
+    eng = Engine(reader, _settings(kv_reserve_tokens=256), experts=experts)
     res = generate(eng, PROMPTS[1], GREEDY)
     assert res.token_ids == generate(engine, PROMPTS[1], GREEDY).token_ids
     assert eng.stats()["moe"]["calls"] == experts.calls > 0
@@ -284,7 +290,7 @@ def _manual(engine: Engine, prompt: list[int], params: SamplingParams) -> list[i
 
 
 def test_decode_steps_are_in_flight_and_their_events_come_one_step_later(ftw):
-    eng = Engine(ftw, EngineSettings(kv_reserve_tokens=256))
+    eng = Engine(ftw, _settings(kv_reserve_tokens=256))
     eng.add_request("a", PROMPTS[0], GREEDY)
     assert [ev.token_id is not None for ev in eng.step()] == [True]  # prefill: its first token at once
     assert eng.step() == [] and eng._inflight is not None  # the 2nd token is sampled on the device, not yet read
@@ -302,12 +308,12 @@ def test_decode_steps_are_in_flight_and_their_events_come_one_step_later(ftw):
 ], ids=["greedy-penalties", "seeded-penalties"])
 def test_in_flight_decode_samples_as_the_synchronous_loop(ftw, params):
     # the penalties' statistics take each token on the device (never read back) before the next step samples
-    eng = Engine(ftw, EngineSettings(kv_reserve_tokens=256))
+    eng = Engine(ftw, _settings(kv_reserve_tokens=256))
     assert generate(eng, PROMPTS[2], params).token_ids == _manual(eng, PROMPTS[2], params)
 
 
 def test_a_stop_token_ends_the_request_though_the_next_step_was_already_launched(ftw):
-    eng = Engine(ftw, EngineSettings(kv_reserve_tokens=256))
+    eng = Engine(ftw, _settings(kv_reserve_tokens=256))
     ref = generate(eng, PROMPTS[1], GREEDY).token_ids
     stop = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=(ref[5],))
     res = generate(eng, PROMPTS[1], stop)

@@ -18,6 +18,12 @@ PROMPTS = [[(7 * i + 3) % 200 + 10 for i in range(n)] for n in (23, 5, 11, 1)]
 GREEDY = dict(temperature=0, ignore_eos=True)
 
 
+
+def _settings(**kw) -> EngineSettings:
+    """These tests count KV reservations and preemptions exactly: no states kept for prefix reuse between requests
+    (tests/runtime/test_prefix_cache.py covers that)."""
+    return EngineSettings(prefix_cache_entries=0, **kw)
+
 @pytest.fixture(scope="module")
 def ftw(ftw_for):
     return ftw_for("qwen3_moe", "none")
@@ -58,7 +64,7 @@ def _tokens(evs: list) -> list[int]:
 
 
 def test_huge_max_tokens_do_not_serialize_requests(ftw):
-    eng = Engine(ftw, EngineSettings(kv_reserve_tokens=128, max_prefill_length=64))  # KV block: 16 tokens
+    eng = Engine(ftw, _settings(kv_reserve_tokens=128, max_prefill_length=64))  # KV block: 16 tokens
     params = SamplingParams(max_tokens=10_000, **GREEDY)  # far above the budget
     alone = {i: generate(eng, PROMPTS[i], params) for i in (0, 2)}
     eng.add_request("a", PROMPTS[0], params)
@@ -78,7 +84,7 @@ def test_huge_max_tokens_do_not_serialize_requests(ftw):
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])
 def test_forced_preemption_gives_the_same_output_as_alone(ftw_for, arch):
-    eng = Engine(ftw_for(arch, "none"), EngineSettings(kv_reserve_tokens=64, max_prefill_length=8))  # KV block: 8
+    eng = Engine(ftw_for(arch, "none"), _settings(kv_reserve_tokens=64, max_prefill_length=8))  # KV block: 8
     params = [SamplingParams(max_tokens=30, **GREEDY),
               SamplingParams(max_tokens=25, repetition_penalty=1.3, presence_penalty=0.5, **GREEDY),
               SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=7, ignore_eos=True),
@@ -99,7 +105,7 @@ def test_forced_preemption_gives_the_same_output_as_alone(ftw_for, arch):
 
 
 def test_request_alone_over_the_budget_ends_with_length_at_the_cap(ftw):
-    eng = Engine(ftw, EngineSettings(kv_reserve_tokens=64))
+    eng = Engine(ftw, _settings(kv_reserve_tokens=64))
     res = generate(eng, PROMPTS[0], SamplingParams(max_tokens=10_000, **GREEDY))
     assert res.finish_reason == "length" and len(res.token_ids) == 64 - len(PROMPTS[0])
     assert eng.stats()["preemptions"] == 0 and eng.kv.used == 0
@@ -108,7 +114,7 @@ def test_request_alone_over_the_budget_ends_with_length_at_the_cap(ftw):
 def test_alone_and_unable_to_grow_ends_with_length(ftw):
     # The engine's own requests never hit this (their length is capped by the budget); a budget shared with
     # another holder can.
-    eng = Engine(ftw, EngineSettings(kv_reserve_tokens=64))
+    eng = Engine(ftw, _settings(kv_reserve_tokens=64))
     eng.add_request("a", PROMPTS[1], SamplingParams(max_tokens=50, **GREEDY))
     eng.step()
     assert eng.kv.reserved("a") == 8 and eng.kv.try_reserve("other", eng.kv.free)
@@ -126,7 +132,7 @@ def _events_of(engine: Engine, rid: str) -> list:
 
 
 def test_abort_of_a_preempted_request(ftw):
-    eng = Engine(ftw, EngineSettings(kv_reserve_tokens=64, max_prefill_length=8))
+    eng = Engine(ftw, _settings(kv_reserve_tokens=64, max_prefill_length=8))
     params = SamplingParams(max_tokens=40, **GREEDY)
     alone = generate(eng, PROMPTS[2], params).token_ids
     eng.add_request("a", PROMPTS[2], params)

@@ -23,6 +23,7 @@ from ft.runtime.settings import EngineSettings, flag
     ({"vram_budget": "8 potatoes"}, "--vram-budget: cannot read"),
     ({"vram_budget": 0}, "--vram-budget: a byte count must be positive"),
     ({"device": "tpu"}, "--device 'tpu'"),
+    ({"prefix_cache_entries": -1}, "--prefix-cache-entries must be >= 0"),
 ])
 def test_each_bad_value_names_its_flag(kwargs, message):
     with pytest.raises(ValueError) as e:

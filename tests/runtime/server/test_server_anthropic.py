@@ -38,7 +38,7 @@ def test_stream_equals_non_stream_and_count_tokens(anthropic_client):
     assert kinds[0] == "message_start" and "content_block_start" in kinds and kinds[-1] == "message_stop"
     assert "message_delta" in kinds
     count = anthropic_client.messages.count_tokens(model=MODEL, system="You are terse.", messages=USER)
-    assert count.input_tokens == full.usage.input_tokens
+    assert count.input_tokens == full.usage.input_tokens + full.usage.cache_read_input_tokens  # the prompt, in parts
     blocks = anthropic_client.messages.count_tokens(model=MODEL, messages=USER,
                                                    system=[{"type": "text", "text": "You are terse."}])
     assert blocks.input_tokens == count.input_tokens
@@ -86,7 +86,7 @@ def test_tools_and_tool_results_reach_the_template(anthropic_client, server):
     assert count.input_tokens == len(tok.encode(prompt))
     out = anthropic_client.messages.create(model=MODEL, max_tokens=2, messages=messages, tools=[WEATHER],
                                            extra_body=GREEDY)
-    assert out.usage.input_tokens == count.input_tokens
+    assert out.usage.input_tokens + out.usage.cache_read_input_tokens == count.input_tokens
 
 
 def test_thinking_blocks_and_forced_tool_use(think_server):
@@ -146,7 +146,7 @@ def test_assistant_prefill_is_continued_not_closed(fixture, request):
     counted = httpx.post(live.url + "/v1/messages/count_tokens", json=body).json()["input_tokens"]
     assert counted == len(want)
     reply = httpx.post(live.url + "/v1/messages", json={**body, "max_tokens": 3, "temperature": 0}).json()
-    assert reply["usage"]["input_tokens"] == len(want)
+    assert reply["usage"]["input_tokens"] + reply["usage"]["cache_read_input_tokens"] == len(want)
     empty = httpx.post(live.url + "/v1/messages/count_tokens",
                        json={**body, "messages": [chat[0], {"role": "assistant", "content": " "}]})
     assert empty.status_code == 400 and "cannot be continued" in empty.json()["error"]["message"]

@@ -192,3 +192,17 @@ def test_disconnect_mid_stream_frees_the_slot(server):
         assert time.monotonic() < deadline, "the abandoned non-streaming request was not aborted"
         time.sleep(0.05)
     server.wait_idle()
+
+
+def test_a_follow_up_turn_reports_the_reused_prefix(openai_client, engine):
+    """The second turn resends the first: its prompt tokens come from the server's prefix cache (usage says how
+    many), and its reply is the one the reference engine gives without any cache."""
+    first = openai_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
+    turn = [*MESSAGES, {"role": "assistant", "content": first.choices[0].message.content or ""},
+            {"role": "user", "content": "And three animals?"}]
+    second = openai_client.chat.completions.create(model=MODEL, messages=turn, max_tokens=8, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens <= cached < second.usage.prompt_tokens
+    plain = Engine(engine._reader, EngineSettings(kv_reserve_tokens=4096, prefix_cache_entries=0))
+    _, _, parsed = _reference_chat(plain, turn, 8)
+    assert (second.choices[0].message.content or "") == parsed.content

@@ -1,0 +1,91 @@
+"""The engine's prefix cache (`ft.runtime.prefix_cache`): a later prompt that starts with a finished request's tokens
+prefills only the rest, and greedy output is the same as without the cache; attention-only and hybrid (Gated
+DeltaNet) families; kept states give way to running requests."""
+
+from __future__ import annotations
+
+import pytest
+
+from ft.runtime.engine import Engine, EngineSettings, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
+FIRST = [(11 * i + 5) % 180 + 12 for i in range(30)]
+ARCHS = ["qwen3_moe", "qwen3_5_moe"]  # attention only; DeltaNet + attention
+
+
+def _engine(ftw, entries: int, **kw) -> Engine:
+    return Engine(ftw, EngineSettings(prefix_cache_entries=entries, max_prefill_length=16, **kw))
+
+
+def _turn(engine: Engine, prompt: list[int], rid: str) -> tuple[list[int], int]:
+    """Greedy output ids and the prompt tokens the engine took from the cache; the chosen tokens' logprobs in
+    `engine.last_logprobs` (compared too: tiny random models often pick the same tokens from different states)."""
+    engine.add_request(rid, prompt, GREEDY)
+    out, cached, engine.last_logprobs = [], None, []
+    while engine.has_unfinished():
+        for ev in engine.step():
+            if ev.token_id is not None:
+                out.append(ev.token_id)
+                engine.last_logprobs.append(ev.logprob)
+            cached = ev.num_cached_tokens
+    return out, cached
+
+
+def _same(a: Engine, b: Engine) -> bool:
+    return a.last_logprobs == pytest.approx(b.last_logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_next_turn_reuses_the_whole_conversation_and_decodes_the_same(ftw_for, arch):
+    ftw = ftw_for(arch, "none")
+    cached_eng, plain = _engine(ftw, 4), _engine(ftw, 0)
+    first, hit = _turn(cached_eng, FIRST, "t1")
+    assert hit == 0 and first == _turn(plain, FIRST, "t1")[0]
+    second = FIRST + first + [17, 23, 29, 31]  # the conversation so far + the next user message
+    got, hit = _turn(cached_eng, second, "t2")
+    assert got == _turn(plain, second, "t2")[0] and _same(cached_eng, plain)
+    # the state consumed the prompt and every output token but maybe the last (it ended the request)
+    assert len(FIRST) + len(first) - 1 <= hit <= len(FIRST) + len(first)
+    stats = cached_eng.stats()["prefix_cache"]
+    assert stats["hits"] == 1 and stats["hit_tokens"] == hit and stats["entries"] == 1  # t2's state is kept now
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_rerendered_reply_reuses_the_prompt(ftw_for, arch):
+    """The client sends the previous reply back in another form (e.g. without its thinking): the prompt before it
+    still matches. Attention reuses the longest common prefix; the hybrid model resumes from the state it
+    snapshotted at the end of the first prompt."""
+    ftw = ftw_for(arch, "none")
+    cached_eng, plain = _engine(ftw, 4), _engine(ftw, 0)
+    first, _ = _turn(cached_eng, FIRST, "t1")
+    second = FIRST + [(t + 1) % 150 + 20 for t in first] + [17, 23]
+    got, hit = _turn(cached_eng, second, "t2")
+    assert got == _turn(plain, second, "t2")[0] and _same(cached_eng, plain)
+    common = next(i for i, (a, b) in enumerate(zip(FIRST + first, second)) if a != b)
+    assert hit == (common if arch == "qwen3_moe" else len(FIRST))
+
+
+def test_a_prefix_shorter_than_the_prompt_end_is_reused_by_attention_only(ftw_for):
+    ftw = ftw_for("qwen3_5_moe", "none")
+    eng = _engine(ftw, 4)
+    _turn(eng, FIRST, "t1")
+    _, hit = _turn(eng, FIRST[:20] + [1, 2, 3], "t2")  # shares 20 tokens: no exact recurrent state there
+    assert hit == 0
+    ftw = ftw_for("qwen3_moe", "none")
+    eng, plain = _engine(ftw, 4), _engine(ftw, 0)
+    _turn(eng, FIRST, "t1")
+    got, hit = _turn(eng, FIRST[:20] + [1, 2, 3], "t2")
+    assert hit == 20 and got == _turn(plain, FIRST[:20] + [1, 2, 3], "t2")[0] and _same(eng, plain)
+
+
+def test_kept_states_give_way_to_running_requests(ftw_for):
+    ftw = ftw_for("qwen3_moe", "none")
+    eng = _engine(ftw, 4, kv_reserve_tokens=64)  # room for one conversation at a time
+    _turn(eng, FIRST, "t1")
+    assert eng.stats()["kv_tokens_cached"] > 0
+    other = [(5 * i + 1) % 170 + 9 for i in range(40)]  # needs the whole budget, shares nothing
+    out, hit = _turn(eng, other, "t2")
+    assert hit == 0 and len(out) == GREEDY.max_tokens
+    stats = eng.stats()
+    assert stats["prefix_cache"]["evicted"] >= 1 and stats["preemptions"] == 0
+    assert stats["kv_tokens_used"] == 0 and eng.kv.used == stats["kv_tokens_cached"] <= eng.kv.total
