@@ -94,21 +94,28 @@ def stats(url: str = URL, api_key: Optional[str] = API_KEY, as_json: bool = AS_J
 @ctl.command("cache")
 def cache(url: str = URL, api_key: Optional[str] = API_KEY, as_json: bool = AS_JSON,
           timeout: float = TIMEOUT) -> None:
-    """The expert-cache (MoE offload) section of the stats."""
+    """The caches of the stats: the prefix cache (kept request states) and the expert cache (MoE offload)."""
     from rich.console import Console
 
     _, body = _get(url, "/v1/stats", api_key, timeout)
-    moe = body.get("moe")
+    moe, prefix = body.get("moe"), body.get("prefix_cache")
     if as_json:
-        typer.echo(json.dumps(moe, indent=2))
+        typer.echo(json.dumps({"prefix_cache": prefix, "moe": moe}, indent=2))
         return
     console = Console()
+    from rich.table import Table
+
+    if prefix:
+        table = Table(title=f"prefix cache: {body.get('model', url)}", show_header=False)
+        for key, value in _flatten(prefix):
+            table.add_row(key, _fmt(value))
+        console.print(table)
+    else:
+        console.print("prefix cache: off (--prefix-cache-entries 0)")
     if not moe:
         console.print(f"{body.get('model', url)}: this server has no expert cache (experts run on the CPU from the "
                       "memory-mapped FTW; the GPU cache exists only when serving on CUDA)")
         return
-    from rich.table import Table
-
     table = Table(title=f"expert cache: {body.get('model', url)}", show_header=False)
     for key, value in _flatten(moe):
         table.add_row(key, _fmt(value))
@@ -136,6 +143,9 @@ def stats_table(s: dict) -> Any:
     util = f" ({100 * kv['utilization']:.1f} %)" if kv["utilization"] is not None else ""
     table.add_row("KV", f"{_fmt(kv['used_tokens'])} / {_fmt(kv['total_tokens'])} tokens reserved{util}")
     table.add_row("scheduler", f"{_fmt(sched['running'])} running, {_fmt(sched['waiting'])} waiting")
+    pc = s.get("prefix_cache")
+    table.add_row("prefix cache", "off" if not pc else f"{pc['hits']} hits ({pc['hit_tokens']} tokens), "
+                                                       f"{pc['entries']} kept states, {pc['kv_tokens_held']} KV tokens")
     table.add_row("expert cache", "none (CPU experts)" if not s.get("moe") else "see `ft ctl cache`")
     return table
 

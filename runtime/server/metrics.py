@@ -122,12 +122,13 @@ class ServerMetrics:
                 "response_format": dict(self.response_formats),
             }
         used, total = engine_stats.get("kv_tokens_used"), engine_stats.get("kv_tokens_total")
-        out["kv"] = {"used_tokens": used, "total_tokens": total,
+        out["kv"] = {"used_tokens": used, "total_tokens": total, "cached_tokens": engine_stats.get("kv_tokens_cached"),
                      "utilization": round(used / total, 4) if used is not None and total else None}
         out["scheduler"] = {"running": engine_stats.get("running"), "waiting": engine_stats.get("waiting"),
                             "preemptions": engine_stats.get("preemptions")}
-        out["engine"] = {k: v for k, v in engine_stats.items() if k != "moe"}
+        out["engine"] = {k: v for k, v in engine_stats.items() if k not in ("moe", "prefix_cache")}
         out["moe"] = engine_stats.get("moe")  # None: this engine has no expert cache (CPU experts)
+        out["prefix_cache"] = engine_stats.get("prefix_cache")  # None: turned off (--prefix-cache-entries 0)
         return out
 
 
@@ -174,6 +175,8 @@ def prometheus_text(stats: dict[str, Any]) -> str:
            stats["scheduler"].get("preemptions"))
     for key, value in sorted(_flatten(stats.get("moe") or {}).items()):
         metric(f"moe_{key}", "gauge", f"Expert cache figure {key}", value)
+    for key, value in sorted(_flatten(stats.get("prefix_cache") or {}).items()):
+        metric(f"prefix_cache_{key}", "gauge", f"Prefix cache figure {key}", value)
     return "\n".join(lines) + "\n"
 
 

@@ -36,8 +36,11 @@ def test_ctl_health_stats_cache(server):
     assert stats["requests"]["completed"] >= 1 and stats["kv"]["total_tokens"] == 8192
     assert stats["moe"] is None
     code, out = _ctl("cache", "--url", server.url)
-    assert code == 0 and "no expert cache" in out
-    assert _ctl("cache", "--url", server.url, "--json") == (0, "null\n")
+    assert code == 0 and "no expert cache" in out and "prefix cache" in out and "entries" in out
+    code, out = _ctl("cache", "--url", server.url, "--json")
+    body = json.loads(out)
+    assert code == 0 and body["moe"] is None and {"hits", "hit_tokens", "entries", "kv_tokens_held"} <= set(
+        body["prefix_cache"])
 
 
 def test_ctl_auth_and_unreachable(tight_server):
