@@ -50,6 +50,7 @@ from ft.runtime.settings import EngineSettings
 from ft.runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("ft.engine")
+CPU_KV_TOKENS = 8192  # the KV budget without a VRAM plan (and without --kv-reserve-tokens)
 
 __all__ = ["Engine", "EngineSettings", "SamplingParams", "TokenEvent", "ContextOverflowError", "QueueFullError",
            "generate", "GenerationResult"]
@@ -104,7 +105,9 @@ class Engine:
         self.device = torch.device(s.device)
         self.eos_token_ids = frozenset(self.config.eos_token_ids) | frozenset(
             self.generation_config.get("eos_token_ids") or ())
-        self.kv = KvBudget(s.kv_reserve_tokens, self.config.max_position_embeddings, s.kv_block_tokens)
+        plan = getattr(experts, "vram_plan", None)  # on CUDA: the KV budget the VRAM plan gave (or was given)
+        kv_tokens = plan.kv_tokens if plan is not None and plan.kv_tokens else (s.kv_reserve_tokens or CPU_KV_TOKENS)
+        self.kv = KvBudget(kv_tokens, self.config.max_position_embeddings, s.kv_block_tokens)
         self.prefix = PrefixCache(self.kv, s.prefix_cache_entries) if s.prefix_cache_entries else None
         self.max_prefill_length = s.max_prefill_length
         self.max_running_requests = s.max_running_requests

@@ -26,9 +26,12 @@ def _opt(default, flag: str, help: str, **extra):  # noqa: A002 - the typer keyw
 @dataclass(frozen=True)
 class EngineSettings:
     device: str = _opt("cpu", "--device", "auto (cuda if available, else cpu), cpu, or cuda[:N].", cli_default="auto")
-    kv_reserve_tokens: int = _opt(8192, "--kv-reserve-tokens",
-                                  "KV budget in tokens shared by all running requests; each request reserves prompt + "
-                                  "max_tokens (capped by the context) on admission.")
+    kv_reserve_tokens: int | None = _opt(None, "--kv-reserve-tokens",
+                                         "KV budget in tokens shared by all running requests (and kept prefixes). "
+                                         "Default: on CUDA sized from the VRAM budget (a 64k-token context where at "
+                                         "most 55 % of what the dense weights leave holds it, the rest goes to the "
+                                         "expert cache; the start-up log states the split), on the CPU 8192.",
+                                         cli_type=int)
     max_prefill_length: int = _opt(2048, "--max-prefill-length",
                                    "Prompt tokens per prefill chunk; chunks interleave with decoding.")
     max_running_requests: int = _opt(4, "--max-running-requests", "Requests decoded together in one batch.")
@@ -69,7 +72,7 @@ class EngineSettings:
         problems = []
         for name in ("kv_reserve_tokens", "max_prefill_length", "max_running_requests", "max_output_tokens",
                      "max_queued_requests", "kv_block_tokens"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 problems.append(f"{flag(name)} must be >= 1, got {getattr(self, name)}")
         if self.prefix_cache_entries < 0:
             problems.append(f"--prefix-cache-entries must be >= 0, got {self.prefix_cache_entries}")

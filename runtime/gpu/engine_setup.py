@@ -1,12 +1,13 @@
 """Build the model with the GPU expert scheduler for the engine, sized from one VRAM budget (see `sizing`).
 
     model, experts = load_offloaded(reader, device="cuda", vram_budget=None, memory_ratio=0.9, offload=None,
-                                    kv_reserve_tokens=8192, max_running_requests=4)
+                                    kv_reserve_tokens=None, max_running_requests=4)
 
 Order: resolve the budget and measure what the device holds outside the caching allocator (before anything is
 loaded), load the dense weights onto the device (quantized linears dequantized, or as stored with
 `OffloadConfig(dense="quantized")`), measure what they took, then give the expert slots what the KV reserve, prefill
-buffers and activation reserve leave, and cap the allocator so that the device's use stays within the budget
+buffers and activation reserve leave (the KV budget itself, unless given, from the budget: `default_kv_tokens`;
+`experts.vram_plan.kv_tokens` says what it is), and cap the allocator so that the device's use stays within the budget
 (`sizing`). When every expert fits, the scheduler runs fully resident. `device="cpu"` with an explicit `offload` runs
 the same scheduler on the CPU emulation path (the "VRAM" is then host memory; used by tests).
 """
@@ -22,7 +23,8 @@ from ft.formats import FtwReader
 
 from .hybrid import GpuExperts
 from .offload_config import OffloadConfig
-from .sizing import LATE_OUTSIDE, cap_allocator, device_in_use, plan_vram, resolve_budget, state_bytes
+from .sizing import (LATE_OUTSIDE, cap_allocator, default_kv_tokens, device_in_use, plan_vram, resolve_budget,
+                     state_bytes)
 
 log = logging.getLogger("ft.gpu")
 
@@ -47,7 +49,7 @@ def _weight_bytes(model) -> int:
 
 
 def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, memory_ratio: float,
-                   offload: OffloadConfig | None, kv_reserve_tokens: int, max_running_requests: int,
+                   offload: OffloadConfig | None, kv_reserve_tokens: int | None, max_running_requests: int,
                    dense_weights: str | None = None, mode: str | None = None, cuda_graphs: bool = True,
                    pin_host_bytes: int | None = None):
     """-> (model, GpuExperts with its slot pool allocated; `experts.vram_plan` says how the budget was spent). On
@@ -81,12 +83,19 @@ def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, m
     model = load_model(reader, device=str(dev), experts=experts, keep_quantized=keep)
     dense = torch.cuda.memory_allocated(dev) - before if cuda else _weight_bytes(model)
     per_token, per_seq = state_bytes(model.config, model.dtype)
-    kv = kv_reserve_tokens * per_token + max_running_requests * per_seq
+    stride = experts.layout.stride
+    kv_tokens = kv_reserve_tokens
+    if kv_tokens is None:  # from the budget: what the fixed parts leave is shared between KV and expert slots
+        room = (budget - outside - dense - max_running_requests * per_seq - 2 * opts.prefill_slots * stride
+                - opts.reserve_bytes) if budget is not None else 0
+        kv_tokens = default_kv_tokens(room, per_token, model.config.max_position_embeddings)
+    kv = kv_tokens * per_token + max_running_requests * per_seq
     max_slots = len(experts.moe_layers) * experts.E
     plan = None
     if budget is not None:
-        plan = plan_vram(budget, dense=dense, kv=kv, stride=experts.layout.stride, prefill_slots=opts.prefill_slots,
-                         reserve=opts.reserve_bytes, max_slots=max_slots, dense_quantized=keep, outside=outside)
+        plan = plan_vram(budget, dense=dense, kv=kv, stride=stride, prefill_slots=opts.prefill_slots,
+                         reserve=opts.reserve_bytes, max_slots=max_slots, dense_quantized=keep, outside=outside,
+                         kv_tokens=kv_tokens)
     num_slots = opts.num_slots if opts.num_slots is not None else (plan.num_slots if plan else None)
     if opts.mode in ("resident", "static"):
         need = max_slots - len(opts.cpu_layers) * experts.E
@@ -107,9 +116,10 @@ def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, m
         model.graphs.warm()  # every batch size captured now, where the experts allow replays already
     if plan is not None:
         gib = 1 << 30
-        log.info("VRAM budget %.2f GiB: in use at start + kernel modules %.2f, dense %.2f (%s), KV %.2f, prefill "
-                 "buffers %.2f, reserve %.2f, expert slots %d of %d (%.0f %%, %.2f GiB), mode %s", budget / gib,
-                 outside / gib, dense / gib, "quantized" if keep else "dequantized", kv / gib,
+        log.info("VRAM budget %.2f GiB: in use at start + kernel modules %.2f, dense %.2f (%s), KV %.2f (%d tokens%s), "
+                 "prefill buffers %.2f, reserve %.2f, expert slots %d of %d (%.0f %%, %.2f GiB), mode %s", budget / gib,
+                 outside / gib, dense / gib, "quantized" if keep else "dequantized", kv / gib, kv_tokens,
+                 "; --kv-reserve-tokens trades context for expert slots" if kv_reserve_tokens is None else "",
                  plan.prefill_buffers / gib, plan.reserve / gib, plan.num_slots, max_slots,
                  100 * plan.cached_fraction, plan.slot_bytes / gib, experts.opts.mode)
     return model, experts

@@ -7,7 +7,8 @@ Everything on the device counts against one budget, as `nvidia-smi` shows the pr
              loaded at their first launch, library handles and CUDA graph executables, which appear later outside
              the caching allocator)
            + dense weights (measured after loading; an untied embedding table stays in host memory)
-           + KV reserve (kv_reserve_tokens x bytes per token)
+           + KV reserve (kv_reserve_tokens x bytes per token; by default `default_kv_tokens` of what the fixed parts
+             leave: room for one agent-sized context, at most KV_MAX_SHARE of that room, the rest to the expert slots)
            + fixed per-sequence state (DeltaNet conv/recurrent state) x max_running_requests
            + two prefill buffers (2 x prefill_slots x record stride) + activation reserve (and allocator slack) + expert
              slots
@@ -77,6 +78,21 @@ def cap_allocator(device: torch.device, limit: int | None) -> None:
     torch.cuda.set_per_process_memory_fraction(1.0 if limit is None else min(1.0, limit / total), device)
 
 
+KV_TARGET_TOKENS = 65536  # default KV budget: room for one coding agent's long conversation
+KV_MIN_TOKENS = 8192
+KV_MAX_SHARE = 0.55  # of the room the fixed parts leave (the rest is the expert cache's): qwen3.6 at 8 GiB fits 64k
+
+
+def default_kv_tokens(room: int, per_token: int, max_context: int, block: int = 256) -> int:
+    """The KV budget when none is given: KV_TARGET_TOKENS (never past the model's context), cut to KV_MAX_SHARE of
+    `room` (the bytes the fixed parts leave for KV + expert slots) but never below KV_MIN_TOKENS (the former fixed
+    default: a budget too small for it is refused by `plan_vram` as before); a multiple of `block`."""
+    want = min(KV_TARGET_TOKENS, max_context)
+    fits = int(KV_MAX_SHARE * max(room, 0)) // max(per_token, 1)
+    tokens = min(want, max(KV_MIN_TOKENS, fits))
+    return max(block, tokens // block * block)
+
+
 @dataclass(frozen=True)
 class VramPlan:
     budget: int
@@ -89,6 +105,7 @@ class VramPlan:
     slot_bytes: int
     max_slots: int
     dense_quantized: bool = False  # quantized dense linears kept as stored (OffloadConfig.dense)
+    kv_tokens: int = 0  # the KV budget in tokens (the engine's, whether given or sized here)
 
     @property
     def cached_fraction(self) -> float:
@@ -99,7 +116,7 @@ class VramPlan:
 
 
 def plan_vram(budget: int, *, dense: int, kv: int, stride: int, prefill_slots: int, reserve: int,
-              max_slots: int, dense_quantized: bool = False, outside: int = 0) -> VramPlan:
+              max_slots: int, dense_quantized: bool = False, outside: int = 0, kv_tokens: int = 0) -> VramPlan:
     """Slots that fit after the fixed parts; refuses a budget that cannot even hold the fixed parts."""
     prefill = 2 * prefill_slots * stride
     free = budget - outside - dense - kv - prefill - reserve
@@ -110,7 +127,8 @@ def plan_vram(budget: int, *, dense: int, kv: int, stride: int, prefill_slots: i
             f"{fmt_bytes(kv)} + prefill buffers {fmt_bytes(prefill)} + reserve {fmt_bytes(reserve)}; raise "
             f"--vram-budget / --memory-ratio or lower --kv-reserve-tokens")
     n = int(min(max_slots, free // stride))
-    return VramPlan(budget, outside, dense, kv, prefill, reserve, n, n * stride, max_slots, dense_quantized)
+    return VramPlan(budget, outside, dense, kv, prefill, reserve, n, n * stride, max_slots, dense_quantized,
+                    kv_tokens)
 
 
 def resolve_budget(device: torch.device, vram_budget: int | None, memory_ratio: float) -> int:

@@ -35,7 +35,7 @@ def load_engine(settings: ServeSettings) -> Any:
     t0 = time.perf_counter()
     engine = Engine(settings.ftw, settings.engine)
     log.info("engine loaded in %.1f s (device %s, KV budget %d tokens)", time.perf_counter() - t0,
-             settings.engine.device, settings.engine.kv_reserve_tokens)
+             settings.engine.device, engine.kv.total)
     return engine
 
 

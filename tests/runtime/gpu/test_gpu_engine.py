@@ -15,7 +15,8 @@ from ft.runtime.engine import Engine, EngineSettings, SamplingParams, generate
 from ft.runtime.gpu import engine_setup
 from ft.runtime.gpu.engine_setup import _weight_bytes
 from ft.runtime.gpu.offload_config import OffloadConfig
-from ft.runtime.gpu.sizing import LATE_OUTSIDE, dense_weight_bytes, device_in_use, parse_bytes, plan_vram, state_bytes
+from ft.runtime.gpu.sizing import (KV_MAX_SHARE, KV_MIN_TOKENS, KV_TARGET_TOKENS, LATE_OUTSIDE, default_kv_tokens,
+                                   dense_weight_bytes, device_in_use, parse_bytes, plan_vram, state_bytes)
 from ft.runtime.model import load_model
 from ft.runtime.state import SequenceState
 
@@ -47,6 +48,33 @@ def test_plan_vram_math():
     with pytest.raises(ValueError, match="in use at start"):
         plan_vram(10_000, dense=3_000, kv=1_000, stride=100, prefill_slots=2, reserve=500, max_slots=10,
                   outside=5_500)
+
+
+def test_default_kv_budget_is_an_agent_context_where_the_budget_allows_it():
+    """The real models' numbers at 8 GiB (benchmarks/gpu_full.md, runs 24-26: what the fixed parts leave):
+    qwen3.6 (20 KiB of KV per token) gets a 64k context; qwen3moe-35b-geom (80 KiB) half of its room."""
+    qwen36_room, geom_room = 8 * GIB - 1_116_536_832 - 3_921_912_832 - 4 * (64 << 20) - 114_032_640 - (GIB // 2), \
+        8 * GIB - 990_707_712 - 2_217_394_176 - 114_032_640 - (GIB // 2)
+    assert default_kv_tokens(qwen36_room, 20 << 10, 262_144) == KV_TARGET_TOKENS
+    geom = default_kv_tokens(geom_room, 80 << 10, 40_960)
+    assert KV_MIN_TOKENS < geom < KV_TARGET_TOKENS and geom * (80 << 10) <= KV_MAX_SHARE * geom_room
+    assert default_kv_tokens(10**12, 1 << 10, 4096) == 4096  # never past the model's context
+    assert default_kv_tokens(5_000 << 10, 1 << 10, 10**6) == KV_MIN_TOKENS  # never below the former default
+    assert default_kv_tokens(0, 1 << 10, 1000) == 768 and default_kv_tokens(10**9, 1000, 10**6) % 256 == 0
+
+
+def test_engine_kv_budget_comes_from_the_vram_plan(ftw_for):
+    ftw = ftw_for("qwen3_5_moe", "nvfp4")
+    sized = Engine(ftw, EngineSettings(device="cpu", vram_budget=64 * GIB),
+                   offload=OffloadConfig(mode="resident", prefetch=False))
+    plan = sized._experts.vram_plan
+    assert sized.kv.total == plan.kv_tokens == min(KV_TARGET_TOKENS, sized.config.max_position_embeddings)
+    sized.close()
+    given = Engine(ftw, EngineSettings(device="cpu", vram_budget=64 * GIB, kv_reserve_tokens=1000),
+                   offload=OffloadConfig(mode="resident", prefetch=False))
+    assert given.kv.total == given._experts.vram_plan.kv_tokens == 1000
+    given.close()
+    assert Engine(ftw, EngineSettings(device="cpu")).kv.total == 8192  # no VRAM plan: the CPU default
 
 
 def test_state_bytes_match_a_real_state(ftw_for):
