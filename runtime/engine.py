@@ -152,6 +152,12 @@ class Engine:
             raise QueueFullError(f"the request queue is full ({self.max_queued_requests} waiting)")
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids)
         max_tokens = min(params.max_tokens, self.max_output_tokens)
+        window = self.kv.max_context
+        if params.max_tokens_required and len(prompt_ids) + max_tokens > window:
+            raise ContextOverflowError(
+                f"the prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) = {len(prompt_ids) + max_tokens} "
+                f"tokens exceed the context window of {window} tokens; ask for max_tokens <= "
+                f"{window - len(prompt_ids)} or a shorter prompt")
         req = Request(
             request_id=request_id, prompt_ids=prompt_ids, params=params, max_tokens=max_tokens,
             max_length=self.kv.max_length(len(prompt_ids), max_tokens), stop_token_ids=stop_ids,

@@ -39,6 +39,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None = no logprobs; k >= 0 = chosen token + top-k alternatives
+    # the client asked for max_tokens: a prompt that leaves less room in the context is refused (ContextOverflowError
+    # naming both numbers), never answered with a silently shorter output; False: max_tokens is an upper bound only
+    max_tokens_required: bool = False
 
     def __post_init__(self) -> None:
         problems = []

@@ -98,7 +98,8 @@ def sampling_params(state: ServerState, *, max_tokens: int | None, stop: Any = N
                     seed: int | None = None, ignore_eos: bool = False, extra_stop: tuple[str, ...] = ()
                     ) -> SamplingParams:
     """Request fields over the model's generation_config defaults; max_tokens is clamped to --max-output-tokens
-    (a missing max_tokens means "up to --max-output-tokens")."""
+    (a missing max_tokens means "up to --max-output-tokens", within what the context leaves); a max_tokens the
+    context cannot hold after the prompt is a 400 (context_length_exceeded), not a shorter output."""
     gen = getattr(state.engine, "generation_config", None) or {}
 
     def pick(value: Any, key: str, default: Any) -> Any:
@@ -115,7 +116,8 @@ def sampling_params(state: ServerState, *, max_tokens: int | None, stop: Any = N
             top_k=max(0, pick(top_k, "top_k", 0)), min_p=pick(min_p, "min_p", 0.0),
             repetition_penalty=pick(repetition_penalty, "repetition_penalty", 1.0),
             presence_penalty=presence_penalty or 0.0, frequency_penalty=frequency_penalty or 0.0,
-            seed=seed, stop=stops + extra_stop, ignore_eos=ignore_eos, logprobs=logprobs)
+            seed=seed, stop=stops + extra_stop, ignore_eos=ignore_eos, logprobs=logprobs,
+            max_tokens_required=max_tokens is not None)
     except ValueError as e:
         raise invalid(str(e)) from None
 

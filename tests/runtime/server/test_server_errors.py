@@ -161,7 +161,7 @@ def test_max_tokens_is_clamped(tight_server):
 def test_full_queue_is_429_for_openai_and_529_for_anthropic(qwen3_ftw, make_server):
     live = make_server(ServeSettings(ftw=qwen3_ftw, port=0,
                                      engine=EngineSettings(max_running_requests=1, max_queued_requests=1)))
-    body = {"messages": USER, "max_tokens": 5000, "ignore_eos": True, "stream": True}
+    body = {"messages": USER, "max_tokens": 3000, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=live.url, timeout=30) as client:
         with client.stream("POST", CHAT, json=body) as running, client.stream("POST", CHAT, json=body) as queued:
             lines = running.iter_lines()  # keep the iterator: dropping it would close the stream
@@ -269,3 +269,17 @@ def test_a_data_file_truncated_while_serving_is_an_error_not_a_crash(qwen3_ftw, 
     assert data.name in err["message"] and "changed on disk" in err["message"]
     health = httpx.get(live.url + "/health")
     assert health.status_code == 500 and "restart the server" in health.json()["error"]
+
+
+def test_max_tokens_past_the_context_window_is_a_400_naming_both_numbers(server):
+    """An explicit max_tokens that the context cannot hold after the prompt is refused, never silently lowered
+    (without one, the output is bounded by what the context leaves: test_engine_preemption.py)."""
+    window = server.state.loop.engine.max_context
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        err = _openai_error(client.post(CHAT, json={"messages": USER, "max_tokens": window}), 400, "messages")
+        assert err["code"] == "context_length_exceeded"
+        assert f"max_tokens ({window})" in err["message"] and f"context window of {window} tokens" in err["message"]
+        r = client.post(MSG, json={"max_tokens": window, "messages": USER})
+        assert r.status_code == 400 and f"context window of {window} tokens" in r.json()["error"]["message"]
+        ok = client.post(CHAT, json={"messages": USER, "max_tokens": 3})
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] <= 3
