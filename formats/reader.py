@@ -32,33 +32,39 @@ def read_index(path: Path) -> dict[str, Any]:
         raise E.FtwNotFoundError(index, "index file missing (is this an FTW directory?)")
     size = index.stat().st_size
     with open(index, "rb") as f:
-        raw = f.read(HEADER_SIZE)
-        if len(raw) < HEADER_SIZE:
-            raise E.FtwTruncatedError(index, f"{len(raw)} bytes, the header alone is {HEADER_SIZE}")
-        magic, h = Header.unpack(raw)
-        if magic != MAGIC:
-            raise E.FtwMagicError(index, f"expected {MAGIC.hex(' ')}, found {magic.hex(' ')}")
-        if h.major != VERSION_MAJOR:
-            raise E.FtwVersionError(index,
-                                    f"format version {h.major}.{h.minor}; this reader supports {VERSION_MAJOR}.x")
-        if h.header_size != HEADER_SIZE or h.manifest_offset != HEADER_SIZE or any(h.reserved):
-            raise E.FtwHeaderError(index, f"header_size={h.header_size} manifest_offset={h.manifest_offset} "
-                                          f"reserved={'zero' if not any(h.reserved) else 'non-zero'}")
-        if h.manifest_nbytes > MAX_MANIFEST_BYTES:
-            raise E.FtwManifestTooLargeError(index, f"{h.manifest_nbytes} bytes > limit {MAX_MANIFEST_BYTES}")
-        if size != HEADER_SIZE + h.manifest_nbytes:
-            raise E.FtwTruncatedError(index, f"file is {size} bytes, header says {HEADER_SIZE + h.manifest_nbytes}")
-        body = f.read(h.manifest_nbytes)
+        data = f.read(HEADER_SIZE + MAX_MANIFEST_BYTES + 1)  # a larger file fails the size rule without being read
+    return parse_index(data, index, file_size=size)
+
+
+def parse_index(data: bytes, where: Path | str, *, file_size: int | None = None) -> dict[str, Any]:
+    """Rules V1..V8 on the bytes of an index file (`file_size`: its size on disk, when `data` may be cut short) ->
+    the decoded manifest object. Raises only FtwError subclasses (tools/campaign_fuzz_ftw.py holds it to that)."""
+    size = len(data) if file_size is None else file_size
+    if len(data) < HEADER_SIZE:
+        raise E.FtwTruncatedError(where, f"{len(data)} bytes, the header alone is {HEADER_SIZE}")
+    magic, h = Header.unpack(data[:HEADER_SIZE])
+    if magic != MAGIC:
+        raise E.FtwMagicError(where, f"expected {MAGIC.hex(' ')}, found {magic.hex(' ')}")
+    if h.major != VERSION_MAJOR:
+        raise E.FtwVersionError(where, f"format version {h.major}.{h.minor}; this reader supports {VERSION_MAJOR}.x")
+    if h.header_size != HEADER_SIZE or h.manifest_offset != HEADER_SIZE or any(h.reserved):
+        raise E.FtwHeaderError(where, f"header_size={h.header_size} manifest_offset={h.manifest_offset} "
+                                      f"reserved={'zero' if not any(h.reserved) else 'non-zero'}")
+    if h.manifest_nbytes > MAX_MANIFEST_BYTES:
+        raise E.FtwManifestTooLargeError(where, f"{h.manifest_nbytes} bytes > limit {MAX_MANIFEST_BYTES}")
+    if size != HEADER_SIZE + h.manifest_nbytes or len(data) < size:
+        raise E.FtwTruncatedError(where, f"file is {size} bytes, header says {HEADER_SIZE + h.manifest_nbytes}")
+    body = data[HEADER_SIZE:HEADER_SIZE + h.manifest_nbytes]
     if xxhash.xxh3_64_intdigest(body) != h.manifest_xxh3:
-        raise E.FtwManifestChecksumError(index, "manifest bytes do not match the header checksum")
+        raise E.FtwManifestChecksumError(where, "manifest bytes do not match the header checksum")
     try:
         obj = json.loads(body.decode("utf-8"), object_pairs_hook=_no_dup_keys, parse_constant=_no_constants)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise E.FtwManifestParseError(index, str(e)[:200]) from None
+        raise E.FtwManifestParseError(where, str(e)[:200]) from None
     if not isinstance(obj, dict):
-        raise E.FtwManifestParseError(index, "manifest is not a JSON object")
+        raise E.FtwManifestParseError(where, "manifest is not a JSON object")
     if "version" in obj and obj["version"] != [h.major, h.minor]:  # a missing key is V9, checked later
-        raise E.FtwVersionError(index, f"manifest version {obj['version']!r} disagrees with header {h.major}.{h.minor}")
+        raise E.FtwVersionError(where, f"manifest version {obj['version']!r} disagrees with header {h.major}.{h.minor}")
     return obj
 
 

@@ -382,3 +382,15 @@ def test_changed_reports_a_data_file_truncated_replaced_or_removed(ftw: Path) ->
     assert "removed" in r.changed()
     data.write_bytes(raw)  # the same bytes in a new file
     assert "replaced" in r.changed() or "modified" in r.changed()
+
+
+def test_parse_index_is_read_index_on_bytes(ftw: Path) -> None:
+    """The pure parser (what tools/campaign_fuzz_ftw.py fuzzes) decides exactly as the file reader."""
+    from ft.formats.reader import parse_index, read_index
+
+    raw = (ftw / "model.ftw").read_bytes()
+    assert parse_index(raw, "mem") == read_index(ftw)
+    with pytest.raises(E.FtwTruncatedError, match="header says"):
+        parse_index(raw[:-1], "mem")
+    with pytest.raises(E.FtwTruncatedError, match="header says"):  # on disk larger than what was read
+        parse_index(raw, "mem", file_size=len(raw) + 1)
