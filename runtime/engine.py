@@ -222,10 +222,10 @@ class Engine:
         # Requests that sample this step: every decode, and the prefill request once its prompt is done.
         sampling = [(r, lg) for r, lg in zip(decodes, logits)]
         prefill.num_prefilled += segments[-1].num_tokens
+        if self.prefix is not None and prefill.state.recurrent:  # a later prompt may share this much exactly
+            prefill.snapshots[prefill.state.length] = prefill.state.recurrent_snapshot()  # each chunk's end
         if not prefill.is_prefilling:
             sampling.append((prefill, logits[-1]))
-            if self.prefix is not None and prefill.state.recurrent:  # a later prompt may share this one exactly
-                prefill.snapshots[prefill.state.length] = prefill.state.recurrent_snapshot()
         if sampling:
             out = sample(torch.cat([lg[-1:] for _, lg in sampling]), [r.sampler for r, _ in sampling])
             events += self._accept([r for r, _ in sampling], out)
@@ -296,6 +296,7 @@ class Engine:
                 req.state = self.model.new_state(req.max_length, capacity=size)
             else:
                 req.state, req.num_prefilled = hit.state, hit.length
+                req.snapshots.update(hit.snapshots)  # the conversation's earlier chunk ends stay reusable
                 req.state.max_tokens = max(req.state.max_tokens, req.max_length)
                 if req.state.capacity > size:  # KV buffers within the reservation (and max_length)
                     req.state.resize(size)

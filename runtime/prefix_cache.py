@@ -7,7 +7,8 @@ tokens prefills only the rest. Coding agents resend the whole conversation on ev
 
 An entry is a `SequenceState` that consumed `tokens` (prompt + output but the last sampled token), its KV rows still
 on the device and held in the KV budget under a reservation of its own ("prefix:N"), plus `snapshots`: host copies of
-the recurrent layers' states at chosen lengths (the engine takes one at the end of each prompt). A prompt matches an
+the recurrent layers' states at chosen lengths (the engine takes one at the end of each prefill chunk, the prompt's
+end included). A prompt matches an
 entry on their longest common token prefix L, capped at len(prompt) - 1 (one token must be run to get logits):
   * models with full attention only reuse any such length: KV rows past it are simply overwritten;
   * models with recurrent layers (Gated DeltaNet) reuse the largest length <= L at which a state is known exactly:
@@ -28,10 +29,14 @@ from ft.runtime.kv import KvBudget
 from ft.runtime.state import SequenceState
 
 
+MAX_SNAPSHOTS = 32  # per kept state: the latest chunk and prompt ends of its conversation (host memory each)
+
+
 @dataclass
 class PrefixHit:
     state: SequenceState
     length: int  # tokens of the prompt the state already holds
+    snapshots: dict[int, tuple[dict, dict]]  # the entry's snapshots at lengths <= length, still valid for the prompt
 
 
 @dataclass
@@ -69,7 +74,7 @@ class PrefixCache:
                 state.free()
                 return False
         state.park()
-        snaps = {n: s for n, s in snapshots.items() if 0 < n <= len(tokens)}
+        snaps = {n: snapshots[n] for n in sorted(n for n in snapshots if 0 < n <= len(tokens))[-MAX_SNAPSHOTS:]}
         self.entries.append(_Entry(key, list(tokens), state, snaps, next(self._clock)))
         self.counters["stored"] += 1
         return True
@@ -92,7 +97,7 @@ class PrefixCache:
         state.rewind(best_len, best.snapshots.get(best_len) if best_len != state.length else None)
         self.counters["hits"] += 1
         self.counters["hit_tokens"] += best_len
-        return PrefixHit(state, best_len)
+        return PrefixHit(state, best_len, {n: v for n, v in best.snapshots.items() if n <= best_len})
 
     def evict(self) -> bool:
         """Free the least recently stored entry and its reservation; False if there is none."""

@@ -65,17 +65,15 @@ def test_a_rerendered_reply_reuses_the_prompt(ftw_for, arch):
     assert hit == (common if arch == "qwen3_moe" else len(FIRST))
 
 
-def test_a_prefix_shorter_than_the_prompt_end_is_reused_by_attention_only(ftw_for):
-    ftw = ftw_for("qwen3_5_moe", "none")
-    eng = _engine(ftw, 4)
-    _turn(eng, FIRST, "t1")
-    _, hit = _turn(eng, FIRST[:20] + [1, 2, 3], "t2")  # shares 20 tokens: no exact recurrent state there
-    assert hit == 0
-    ftw = ftw_for("qwen3_moe", "none")
+@pytest.mark.parametrize("arch,expect", [("qwen3_moe", 20), ("qwen3_5_moe", 16)])
+def test_a_shorter_common_prefix_is_reused_up_to_an_exact_state(ftw_for, arch, expect):
+    """A prompt sharing 20 tokens: attention reuses all 20; the hybrid model the last point where its recurrent
+    state was snapshotted, the end of the first 16-token prefill chunk."""
+    ftw = ftw_for(arch, "none")
     eng, plain = _engine(ftw, 4), _engine(ftw, 0)
     _turn(eng, FIRST, "t1")
     got, hit = _turn(eng, FIRST[:20] + [1, 2, 3], "t2")
-    assert hit == 20 and got == _turn(plain, FIRST[:20] + [1, 2, 3], "t2")[0] and _same(eng, plain)
+    assert hit == expect and got == _turn(plain, FIRST[:20] + [1, 2, 3], "t2")[0] and _same(eng, plain)
 
 
 def test_kept_states_give_way_to_running_requests(ftw_for):
@@ -89,3 +87,16 @@ def test_kept_states_give_way_to_running_requests(ftw_for):
     stats = eng.stats()
     assert stats["prefix_cache"]["evicted"] >= 1 and stats["preemptions"] == 0
     assert stats["kv_tokens_used"] == 0 and eng.kv.used == stats["kv_tokens_cached"] <= eng.kv.total
+
+
+def test_a_conversation_keeps_its_earlier_snapshots(ftw_for):
+    """The second turn takes the first turn's state; a third prompt that shares only the first 20 tokens still
+    resumes the hybrid model at 16 (the first turn's first chunk end), which the second turn's kept state inherited."""
+    ftw = ftw_for("qwen3_5_moe", "none")
+    eng, plain = _engine(ftw, 4), _engine(ftw, 0)
+    first, _ = _turn(eng, FIRST, "t1")
+    _, hit = _turn(eng, FIRST + first + [17, 23, 29], "t2")
+    assert hit >= len(FIRST) and eng.stats()["prefix_cache"]["entries"] == 1
+    third = FIRST[:20] + [4, 5, 6]
+    got, hit = _turn(eng, third, "t3")
+    assert hit == 16 and got == _turn(plain, third, "t3")[0] and _same(eng, plain)
