@@ -25,6 +25,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ft.runtime.kv import KvBudget
 from ft.runtime.state import SequenceState
 
@@ -42,7 +44,7 @@ class PrefixHit:
 @dataclass
 class _Entry:
     key: str
-    tokens: list[int]
+    tokens: np.ndarray  # int64 [state.length]: matched against every prompt in one vectorized pass
     state: SequenceState
     snapshots: dict[int, tuple[dict, dict]]
     used: int
@@ -75,7 +77,7 @@ class PrefixCache:
                 return False
         state.park()
         snaps = {n: snapshots[n] for n in sorted(n for n in snapshots if 0 < n <= len(tokens))[-MAX_SNAPSHOTS:]}
-        self.entries.append(_Entry(key, list(tokens), state, snaps, next(self._clock)))
+        self.entries.append(_Entry(key, np.asarray(tokens, np.int64), state, snaps, next(self._clock)))
         self.counters["stored"] += 1
         return True
 
@@ -83,8 +85,9 @@ class PrefixCache:
         """The entry holding the longest usable prefix of `prompt` (removed from the cache, its reservation
         released: the caller reserves what the request needs), rewound to that prefix; None if none has one."""
         best, best_len = None, 0
+        ids = np.asarray(prompt, np.int64)
         for entry in self.entries:
-            n = _usable(entry, prompt)
+            n = _usable(entry, ids)
             if n > best_len:
                 best, best_len = entry, n
         if best is None:
@@ -123,11 +126,10 @@ class PrefixCache:
                 "kv_tokens_held": self.held(), "snapshots": sum(len(e.snapshots) for e in self.entries)}
 
 
-def _usable(entry: _Entry, prompt: list[int]) -> int:
+def _usable(entry: _Entry, prompt: np.ndarray) -> int:
     limit = min(len(entry.tokens), len(prompt) - 1)
-    common = 0
-    while common < limit and entry.tokens[common] == prompt[common]:
-        common += 1
+    differ = np.flatnonzero(entry.tokens[:limit] != prompt[:limit])
+    common = int(differ[0]) if len(differ) else limit
     if not entry.state.recurrent:
         return common
     exact = [n for n in (len(entry.tokens), *entry.snapshots) if n <= common]

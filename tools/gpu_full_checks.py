@@ -63,6 +63,25 @@ class _Routing:
         moe.BoundExperts.__call__ = self._orig
 
 
+def teacher_forced(model, prompt: list[int], steps: int, graphs, feed: list[int] | None
+                   ) -> tuple[list[int], torch.Tensor]:
+    """Logits (fp32 [steps + 1, V], on the host) of the prompt's last position and `steps` decode steps fed `feed`
+    (None: the run's own greedy tokens, returned), with `graphs` as the model's decode graphs (None: eager)."""
+    saved, model.graphs = model.graphs, graphs
+    st = model.new_state(len(prompt) + steps + 2)
+    try:
+        rows = [prefill(model, st, prompt)[-1].float()]
+        toks = [int(rows[0].argmax())] if feed is None else list(feed)
+        for i in range(steps):
+            rows.append(model.forward(torch.tensor([toks[i]]), [Segment(st, 1)])[0][-1].float())
+            if feed is None:
+                toks.append(int(rows[-1].argmax()))
+    finally:
+        st.free()
+        model.graphs = saved
+    return toks, torch.stack(rows).cpu()
+
+
 def agreement(model, steps: int = 32) -> dict:
     """Teacher-forced logits of the paths on the same tokens (a 64-token prompt, then `steps` decode steps fed the
     graphed path's greedy tokens): graphed vs eager (same kernels), the fused kernels vs the PyTorch reference ops,
@@ -75,18 +94,7 @@ def agreement(model, steps: int = 32) -> dict:
 
     def run(fused: bool, graphs, feed: list[int] | None) -> tuple[list[int], torch.Tensor]:
         model.set_fused(fused)
-        saved, model.graphs = model.graphs, graphs
-        st = model.new_state(len(prompt) + steps + 2)
-        rows = [prefill(model, st, prompt)[-1].float()]
-        toks = [int(rows[0].argmax())] if feed is None else list(feed)
-        for i in range(steps):
-            lg = model.forward(torch.tensor([toks[i]]), [Segment(st, 1)])[0][-1].float()
-            rows.append(lg)
-            if feed is None:
-                toks.append(int(lg.argmax()))
-        st.free()
-        model.graphs = saved
-        return toks, torch.stack(rows).cpu()
+        return teacher_forced(model, prompt, steps, graphs, feed)
 
     feed, graphed = run(True, model.graphs, None)
     with _Routing() as fused_routes:
@@ -123,19 +131,7 @@ def lane_agreement(model, lane, steps: int = 32) -> dict:
 
     def run(on: bool, feed: list[int] | None, graphs) -> tuple[list[int], torch.Tensor]:
         lane.set_enabled(on)
-        saved, model.graphs = model.graphs, graphs
-        st = model.new_state(len(prompt) + steps + 2)
-        try:
-            rows = [prefill(model, st, prompt)[-1].float()]
-            toks = [int(rows[0].argmax())] if feed is None else list(feed)
-            for i in range(steps):
-                rows.append(model.forward(torch.tensor([toks[i]]), [Segment(st, 1)])[0][-1].float())
-                if feed is None:
-                    toks.append(int(rows[-1].argmax()))
-        finally:
-            st.free()
-            model.graphs = saved
-        return toks, torch.stack(rows).cpu()
+        return teacher_forced(model, prompt, steps, graphs, feed)
 
     def compare(a: torch.Tensor, b: torch.Tensor) -> dict:
         d = (a - b).abs()

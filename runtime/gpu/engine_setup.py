@@ -23,8 +23,8 @@ from ft.formats import FtwReader
 
 from .hybrid import GpuExperts
 from .offload_config import OffloadConfig
-from .sizing import (LATE_OUTSIDE, cap_allocator, default_kv_tokens, device_in_use, plan_vram, resolve_budget,
-                     state_bytes)
+from .sizing import (LATE_OUTSIDE, cap_allocator, default_kv_tokens, device_in_use, left_after, plan_vram,
+                     resolve_budget, state_bytes)
 
 log = logging.getLogger("ft.gpu")
 
@@ -86,8 +86,9 @@ def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, m
     stride = experts.layout.stride
     kv_tokens = kv_reserve_tokens
     if kv_tokens is None:  # from the budget: what the fixed parts leave is shared between KV and expert slots
-        room = (budget - outside - dense - max_running_requests * per_seq - 2 * opts.prefill_slots * stride
-                - opts.reserve_bytes) if budget is not None else 0
+        room = left_after(budget, dense=dense, kv=max_running_requests * per_seq, stride=stride,
+                          prefill_slots=opts.prefill_slots, reserve=opts.reserve_bytes,
+                          outside=outside) if budget is not None else 0
         kv_tokens = default_kv_tokens(room, per_token, model.config.max_position_embeddings)
     kv = kv_tokens * per_token + max_running_requests * per_seq
     max_slots = len(experts.moe_layers) * experts.E

@@ -21,7 +21,7 @@ def experts_stats(ex) -> dict:
     if up is not None:
         c.update(uploads=up.copies, uploads_direct=up.direct_copies, staging_seconds=up.staging_seconds,
                  pinned_bytes=up.pinned_bytes)
-    lane = getattr(ex.mapped, "lane", None) if getattr(ex, "mapped", None) is not None else None
+    lane = getattr(getattr(ex, "mapped", None), "lane", None)
     if lane is not None:
         c["cpu_lane"] = lane.stats()
     if ex.pin_info:

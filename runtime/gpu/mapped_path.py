@@ -63,8 +63,8 @@ class MappedDecode:
         self.fill = ex.opts.fill and ex.cache.S > 0
         self.base: dict[int, int] | None = None  # layer -> device address of its verified, mapped bank
         self.lane = None  # CpuLane over the mapped banks, made with them (`ready`)
-        # (event, layers, T, entries int32 [len(layers), 3, P]: ids, rows read, how served; ring index or -1) not read
-        # back yet
+        # (event, layers, T, int32 tensor [n, 3, P] (ids, rows read, how served), its rows of `layers` (None: all, in
+        # order), ring index or -1) not read back yet
         self.records: deque = deque()
         self.landing: deque = deque()  # fill=False: (event, layer, experts), uploads whose table entries are hidden
         cuda = ex.device.type == "cuda"
@@ -128,7 +128,7 @@ class MappedDecode:
         for row, t in enumerate((topk_ids.reshape(-1), pair_slot, pair_copy)):
             entry[row, :T * k].copy_(t, non_blocking=True)
         ev = ex._record_compute()
-        self.records.append((ev, [layer], T, entry[None], r))
+        self.records.append((ev, [layer], T, entry[None], None, r))
         ex._prefill_done[:] = [ev, ev]  # staging wrote prefill-buffer rows: prefill uploads wait for this call
         return y
 
@@ -170,7 +170,7 @@ class MappedDecode:
         self.ex._prefill_done[:] = [ev, ev]  # as in __call__
         if self.graph_layers:  # one record for the whole step: its layers are read back in one vectorized pass
             layers = sorted(self.graph_layers)
-            self.records.append((ev, layers, num_tokens, block, -1))  # block: all L rows, read at `layers`
+            self.records.append((ev, layers, num_tokens, block, layers, -1))  # block: [L, 3, P]
 
     def refresh(self) -> None:
         """Choose the next call's fill candidates (R per MoE layer, the cache's next victims, none offered by the last
@@ -278,11 +278,11 @@ class MappedDecode:
             self.table.show()
 
     def _pop(self, *, wait: bool) -> None:
-        ev, layers, T, entries, ring_index = self.records.popleft()
+        ev, layers, T, entries, rows, ring_index = self.records.popleft()
         if wait and ev is not None:
             ev.synchronize()
         entries = entries.numpy()
-        read_back(self, layers, T, entries if len(entries) == len(layers) else entries[layers])
+        read_back(self, layers, T, entries if rows is None else entries[rows])
         if ring_index >= 0:
             self._ring_busy[ring_index] = False
 

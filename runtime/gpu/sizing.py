@@ -115,11 +115,19 @@ class VramPlan:
         return {**asdict(self), "cached_fraction": self.cached_fraction}
 
 
+def left_after(budget: int, *, dense: int, kv: int, stride: int, prefill_slots: int, reserve: int,
+               outside: int = 0) -> int:
+    """Bytes of `budget` the fixed parts leave (negative: they do not fit): what the expert slots get, and with
+    `kv` only the per-sequence state, what KV and the slots share (`default_kv_tokens`'s room)."""
+    return budget - outside - dense - kv - 2 * prefill_slots * stride - reserve
+
+
 def plan_vram(budget: int, *, dense: int, kv: int, stride: int, prefill_slots: int, reserve: int,
               max_slots: int, dense_quantized: bool = False, outside: int = 0, kv_tokens: int = 0) -> VramPlan:
     """Slots that fit after the fixed parts; refuses a budget that cannot even hold the fixed parts."""
     prefill = 2 * prefill_slots * stride
-    free = budget - outside - dense - kv - prefill - reserve
+    free = left_after(budget, dense=dense, kv=kv, stride=stride, prefill_slots=prefill_slots, reserve=reserve,
+                      outside=outside)
     if free < 0:
         raise ValueError(
             f"the VRAM budget {fmt_bytes(budget)} is smaller than the fixed allocations: in use at start with kernel "
