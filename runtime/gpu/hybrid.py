@@ -48,6 +48,7 @@ from .moe_reference import moe_ref
 from .offload_config import OffloadConfig
 from .pinning import BackgroundPinner
 from .prefetch import NextLayerPredictor, prefetch_next
+from .prefill_pipeline import PrefillPipeline, uses_pipeline
 from .prefill_stream import prefill_call
 from .record_layout import RecordLayout
 from .split import SplitEstimator, split_from_profile
@@ -86,6 +87,7 @@ class GpuExperts:
         self.prefetch_max = opts.prefetch_max if opts.prefetch_max is not None else self.k  # experts per call
         self.cache: ExpertCache | None = None
         self.mapped: MappedDecode | None = None  # mode mapped: the sync-free decode path's state, made by allocate
+        self.pipeline: PrefillPipeline | None = None  # mode mapped: the layer-pipelined prefill, made by allocate
         self.graph_calls = False  # set while a decode step is captured in a CUDA graph (graphs.py)
         self._prefill_done: list = [None, None]  # per prefill buffer: event after the last kernel reading it
         self.trace: list[tuple[int, np.ndarray]] = []
@@ -143,6 +145,7 @@ class GpuExperts:
             self.cache.device_table(self.device).sync()  # the device-planned path's table, uploaded once
         if o.mode == "mapped":
             self.mapped = MappedDecode(self)
+            self.pipeline = PrefillPipeline(self)
 
     def _wait(self, event) -> None:
         if event is not None:
@@ -161,6 +164,10 @@ class GpuExperts:
             return device_call(self, layer, x, topk_ids, topk_weights).to(x.dtype)
         if uses_device_prefill(self, layer, T):  # the same for prefill: pairs grouped by expert on the device
             return device_prefill_call(self, layer, x, topk_ids, topk_weights).to(x.dtype)
+        if self.pipeline is not None:
+            if uses_pipeline(self, layer, T):  # large prefill: every expert without a slot streamed ahead, no sync
+                return self.pipeline(layer, x, topk_ids, topk_weights).to(x.dtype)
+            self.pipeline.abandon()
         if uses_mapped(self, layer, T):  # no host sync: misses read from the mapped bank, bookkeeping a step later
             return self.mapped(layer, x, topk_ids, topk_weights).to(x.dtype)
         if self.mapped is not None:
@@ -308,6 +315,7 @@ class GpuExperts:
         """Mode mapped: count the routing still in flight now (waits for it; from the thread driving the model)."""
         if self.mapped is not None:
             self.mapped.release()
+            self.pipeline.settle()
 
     def reset_stats(self) -> int:
         """Zero the counters (the cache keeps its contents; call after a warm-up). Returns the trace position where

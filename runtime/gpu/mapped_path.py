@@ -145,6 +145,7 @@ class MappedDecode:
         return y
 
     def before_replay(self) -> None:
+        self.ex.pipeline.abandon()  # a prefill forward that stopped part way may still copy into the staging rows
         self.publish()
         if self.fill and not self._refreshed:  # the first step: no candidates uploaded yet
             self.refresh()

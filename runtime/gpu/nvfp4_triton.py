@@ -9,11 +9,12 @@ holds one expert record (layout in `record_layout.py`). A plan groups the pairs 
 fastest, so consecutive programs share the block's activation rows and its expert's record (hot in L2):
     gate_up: act[r, n]  = bf16(silu(x[t] . gate_n) * (x[t] . up_n))       r = padded row of the block, t = p // k
     down:    out[p, n]  = weight[p] * (act[r] . down_n)                     fp32 [P, H], the caller sums over k
-A block with slot < 0 exits at once in gate_up; in down it writes 0 to its live rows (pairs whose expert has no
-slot: a device plan puts them there) and exits, so `out` needs no zero fill. The sum over k runs afterwards in a fixed
-order (torch), no atomics: results are deterministic, and a pair's row does not depend on the other rows of its block
-(an output row of a dot is its own row of A times B), so plans that differ only in block order and padding compute
-every pair alike under the same tiles.
+A block with slot < 0 exits at once in gate_up; in down, slot -1 writes 0 to its live rows (pairs whose expert has no
+slot: a device plan puts them there) and exits, so `out` needs no zero fill; slot SKIP = -2 writes nothing (a
+pipelined prefill runs one plan several times, each call giving slots to some experts' blocks only). The sum over k
+runs afterwards in a fixed order (torch), no atomics: results are deterministic, and a pair's row does not depend on
+the other rows of its block (an output row of a dot is its own row of A times B), so plans that differ only in block
+order and padding compute every pair alike under the same tiles.
 
 Dequantization happens in registers, from bits, with no lookup table in memory:
 * E2M1 nibble `s eee`  -> fp16 bits `s 0 0 e e e 0...` equals the E2M1 value times 2^-14 (subnormal 0.5 included);
@@ -192,14 +193,15 @@ def _down_kernel(
     H: tl.constexpr, I: tl.constexpr, OFF_D: tl.constexpr, OFF_DS: tl.constexpr, OFF_DS2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr, DOT_F32: tl.constexpr,
 ):
-    # out[p, n] = weight[p] * (down row n) . act[r]   (fp32 [P, H]); 0 for the live rows of a block without a slot
+    # out[p, n] = weight[p] * (down row n) . act[r]   (fp32 [P, H]); 0 for the live rows of a block of slot -1
     slot, r, pairs, n = _block_rows(sorted_pairs, block_slot, tl.program_id(0), H, BLOCK_M, BLOCK_N)
     m_mask = pairs < num_pairs
     p64 = pairs.to(tl.int64)
     n_mask = n < H
-    if slot < 0:
-        tl.store(out + p64[:, None] * H + n[None, :], tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
-                 mask=m_mask[:, None] & n_mask[None, :])
+    if slot < 0:  # -1: the pairs' rows are 0; SKIP (-2): another call of the same plan writes them
+        if slot == -1:
+            tl.store(out + p64[:, None] * H + n[None, :], tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32),
+                     mask=m_mask[:, None] & n_mask[None, :])
         return
     rec = pool + slot.to(tl.int64) * slot_stride
     kk = tl.arange(0, BLOCK_K)

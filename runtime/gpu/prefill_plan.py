@@ -48,12 +48,21 @@ def plan_blocks_device(topk_ids: torch.Tensor, slot_row: torch.Tensor,
     Returns (sorted_pairs int32 [NB * block_m], padded with P; block_slot int32 [NB], -1 = no record), with
     NB = `max_blocks(P, E, block_m)`: the plan format of `host_plan.plan_blocks` at a size fixed by shapes.
     """
-    dev = topk_ids.device
     ids = topk_ids.reshape(-1).long()
-    P, E = ids.numel(), slot_row.shape[0]
-    nb = max_blocks(P, E, block_m)
+    E = slot_row.shape[0]
     slot = slot_row.index_select(0, ids)  # [P]
-    key = torch.where(slot >= 0, ids, E)
+    sorted_pairs, bucket = plan_by_expert(torch.where(slot >= 0, ids, E), E, block_m)
+    return sorted_pairs, F.pad(slot_row, (0, 2), value=-1).index_select(0, bucket)  # buckets E, E+1 -> -1
+
+
+def plan_by_expert(key: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grouping above for bucket keys int [T, k] (or [P]) in [0, E] -> (sorted_pairs int32 [NB * block_m],
+    bucket int64 [NB]: each block's key; E + 1 for unused blocks). A caller gives the blocks their slots through
+    any lookup of E + 2 entries indexed by `bucket` (`prefill_pipeline.py` runs one plan with several lookups)."""
+    dev = key.device
+    key = key.reshape(-1).long()
+    P, E = key.numel(), num_experts
+    nb = max_blocks(P, E, block_m)
     skey, order = torch.sort(key, stable=True)  # [P] bucket of each sorted position, its pair id
     bounds = torch.searchsorted(skey, torch.arange(E + 2, device=dev))  # [E+2] first position of each bucket
     nblk = (bounds[1:] - bounds[:-1] + block_m - 1) // block_m  # [E+1] blocks per bucket
@@ -63,8 +72,7 @@ def plan_blocks_device(topk_ids: torch.Tensor, slot_row: torch.Tensor,
     sorted_pairs = torch.full((nb * block_m,), P, dtype=torch.int32, device=dev)
     sorted_pairs.scatter_(0, dest, order.to(torch.int32))
     bucket = torch.searchsorted(blk_end, torch.arange(nb, device=dev), right=True)  # [NB] in [0, E+1]
-    block_slot = F.pad(slot_row, (0, 2), value=-1).index_select(0, bucket)  # buckets E, E+1 -> -1
-    return sorted_pairs, block_slot
+    return sorted_pairs, bucket
 
 
 def moe_nvfp4_prefill(

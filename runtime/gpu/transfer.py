@@ -52,6 +52,13 @@ class HostUploader:
         self.bytes += record.numel()
         self.copies += 1
 
+    def upload_range(self, slot: int, ptr: int, nbytes: int) -> None:
+        n = nbytes // self.pool.shape[1]
+        src = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8)
+        self.pool[slot:slot + n].view(-1).copy_(src)
+        self.bytes += nbytes
+        self.copies += n
+
     def fence(self):
         return None
 
@@ -137,6 +144,24 @@ class CudaUploader:
             self._q.put(("copy", slot, record))
         self.bytes += self.stride
         self.copies += 1
+
+    def upload_range(self, slot: int, ptr: int, nbytes: int) -> None:
+        """One DMA of [ptr, ptr + nbytes) (whole records inside a registered range) into pool rows slot, slot + 1, ..
+        (pool rows are contiguous and as long as bank records), after everything queued before it."""
+        n, rest = divmod(nbytes, self.stride)
+        if rest or slot < 0 or slot + n > self.pool.shape[0]:
+            raise ValueError(f"upload_range: {nbytes} bytes into rows {slot}.. of {self.pool.shape[0]}")
+        src = next((view[ptr - a:ptr - a + nbytes] for a, b, view, _ in self._ranges if a <= ptr and ptr + nbytes <= b),
+                   None)
+        if src is None:
+            raise ValueError("upload_range reads page-locked banks only")
+        self._q.join()  # copies still queued go first: the order of uploads into one row holds
+        self._raise()
+        with torch.cuda.stream(self.stream):
+            self.pool[slot:slot + n].view(-1).copy_(src, non_blocking=True)
+        self.bytes += nbytes
+        self.copies += n
+        self.direct_copies += n
 
     def after_compute(self, event: torch.cuda.Event) -> None:
         if self._q.unfinished_tasks == 0:
