@@ -51,6 +51,8 @@ from ft.runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("ft.engine")
 CPU_KV_TOKENS = 8192  # the KV budget without a VRAM plan (and without --kv-reserve-tokens)
+PREFILL_CHUNK = 2048  # prompt tokens per forward (--max-prefill-length) ...
+OFFLOADED_PREFILL_CHUNK = 4096  # ... at a VRAM budget: a forward streams every expert without a slot whatever its size
 
 __all__ = ["Engine", "EngineSettings", "SamplingParams", "TokenEvent", "ContextOverflowError", "QueueFullError",
            "generate", "GenerationResult"]
@@ -109,7 +111,8 @@ class Engine:
         kv_tokens = plan.kv_tokens if plan is not None and plan.kv_tokens else (s.kv_reserve_tokens or CPU_KV_TOKENS)
         self.kv = KvBudget(kv_tokens, self.config.max_position_embeddings, s.kv_block_tokens)
         self.prefix = PrefixCache(self.kv, s.prefix_cache_entries) if s.prefix_cache_entries else None
-        self.max_prefill_length = s.max_prefill_length
+        offloaded = plan is not None and plan.num_slots < plan.max_slots
+        self.max_prefill_length = s.max_prefill_length or (OFFLOADED_PREFILL_CHUNK if offloaded else PREFILL_CHUNK)
         self.max_running_requests = s.max_running_requests
         self.max_output_tokens = s.max_output_tokens
         self.max_queued_requests = s.max_queued_requests

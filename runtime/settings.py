@@ -32,8 +32,11 @@ class EngineSettings:
                                          "most 55 % of what the dense weights leave holds it, the rest goes to the "
                                          "expert cache; the start-up log states the split), on the CPU 8192.",
                                          cli_type=int)
-    max_prefill_length: int = _opt(2048, "--max-prefill-length",
-                                   "Prompt tokens per prefill chunk; chunks interleave with decoding.")
+    max_prefill_length: int | None = _opt(None, "--max-prefill-length",
+                                          "Prompt tokens per prefill chunk; chunks interleave with decoding. Default: "
+                                          "4096 at a VRAM budget (a prefill forward streams every expert without a "
+                                          "slot once, so longer chunks move fewer bytes per token), else 2048.",
+                                          cli_type=int)
     max_running_requests: int = _opt(4, "--max-running-requests", "Requests decoded together in one batch.")
     max_output_tokens: int = _opt(32768, "--max-output-tokens",
                                   "Per-request output cap; larger max_tokens values are clamped to it.")

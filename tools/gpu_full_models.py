@@ -171,6 +171,20 @@ def step_bytes(model, ex, batch: int, context: int) -> dict:
             "total": dense[0] + experts + kv + state}
 
 
+def belady_row(ex, window: int) -> dict:
+    """Belady's MIN (may bypass: a miss need not enter VRAM) on the engine's own routing trace with the same slots,
+    over the same window (earlier steps warm both caches), beside the hit rate the scheduler reached."""
+    from belady import belady
+
+    b = belady(ex.trace, ex.E, ex.num_slots, bypass=True, count_from=window)
+    hits, misses = ex.counters["hits"], ex.counters["misses"]
+    b["hit_rate"] = b["hits"] / max(1, b["accesses"])
+    b["ours_hit_rate"] = hits / max(1, hits + misses)
+    b["ours_of_belady"] = b["ours_hit_rate"] / max(1e-9, b["hit_rate"])
+    b["steps"] = len(ex.trace) - window
+    return b
+
+
 WARM_TOKENS = 256  # decoded before the steady-state window of a budget row
 
 
@@ -199,13 +213,14 @@ def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64, v
         # steady state: the cache has seen WARM_TOKENS of routing (a server's cache outlives its requests); the
         # counters cover this window only
         ex.settle()
-        ex.reset_stats()
+        window = ex.reset_stats()  # trace position where the counted window starts
         lane_obj = ex.mapped.lane if ex.mapped is not None else None
         before = lane_obj.counters() if lane_obj is not None else None
         res["decode_warm"] = decode(eng, 1, 32, steps, warmup=WARM_TOKENS)
         ex.settle()
         if lane_obj is not None:  # the lane's own counts over the same window as the read-back counters
             res["lane_window"] = {k: v - before[k] for k, v in lane_obj.counters().items()}
+        res["belady"] = belady_row(ex, window)
         stats = ex.stats()
         res["moe"] = {k: v for k, v in stats.items() if isinstance(v, (int, float))}
         res["lane"] = stats.get("cpu_lane")

@@ -10,7 +10,9 @@ Per MoE layer call (decode: few tokens):
  4. layer l+1's router applied to this layer's input predicts its experts; up to `prefetch_max` missing ones are
     fetched now, overlapping the next attention block.
 Prefill calls (many tokens) compute hits from the cache and stream each miss once through two prefill buffers
-(double-buffered: group g+1 uploads while group g computes), never admitting them, so decode-hot slots survive.
+(double-buffered: group g+1 uploads while group g computes), never admitting them, so decode-hot slots survive. In
+mode mapped, a forward large enough to route to nearly every expert streams all experts without a slot ahead of their
+layer, without waiting for the routing (`prefill_pipeline.py`).
 
 `device="cpu"` runs the same scheduler on a CPU "pool" with the PyTorch reference as the GPU side (tests, emulation;
 `interpret=True` runs the Triton kernels under Triton's interpreter instead).
