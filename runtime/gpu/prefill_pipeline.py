@@ -105,7 +105,9 @@ class PrefillPipeline:
             slots = cache.slot_of[i]
             lut[row, :E] = np.where(slots >= 0, slots, SKIP)
             self.span[i] = self.span[i][:2] + (row,)
-        self.lut = torch.from_numpy(lut).to(ex.device)
+        host = torch.from_numpy(lut)
+        cuda = ex.device.type == "cuda"
+        self.lut = (host.pin_memory() if cuda else host).to(ex.device, non_blocking=cuda)  # no wait for the GPU
         self.copied = [None] * len(self.groups)
         self.expect = layer
         self._issue(0)
