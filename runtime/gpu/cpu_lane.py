@@ -158,16 +158,21 @@ class CpuLane:
         self.t_cpu = per / b_cpu if b_cpu > 0 else math.inf
         self.t_fixed = CPU_FIXED_S
         self.enabled = True
-        self.split = torch.empty(4, dtype=torch.float32, device=device)
-        self._split_host = torch.empty(4, dtype=torch.float32, pin_memory=self.cuda)
+        # [t_gpu, t_cpu, t_fixed, cap], then the same with the GPU path priced out (`split_all`: layers whose bank
+        # is not mapped, every staged miss to the CPU)
+        self._splits = torch.empty(2, 4, dtype=torch.float32, device=device)
+        self.split, self.split_all = self._splits[0], self._splits[1]
+        self._split_host = torch.empty(2, 4, dtype=torch.float32, pin_memory=self.cuda)
         self._upload_split()
         self._seen = np.zeros(len(STATS), np.float64)
 
     def _upload_split(self) -> None:
         big = 1e30  # an unavailable path costs "infinitely" much, finitely (inf * 0 would be nan in the kernel)
         cap = float(MAX_DEVICE_PAIRS) if self.enabled else 0.0
-        self._split_host.copy_(torch.tensor([min(self.t_gpu, big), min(self.t_cpu, big), self.t_fixed, cap]))
-        self.split.copy_(self._split_host, non_blocking=self.cuda)
+        t_cpu = min(self.t_cpu, big)
+        self._split_host.copy_(torch.tensor([[min(self.t_gpu, big), t_cpu, self.t_fixed, cap],
+                                             [big, t_cpu, self.t_fixed, float(MAX_DEVICE_PAIRS)]]))
+        self._splits.copy_(self._split_host, non_blocking=self.cuda)
 
     def set_enabled(self, on: bool) -> None:
         """Off: later calls give the CPU nothing (benchmarks compare both paths in one engine)."""
@@ -175,12 +180,14 @@ class CpuLane:
         self._upload_split()
 
     def post(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-             pair_slot: torch.Tensor, pair_copy: torch.Tensor, staging0: int) -> None:
-        """Hand the CPU its share of this call's staged misses (updates pair_slot / pair_copy in place)."""
+             pair_slot: torch.Tensor, pair_copy: torch.Tensor, staging0: int, *, cpu_only: bool = False) -> None:
+        """Hand the CPU its share of this call's staged misses (updates pair_slot / pair_copy in place); `cpu_only`:
+        all of them (the layer's bank is not mapped for the GPU)."""
         T, H = x.shape
         if T > self.tmax:
             raise ValueError(f"the CPU lane takes calls of up to {self.tmax} tokens, got {T}")
-        _post_kernel[(1,)](self.address, self.state, self.split, x.contiguous(), topk_ids.reshape(-1),
+        split = self.split_all if cpu_only else self.split
+        _post_kernel[(1,)](self.address, self.state, split, x.contiguous(), topk_ids.reshape(-1),
                            topk_weights.reshape(-1), pair_slot, pair_copy, layer, staging0, T, H, topk_ids.numel(),
                            self.k, BLOCK_P=MAX_DEVICE_PAIRS, BLOCK_H=1024, FENCE=self.cuda, num_warps=4)
 
@@ -241,14 +248,14 @@ def lane_for(md) -> CpuLane | None:
     """The lane of mode mapped's decode path `md` over its mapped banks, or None (off in the options, no C compiler,
     no mapping for the mailbox: the GPU then serves every miss)."""
     ex = md.ex
-    if not (ex.opts.cpu_lane and md.base and (ex.device.type == "cuda" or ex.interpret)):
+    if not (ex.opts.cpu_lane and (md.base or md.lane_only) and (ex.device.type == "cuda" or ex.interpret)):
         return None
     from .hybrid import DEFAULT_B_CPU, DEFAULT_B_PCIE
 
     gbs = ex.profile.get("gbs") or {}
     b_gpu = ex.opts.b_pcie or copy_rate(md) or (gbs.get("h2d_expert_pinned") or 0) * 1e9 or DEFAULT_B_PCIE
     b_cpu = ex.opts.b_cpu or (gbs.get("cpu_expert") or 0) * 1e9 or DEFAULT_B_CPU
-    banks = {i: (bank_range(ex.banks[i])[0], ex.banks[i].stride, ex.E) for i in md.base}
+    banks = {i: (bank_range(ex.banks[i])[0], ex.banks[i].stride, ex.E) for i in sorted({*md.base, *md.lane_only})}
     try:
         return CpuLane(ex.layout, banks, ex.L, ex.k, ex.device, b_gpu=b_gpu, b_cpu=b_cpu,
                        threads=ex.opts.cpu_threads)
@@ -264,7 +271,7 @@ def copy_rate(md) -> float | None:
     capture, too few staging rows or experts)."""
     ex = md.ex
     if (ex.device.type != "cuda" or torch.cuda.is_current_stream_capturing() or 2 * ex.opts.prefill_slots < 8
-            or ex.E < 8):
+            or ex.E < 8 or not md.base):
         return None
     from .gather import gather_missing
 

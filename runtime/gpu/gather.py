@@ -91,8 +91,8 @@ def _copy_kernel(pool, slot_stride, host_base, host_stride, ids, pair_slot, pair
 def _check(pool, layout, topk_ids, host_base, host_stride, staging0) -> int:
     P = topk_ids.numel()
     extent = max(getattr(layout, "off_" + c) + layout.nbytes(c) for c in COMPONENTS)
-    if host_base <= 0 or host_base % 16 or host_stride % 16 or host_stride < extent:
-        raise ValueError(f"gather needs a 16-byte aligned mapped bank address and stride >= {extent}")
+    if host_base < 0 or host_base % 16 or host_stride % 16 or host_stride < extent:
+        raise ValueError(f"gather needs a 16-byte aligned mapped bank address (0: none) and stride >= {extent}")
     if not 0 < P <= 64:
         raise ValueError(f"gather plans 1..64 pairs per call, got {P}")
     if staging0 < 0 or staging0 + P > pool.shape[0]:
@@ -109,7 +109,8 @@ def gather_missing(pool: torch.Tensor, layout: RecordLayout, topk_ids: torch.Ten
     address of this layer's mapped bank (expert e at host_base + e * host_stride). owner int32 [S] and candidates
     int32 [2, R] enable fills; without them every miss is staged. Rows staging0 .. staging0 + P - 1 must be free for
     this call's kernels. `between(pair_slot, pair_copy)` launches work after the plan and before the copies (the CPU
-    lane's post, which takes misses off the copy list)."""
+    lane's post, which takes misses off the copy list). host_base 0: the bank is not mapped, nothing is copied, and
+    `between` must take every miss."""
     words = _check(pool, layout, topk_ids, host_base, host_stride, staging0)
     P, dev = topk_ids.numel(), pool.device
     ids = topk_ids.reshape(-1).contiguous()
@@ -123,6 +124,8 @@ def gather_missing(pool: torch.Tensor, layout: RecordLayout, topk_ids: torch.Ten
                        BLOCK_P=64, BLOCK_R=max(16, triton.next_power_of_2(R)), num_warps=1)
     if between is not None:
         between(pair_slot, pair_copy)
+    if host_base == 0:  # no mapping: `between` took every staged miss (the CPU lane's lane-only layers)
+        return pair_slot, pair_copy
     _copy_kernel[(P, triton.cdiv(words, COPY_CHUNK))](
         pool, layout.stride, host_base, host_stride, ids, pair_slot, pair_copy, words,
         CHUNK=COPY_CHUNK, BLOCK=COPY_BLOCK, num_warps=4)

@@ -132,7 +132,8 @@ class GpuExperts:
         if self.device.type == "cuda":
             self.uploader = CudaUploader(self.pool, num_staging=o.num_staging, copy_threads=o.copy_threads)
             self.compute_stream = torch.cuda.current_stream(self.device)
-            if o.mode not in ("resident", "static") and o.pin_host_bytes != 0:  # on a thread: see pinning.py
+            # on a thread (pinning.py); mode mapped also when nothing may be page-locked: it verifies the banks
+            if o.mode not in ("resident", "static") and (o.pin_host_bytes != 0 or o.mode == "mapped"):
                 self.pinner = BackgroundPinner(self.uploader, [self.banks[i] for i in gpu_layers], o.pin_host_bytes,
                                                verify=o.mode == "mapped")
         else:

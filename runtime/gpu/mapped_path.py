@@ -28,9 +28,11 @@ The CPU lane (`cpu_lane.py`, on unless `OffloadConfig.cpu_lane` is off or no C c
 each call's staged misses on the host's cores at the same time as the GPU copies the rest, split by the measured
 costs of both paths; it is made with the mapped banks (`ready`) and answers inside graph replays.
 
-Records are read by the GPU without the reader's lazy checksum, so a bank takes this path only after the pinner has
-verified all its records (`pin_banks(verify=True)`); other layers (and every layer before the pinner is done) take
-the host-planned path. Host-planned calls in between first read everything back (`release`).
+Records are read without the reader's lazy checksum, so a bank takes this path only after the pinner has verified
+all its records (`pin_banks(verify=True)`; every layer before the pinner is done takes the host-planned path). A
+verified bank the host-memory allowance left un-page-locked has no GPU mapping: the lane computes all of its layer's
+misses (`lane_only`), so such a layer keeps this path and CUDA graphs. Host-planned calls in between first read
+everything back (`release`).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ CAND_BUFFERS = 4  # page-locked copies of the candidate table, used in turn
 def uses_mapped(ex, layer: int, num_tokens: int) -> bool:
     m = ex.mapped
     return (m is not None and ex.device_plan and 0 < num_tokens * ex.k <= MAX_DEVICE_PAIRS
-            and layer not in ex.opts.cpu_layers and m.ready(layer))
+            and layer not in ex.opts.cpu_layers and m.ready(layer) and m.fits(layer, num_tokens))
 
 
 class MappedDecode:
@@ -62,6 +64,7 @@ class MappedDecode:
         self.table = ex.cache.device_table(ex.device)
         self.fill = ex.opts.fill and ex.cache.S > 0
         self.base: dict[int, int] | None = None  # layer -> device address of its verified, mapped bank
+        self.lane_only: set[int] = set()  # verified banks not page-locked: the CPU lane takes every miss of theirs
         self.lane = None  # CpuLane over the mapped banks, made with them (`ready`)
         # (event, layers, T, int32 tensor [n, 3, P] (ids, rows read, how served), its rows of `layers` (None: all, in
         # order), ring index or -1) not read back yet
@@ -108,8 +111,17 @@ class MappedDecode:
                     addr = ex.uploader.mapped_address(*bank_range(bank))
                     if addr is not None:
                         self.base[i] = addr
+                    else:  # beyond the host-memory allowance: the CPU lane computes its misses
+                        self.lane_only.add(i)
             self.lane = lane_for(self)
-        return layer in self.base
+            if self.lane is None:
+                self.lane_only.clear()  # no lane: those layers keep the host-planned path
+        return layer in self.base or layer in self.lane_only
+
+    def fits(self, layer: int, num_tokens: int) -> bool:
+        """A lane-only layer's call needs a staging row per pair and the lane's token bound (no in-place reads)."""
+        return layer in self.base or (num_tokens * self.ex.k <= 2 * self.ex.opts.prefill_slots
+                                      and num_tokens <= self.lane.tmax)
 
     def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         ex = self.ex
@@ -203,7 +215,7 @@ class MappedDecode:
         bank, P = ex.banks[layer], topk_ids.numel()
         row = self.table.tensor[layer]
         owner, cand = (self.table.owner, self.cand[layer]) if self.fill else (None, None)
-        if P > 2 * ex.opts.prefill_slots:  # no staging rows for every pair: records read in place (CUDA only)
+        if P > 2 * ex.opts.prefill_slots:  # no staging rows for every pair: records read in place (CUDA, mapped)
             pair_slot = row[topk_ids.reshape(-1).long()]
             copied = (pair_slot < 0).to(torch.int32)
             if ex.device.type != "cuda":
@@ -228,8 +240,12 @@ class MappedDecode:
         from .nvfp4_decode import moe_nvfp4_device
 
         lane = self.lane if self.lane is not None and topk_ids.shape[0] <= self.lane.tmax else None
-        post = None if lane is None else (lambda s, c: lane.post(layer, x, topk_ids, topk_weights, s, c, ex.num_slots))
-        pair_slot, copied = gather_missing(ex.pool, ex.layout, topk_ids, self.table.tensor, layer, self.base[layer],
+        base = self.base.get(layer, 0)  # 0: lane-only, every staged miss goes to the CPU (`CpuLane.split_all`)
+        if base == 0:
+            owner = cand = None  # no fills: nothing is copied
+        post = None if lane is None else (lambda s, c: lane.post(layer, x, topk_ids, topk_weights, s, c, ex.num_slots,
+                                                                 cpu_only=base == 0))
+        pair_slot, copied = gather_missing(ex.pool, ex.layout, topk_ids, self.table.tensor, layer, base,
                                            bank.stride, ex.num_slots, owner=owner, candidates=cand, between=post)
         y = moe_nvfp4_device(ex.pool, ex.layout, x, self._pairs(P).view(topk_ids.shape), pair_slot, topk_weights)
         if lane is not None:

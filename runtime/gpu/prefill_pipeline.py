@@ -41,7 +41,8 @@ SKIP = -2  # block slot: another call of the same plan computes these pairs (nvf
 def uses_pipeline(ex, layer: int, num_tokens: int) -> bool:
     md = ex.mapped
     return (md is not None and ex.device_plan and num_tokens >= ex.opts.prefill_tokens
-            and num_tokens * ex.k >= BLIND * ex.E and layer not in ex.opts.cpu_layers and md.ready(layer))
+            and num_tokens * ex.k >= BLIND * ex.E and layer not in ex.opts.cpu_layers and md.ready(layer)
+            and layer in md.base)  # streamed from page-locked banks only
 
 
 class PrefillPipeline:

@@ -14,6 +14,7 @@ from ft.formats import FtwReader
 from ft.runtime.gpu.device_path import MAX_DEVICE_PAIRS
 from ft.runtime.gpu.expert_cache import ExpertCache
 from ft.runtime.gpu.hybrid import GpuExperts
+from ft.runtime.gpu.mapped_path import uses_mapped
 from ft.runtime.gpu.moe_reference import moe_ref
 from ft.runtime.gpu.offload_config import OffloadConfig
 from ft.runtime.gpu.prefill_stream import prefill_call
@@ -92,6 +93,32 @@ def test_cpu_lane_takes_the_misses_when_the_link_is_slow(reader):
         assert s["bytes_mapped"] == (s["misses"] - s["cpu_experts"]) * ex.layout.payload_bytes
         assert s["cpu_lane"]["jobs"] > 0 and s["cpu_lane"]["refused"] == 0
         assert sum(s["per_layer"]["cpu_experts"]) == s["cpu_experts"]
+    finally:
+        ex.close()
+
+
+@pytest.mark.skipif(not INTERP, reason="needs Triton's interpreter on a machine without CUDA")
+def test_banks_beyond_the_host_memory_allowance_are_computed_by_the_cpu_lane(reader):
+    """A verified bank that was not page-locked (host RAM short) has no mapping for the GPU: its layer stays on the
+    sync-free path, with every staged miss computed by the CPU lane, and nothing read over the link for it."""
+    opts = OffloadConfig(mode="mapped", num_slots=3, prefetch=False, admit_max=0, cpu_threads=2, prefill_slots=4)
+    ex = GpuExperts(reader, opts, device="cpu", device_plan=True, interpret=True)
+    ex.allocate()
+    unmapped = reader.bank("layers.1.mlp.experts").stacked("gate_up").data_ptr()
+    host_mapped = ex.uploader.mapped_address
+    ex.uploader.mapped_address = lambda ptr, n: None if ptr <= unmapped < ptr + n else host_mapped(ptr, n)
+    try:
+        assert [ex.mapped.ready(i) for i in range(3)] == [True, True, True]
+        assert ex.mapped.base.keys() == {0, 2} and ex.mapped.lane_only == {1}
+        for layer, x, ids, w in _calls(reader, (1, 2, 1, 3, 1, 1, 2, 1, 1), seed=11):
+            assert uses_mapped(ex, layer, x.shape[0])
+            assert rel_err(ex(layer, x, ids, w).float(), _full(reader, layer, x, ids, w)) < 1e-2
+        s = ex.stats()
+        per = s["per_layer"]
+        assert per["misses"][1] > 0 and per["cpu_experts"][1] == per["misses"][1]  # all of layer 1's on the CPU
+        assert s["cpu_lane"]["refused"] == 0 and s["cpu_lane"]["jobs"] > 0
+        assert not uses_mapped(ex, 1, 5)  # more pairs than staging rows (8): no record is read in place for it
+        assert uses_mapped(ex, 0, 5)
     finally:
         ex.close()
 

@@ -52,6 +52,10 @@ def test_pin_banks_respects_the_allowance(reader):
     assert pin_banks(_Recorder(True), banks, allowance=0)["pinned_bytes"] == 0
     refused = pin_banks(_Recorder(False), banks, allowance=None)
     assert refused["pin_refused"] and refused["pinned_bytes"] == 0
+    # verification covers the banks left unregistered too (mode mapped's CPU lane computes their misses)
+    names = [b.name for b in banks]
+    assert pin_banks(_Recorder(True), banks, allowance=size, verify=True)["verified_banks"] == names
+    assert pin_banks(_Recorder(False), banks, allowance=None, verify=True)["verified_banks"] == names
 
 
 def test_background_pinner_registers_the_banks_off_the_calling_thread(reader):
