@@ -142,8 +142,12 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request. Raises ContextOverflowError, QueueFullError, or ValueError (bad ids, duplicate id)."""
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
+                    snapshot_at: int | None = None) -> None:
+        """Queue a request. Raises ContextOverflowError, QueueFullError, or ValueError (bad ids, duplicate id).
+        `snapshot_at`: a prompt position a later prompt is likely to share exactly (the server gives the start of the
+        generation prompt's assistant header, where the next turn's re-rendered history may diverge); with the prefix
+        cache on, a hybrid model's prefill ends a chunk there, so its recurrent state is kept at that position."""
         if request_id in self._ids:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_ids = [int(t) for t in prompt_ids]
@@ -166,6 +170,7 @@ class Engine:
             max_length=self.kv.max_length(len(prompt_ids), max_tokens), stop_token_ids=stop_ids,
             sampler=RequestSampler(params, prompt_ids, self.config.vocab_size, self.device),
             decoder=self.tokenizer.incremental_decoder(), stop_filter=StopStringFilter(params.stop),
+            snapshot_at=snapshot_at if snapshot_at is not None and 0 < snapshot_at < len(prompt_ids) else None,
         )
         self._waiting.append(req)
         self._ids.add(request_id)
@@ -315,7 +320,7 @@ class Engine:
             if req.state is None:  # preempted by an older request's growth in this loop
                 continue
             if req is prefill:
-                self._secure(req, min(self.max_prefill_length, req.prefill_length - req.num_prefilled), events)
+                self._secure(req, self._chunk_length(req), events)
             elif not req.is_prefilling:
                 self._secure(req, 1, events)
         decodes = [r for r in self._running if not r.is_prefilling]
@@ -345,6 +350,15 @@ class Engine:
         self._waiting.appendleft(req)
         self._counters.add("preemptions")
 
+    def _chunk_length(self, req: Request) -> int:
+        """Tokens of `req`'s next prefill chunk: up to max_prefill_length, ending at its snapshot position if the
+        chunk would cross it (hybrid models with the prefix cache on: the snapshot is taken at each chunk end)."""
+        n = min(self.max_prefill_length, req.prefill_length - req.num_prefilled)
+        at = req.snapshot_at
+        if at is not None and self.prefix is not None and req.state.recurrent and req.num_prefilled < at:
+            n = min(n, at - req.num_prefilled)
+        return n
+
     def _prepare_inputs(self, decodes: list[Request], prefill: Request | None) -> tuple[list[int], list]:
         """Concatenated input ids and one Segment per request: decodes first, then the prefill chunk."""
         input_ids: list[int] = []
@@ -353,7 +367,7 @@ class Engine:
             input_ids.append(req.output_ids[-1])
             segments.append(Segment(req.state, 1, logits="last"))
         if prefill is not None:
-            chunk = prefill.next_prefill_chunk(self.max_prefill_length)
+            chunk = prefill.next_prefill_chunk(self._chunk_length(prefill))
             input_ids.extend(chunk)
             segments.append(Segment(prefill.state, len(chunk), logits="last"))
         return input_ids, segments

@@ -57,8 +57,9 @@ class EngineSettings:
                                          "expert cache; e.g. 8GiB or 12e9; overrides --memory-ratio.", cli_type=str)
     pinned_memory: int | str | None = _opt(None, "--pinned-memory",
                                            "CUDA only: host memory the expert banks may page-lock (it cannot be "
-                                           "swapped out), e.g. 8GiB; the rest is read through a pinned staging ring; "
-                                           "0 = none. Default: half of the memory available at start.", cli_type=str)
+                                           "swapped out), e.g. 8GiB; the CPU computes every cache miss of the rest "
+                                           "at decode (prefill reads it through pinned staging buffers); 0 = none. "
+                                           "Default: half of the memory available at start.", cli_type=str)
     dense_weights: str = _opt("dequantized", "--dense-weights",
                               "CUDA only: quantized dense linears (FP8 / NVFP4 in ModelOpt checkpoints) dequantized "
                               "to bf16 at load, or kept as stored and dequantized per call: 2-4x less VRAM for them, "

@@ -64,17 +64,21 @@ def make_session(seed: int = 0, turns: int = 8, steps: int = 3) -> dict:
 
 
 def replay(engine, session: dict) -> list[dict]:
+    """Each request rendered as the server renders it (`render_chat`), with the snapshot position it hands the
+    engine (the start of the generation prompt)."""
     from ft.runtime.engine import SamplingParams
+    from ft.runtime.server.generation import render_chat
 
     tok, msgs, rows, previous = engine.tokenizer, session["messages"], [], []
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     for i, m in enumerate(msgs):
         if m["role"] != "assistant":
             continue
-        prompt = tok.encode(tok.apply_chat_template(msgs[:i], tools=session["tools"]))
+        rendered = render_chat(tok, msgs[:i], session["tools"])
+        prompt = rendered.ids
         shared = next((j for j, (a, b) in enumerate(zip(previous, prompt)) if a != b), min(len(previous), len(prompt)))
         t0, ttft, cached = time.perf_counter(), None, 0
-        engine.add_request(f"r{i}", prompt, params)
+        engine.add_request(f"r{i}", prompt, params, snapshot_at=rendered.header_start)
         while engine.has_unfinished():
             for ev in engine.step():
                 if ev.token_id is not None and ttft is None:

@@ -69,7 +69,7 @@ async def messages(body: MessagesRequest, request: Request) -> Any:
     one_call = ("</tool_call>",) if prompt.tools and not parallel else ()
     params = sampling_params(state, max_tokens=body.max_tokens, stop=body.stop_sequences, extra_stop=one_call,
                              temperature=body.temperature, top_p=body.top_p, top_k=body.top_k)
-    job = await submit(state, "messages", prompt.ids, params)
+    job = await submit(state, "messages", prompt.ids, params, snapshot_at=prompt.header_start)
     run = ChatRun(prompt, id_prefix="toolu_")
     message_id = f"msg_{uuid.uuid4().hex}"
     if body.stream:

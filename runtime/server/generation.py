@@ -35,6 +35,7 @@ class ChatPrompt:
     spec: ParserSpec
     tools: list[dict]  # tools shown to the model (none when tool_choice is "none")
     forced: str  # assistant text forced after the generation prompt (tool_choice required / named)
+    header_start: int | None = None  # ids before the generation prompt (the next turn re-renders what follows)
 
 
 def render_chat(tokenizer: Any, messages: list[dict], tools: list[dict], *, choice: Any = None,
@@ -70,7 +71,25 @@ def render_chat(tokenizer: Any, messages: list[dict], tools: list[dict], *, choi
         text, ids = shield.encode(tokenizer, text + forced, found, nonce)
     except shield.NotVerbatim as e:
         raise invalid(str(e), "messages") from None
-    return ChatPrompt(text, ids, spec, shown, forced)
+    return ChatPrompt(text, ids, spec, shown, forced,
+                      None if continue_final else header_start(tokenizer, messages, shown, text, ids,
+                                                               enable_thinking=enable_thinking, **kwargs))
+
+
+def header_start(tokenizer: Any, messages: list[dict], tools: list[dict], text: str, ids: list[int],
+                 **template_kwargs) -> int | None:
+    """How many of the prompt's `ids` come before the generation prompt (the assistant header, and any forced text):
+    the conversation rendered without it must be a prefix of `text`, and the rest must tokenize to the ids' tail.
+    None when that does not hold (or the template refuses)."""
+    try:
+        bare = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=False,
+                                             **template_kwargs)
+    except ValueError:
+        return None
+    if not text.startswith(bare) or len(text) == len(bare):
+        return None
+    tail = tokenizer.encode(text[len(bare):])
+    return len(ids) - len(tail) if 0 < len(tail) < len(ids) and ids[len(ids) - len(tail):] == tail else None
 
 
 def forced_prefix(spec: ParserSpec, choice: Any, prompt: str) -> str:
@@ -122,9 +141,10 @@ def sampling_params(state: ServerState, *, max_tokens: int | None, stop: Any = N
         raise invalid(str(e)) from None
 
 
-async def submit(state: ServerState, endpoint: str, prompt_ids: list[int], params: SamplingParams) -> Job:
+async def submit(state: ServerState, endpoint: str, prompt_ids: list[int], params: SamplingParams, *,
+                 snapshot_at: int | None = None) -> Job:
     try:
-        stream = await state.loop.submit(f"{endpoint}-{uuid.uuid4().hex}", prompt_ids, params)
+        stream = await state.loop.submit(f"{endpoint}-{uuid.uuid4().hex}", prompt_ids, params, snapshot_at)
     except ContextOverflowError as e:
         raise invalid(f"context overflow: {e}", "messages", "context_length_exceeded") from None
     except QueueFullError as e:

@@ -65,14 +65,15 @@ class EngineLoop:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
-    async def submit(self, request_id: str, prompt_ids: list[int], params: Any) -> RequestStream:
+    async def submit(self, request_id: str, prompt_ids: list[int], params: Any,
+                     snapshot_at: int | None = None) -> RequestStream:
         """Queue a request; returns once the engine accepted it. Engine refusals raise here unchanged."""
         if self._stopping.is_set() or not self._thread.is_alive():
             raise RuntimeError(self.error or "the server is shutting down")
         loop = asyncio.get_running_loop()
         events: asyncio.Queue = asyncio.Queue()
         accepted: concurrent.futures.Future = concurrent.futures.Future()
-        self._send(("add", request_id, prompt_ids, params, _Sink(loop, events), accepted))
+        self._send(("add", request_id, prompt_ids, params, snapshot_at, _Sink(loop, events), accepted))
         try:
             await asyncio.wrap_future(accepted)
         except asyncio.CancelledError:
@@ -133,9 +134,9 @@ class EngineLoop:
                 return changed
             changed = True
             if command[0] == "add":
-                _, request_id, prompt_ids, params, sink, accepted = command
+                _, request_id, prompt_ids, params, snapshot_at, sink, accepted = command
                 try:
-                    self.engine.add_request(request_id, prompt_ids, params)
+                    self.engine.add_request(request_id, prompt_ids, params, snapshot_at=snapshot_at)
                 except Exception as e:  # noqa: BLE001 - handed to the waiting handler
                     accepted.set_exception(e)
                 else:

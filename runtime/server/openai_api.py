@@ -63,7 +63,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any
     params = sampling_params(state, max_tokens=body.max_completion_tokens or body.max_tokens, stop=body.stop,
                              logprobs=(body.top_logprobs or 0) if body.logprobs else None, extra_stop=one_call,
                              **sampling_fields(body))
-    job = await submit(state, "chat", prompt.ids, params)
+    job = await submit(state, "chat", prompt.ids, params, snapshot_at=prompt.header_start)
     run = ChatRun(prompt)
     meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": state.model_name}
     if body.stream:

@@ -55,7 +55,7 @@ async def responses(body: ResponsesRequest, request: Request) -> Any:
                              top_p=body.top_p, top_k=body.top_k, min_p=body.min_p, seed=body.seed,
                              repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
                              frequency_penalty=body.frequency_penalty)
-    job = await submit(state, "responses", prompt.ids, params)
+    job = await submit(state, "responses", prompt.ids, params, snapshot_at=prompt.header_start)
     run = ChatRun(prompt)
     base = {"id": _id("resp"), "object": "response", "created_at": int(time.time()), "model": state.model_name,
             "instructions": body.instructions, "tools": body.tools or [], "tool_choice": body.tool_choice or "auto",

@@ -17,10 +17,10 @@ def _engine(ftw, entries: int, **kw) -> Engine:
     return Engine(ftw, EngineSettings(prefix_cache_entries=entries, max_prefill_length=16, **kw))
 
 
-def _turn(engine: Engine, prompt: list[int], rid: str) -> tuple[list[int], int]:
+def _turn(engine: Engine, prompt: list[int], rid: str, snapshot_at: int | None = None) -> tuple[list[int], int]:
     """Greedy output ids and the prompt tokens the engine took from the cache; the chosen tokens' logprobs in
     `engine.last_logprobs` (compared too: tiny random models often pick the same tokens from different states)."""
-    engine.add_request(rid, prompt, GREEDY)
+    engine.add_request(rid, prompt, GREEDY, snapshot_at=snapshot_at)
     out, cached, engine.last_logprobs = [], None, []
     while engine.has_unfinished():
         for ev in engine.step():
@@ -74,6 +74,21 @@ def test_a_shorter_common_prefix_is_reused_up_to_an_exact_state(ftw_for, arch, e
     _turn(eng, FIRST, "t1")
     got, hit = _turn(eng, FIRST[:20] + [1, 2, 3], "t2")
     assert hit == expect and got == _turn(plain, FIRST[:20] + [1, 2, 3], "t2")[0] and _same(eng, plain)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_snapshot_where_the_server_expects_the_next_prompt_to_diverge(ftw_for, arch):
+    """The server names the start of the assistant header (`snapshot_at`): the hybrid model ends a prefill chunk there
+    and keeps its state, so a next prompt that re-renders everything after it resumes there, not at the chunk end
+    before it; attention-only models need no extra chunk end."""
+    ftw = ftw_for(arch, "none")
+    eng, plain = _engine(ftw, 4), _engine(ftw, 0)
+    _turn(eng, FIRST, "t1", snapshot_at=21)
+    kept = set(eng.prefix.entries[0].snapshots)
+    assert kept == ({16, 21, 30} if arch == "qwen3_5_moe" else set())  # chunks of 16 + 5 + 9 tokens; none needed
+    third = FIRST[:21] + [4, 5, 6]
+    got, hit = _turn(eng, third, "t3")
+    assert hit == 21 and got == _turn(plain, third, "t3")[0] and _same(eng, plain)
 
 
 def test_kept_states_give_way_to_running_requests(ftw_for):
