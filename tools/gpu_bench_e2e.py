@@ -252,11 +252,11 @@ def stage_e2e(args, prof: dict, out: dict, flush, plan, log=print) -> dict:
                 if time.time() + per_run > deadline:
                     r.setdefault("skipped", []).append(f"{key}: not enough time left")
                     continue
-                # mode[-staged|-eager][+aN][+mX][+f0]: A/B without page-locked banks / without CUDA graphs;
-                # admit_max N, admit_margin X, fill off
+                # mode[-staged|-eager][+aN][+mX]: A/B without page-locked banks / without CUDA graphs;
+                # admit_max N, admit_margin X
                 name, *knobs = mode.split("+")
                 pin = {"pin_host_bytes": 0} if name.endswith("-staged") else {}
-                knob = {"a": ("admit_max", int), "m": ("admit_margin", float), "f": ("fill", lambda v: bool(int(v)))}
+                knob = {"a": ("admit_max", int), "m": ("admit_margin", float)}
                 extra = {knob[kn[0]][0]: knob[kn[0]][1](kn[1:]) for kn in knobs}
                 res = run(OffloadConfig(mode=name.removesuffix("-eager").removesuffix("-staged"),
                                         num_slots=sc["num_slots"], **pin, **extra, **common),

@@ -40,7 +40,6 @@ def print_summary(results: dict) -> None:
                   f"mapped {d.get('mapped_mb_per_token', 0):6.1f} MB/t "
                   f"bound {b.get('bound_tok_s', 0):7.1f} frac {b.get('fraction_of_bound', 0):.2f} {vs} "
                   f"direct {d['stats'].get('uploads_direct')}/{d['stats'].get('uploads')} "
-                  f"filled {d['stats'].get('filled')} "
                   f"greedy {d.get('greedy_prefix_equal')}/{d.get('greedy_len')} "
                   f"replays {(d.get('graphs') or {}).get('replays')}")
             if b.get("gap_ms"):

@@ -69,7 +69,7 @@ def _post_kernel(mb_addr, state, split, x, ids, weights, pair_slot, pair_copy, l
     valid = rp < P
     slot = tl.load(pair_slot + rp, mask=valid, other=0)
     copy = tl.load(pair_copy + rp, mask=valid, other=0)
-    staged = valid & (copy == 1) & (slot == staging0 + rp)  # a filled miss must land in its slot: never the CPU's
+    staged = valid & (copy == 1) & (slot == staging0 + rp)  # misses the GPU would copy into staging rows
     M = tl.sum(staged.to(tl.int32))
     c = rp.to(tl.float32)
     cost = tl.maximum((M - c) * tl.load(split), tl.where(c > 0, tl.load(split + 2) + c * tl.load(split + 1), 0.0))

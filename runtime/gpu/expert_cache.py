@@ -126,22 +126,16 @@ class ExpertCache:
         score[self.protect_until >= self.clock] = -np.inf
         return score
 
-    def victims(self, n: int, exclude: np.ndarray | None = None) -> np.ndarray:
+    def victims(self, n: int) -> np.ndarray:
         """The next `n` slots to (re)use, best first; fewer when the rest are protected. Admitting only protects the
         slot it takes, leaving every other score as it was, so these are the slots n successive admits would take:
-        the scores are computed once per call instead of once per admitted expert (O(S) numpy work each).
-        `exclude`: slots never to return (mode mapped's fill candidates still in flight)."""
+        the scores are computed once per call instead of once per admitted expert (O(S) numpy work each)."""
         if self.S == 0 or n <= 0:
             return np.empty(0, np.int64)
-        empty = self.owner < 0
-        if exclude is not None and len(exclude):
-            empty[exclude] = False
-        free = np.flatnonzero(empty)  # empty slots score +inf (never protected): they go first, in order
+        free = np.flatnonzero(self.owner < 0)  # empty slots score +inf (never protected): they go first, in order
         if len(free) >= n:
             return free[:n]
         neg = -self._scores()  # smaller = evict first
-        if exclude is not None and len(exclude):
-            neg[exclude] = np.inf
         if n == 1:
             order = np.array([np.argmin(neg)])
         else:  # the n best in O(S); among equal scores the lowest slot first, as successive argmins would pick
@@ -182,20 +176,6 @@ class ExpertCache:
         """Give (layer, expert) a slot. Returns (slot, evicted flat id or -1); slot -1 when nothing can be evicted."""
         slots, evicted = self.admit_many(layer, np.array([expert]))
         return int(slots[0]), int(evicted[0])
-
-    def adopt(self, layer: int, expert: int, slot: int) -> None:
-        """The device wrote (layer, expert) into `slot`, evicting its owner (mode mapped's fills, `gather.py`):
-        mirror it here."""
-        old = int(self.owner[slot])
-        if old >= 0:
-            self.slot_of[old // self.E, old % self.E] = -1
-        prev = int(self.slot_of[layer, expert])
-        if prev >= 0:
-            self.owner[prev] = -1
-        self.owner[slot] = layer * self.E + expert
-        self.slot_of[layer, expert] = slot
-        self.last_use[slot] = self.clock
-        self.version += 1
 
     def evict(self, slot: int) -> None:
         old = int(self.owner[slot])

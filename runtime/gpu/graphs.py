@@ -180,9 +180,7 @@ class DecodeGraphs:
             rows = [SegmentRows(i, 1, st.length, st) for i, st in enumerate(states)]
             rows += g.batch.segments[len(states):]
             g.logits = self._body(g.ids, ForwardBatch(rows, g.pos, tables=g.tables))
-        # the live rows' routing only (padding would bias admission), unless device-side fills must be mirrored
-        mapped = self.ex.mapped
-        after_replay(self.ex, size if mapped is not None and mapped.fill else len(states))
+        after_replay(self.ex, len(states))  # the live rows' routing only (padding would bias admission)
         self.counters["replays"] += 1
         return g.logits[:len(states)].clone()  # the next replay overwrites the graph's buffer
 
@@ -216,7 +214,7 @@ class DecodeGraphs:
             finally:
                 torch.cuda.current_stream().wait_stream(side)
                 if self.ex.mapped is not None and self.ex.mapped.graph_layers:
-                    self.ex.mapped.record_step(size)  # its fills are real: the host must mirror them
+                    self.ex.mapped.record_step(size)  # its staging rows are busy until this lands (prefill waits)
             if not graph_ready(self.ex, size):  # a first-call check turned a path off
                 return None
             graph = torch.cuda.CUDAGraph()

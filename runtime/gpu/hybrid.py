@@ -94,7 +94,7 @@ class GpuExperts:
         self._prefill_done: list = [None, None]  # per prefill buffer: event after the last kernel reading it
         self.trace: list[tuple[int, np.ndarray]] = []
         self.counters = dict.fromkeys(("calls", "tokens", "pairs", "hits", "misses", "fetched", "cpu_experts",
-                                       "bytes_h2d", "bytes_cpu", "bytes_mapped", "filled", "prefill_calls",
+                                       "bytes_h2d", "bytes_cpu", "bytes_mapped", "prefill_calls",
                                        "prefill_streamed"),
                                       0)
         self.counters["cpu_seconds"] = 0.0

@@ -1,7 +1,7 @@
 """Counters of `GpuExperts` as one JSON-ready dict (what `engine.stats()["moe"]`, /v1/stats and `ft ctl cache` show).
 
-Totals: calls, tokens, routed pairs, hits / misses (unique experts per layer call), fetched (uploaded, or mode mapped's
-device-side fills: `filled`, also in per_layer["fetched"]) vs CPU-computed misses,
+Totals: calls, tokens, routed pairs, hits / misses (unique experts per layer call), fetched (uploaded) vs CPU-computed
+misses,
 bytes over PCIe (demand + prefetch + prefill streaming), read by the CPU kernel and (mode mapped) read by GPU kernels
 straight from host memory (`bytes_mapped`), prefetch accounting, the split's
 current cost lines, upload-path figures (records DMA'd straight from pinned banks vs staged) and the VRAM plan.

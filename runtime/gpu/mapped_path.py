@@ -15,15 +15,6 @@ the trace are counted (`mapped_readback.py`), and up to `admit_max` of the misse
 routed first, are uploaded into victim slots when their routing frequency beats `admit_margin` x that of the slot's
 owner; their table entries stay hidden (-1) until the upload lands, so no kernel reads a slot in flight.
 
-`fill=True` (OffloadConfig, experimental): a miss may instead be copied straight into a *fill candidate* slot, where
-it becomes a cache entry on the device at once (admission without a second transfer). Candidates are the cache's next
-victims (`ExpertCache.victims` on the host's view), R = k per layer, refreshed after every read-back and uploaded for
-the next call; those offered to calls still in flight are not offered again, and the device skips any whose owner
-changed since. The host mirrors every fill from the read-back (`ExpertCache.adopt`), so it never uploads the table
-over a device change it has not seen (it uploads only its own changes, made after `release` read everything back).
-Run O: faster than the default at 8 GiB, but one CUDA engine test (8-token prefill chunks through this path) decoded
-other tokens than the resident engine, which its CPU emulation does not reproduce: off until that is understood.
-
 The CPU lane (`cpu_lane.py`, on unless `OffloadConfig.cpu_lane` is off or no C compiler exists) computes part of
 each call's staged misses on the host's cores at the same time as the GPU copies the rest, split by the measured
 costs of both paths; it is made with the mapped banks (`ready`) and answers inside graph replays.
@@ -39,7 +30,6 @@ from __future__ import annotations
 
 from collections import deque
 
-import numpy as np
 import torch
 
 from .cpu_lane import lane_for
@@ -49,7 +39,6 @@ from .pinning import bank_range, verify_bank
 
 GRAPH_BLOCKS = 8  # replays whose routing is in flight (graphs.py); when all are, the oldest is waited for
 RING = 64  # routing records in flight; when all are, the oldest is waited for (bounds the bookkeeping lag)
-CAND_BUFFERS = 4  # page-locked copies of the candidate table, used in turn
 
 
 def uses_mapped(ex, layer: int, num_tokens: int) -> bool:
@@ -62,14 +51,13 @@ class MappedDecode:
     def __init__(self, ex):
         self.ex = ex
         self.table = ex.cache.device_table(ex.device)
-        self.fill = ex.opts.fill and ex.cache.S > 0
         self.base: dict[int, int] | None = None  # layer -> device address of its verified, mapped bank
         self.lane_only: set[int] = set()  # verified banks not page-locked: the CPU lane takes every miss of theirs
         self.lane = None  # CpuLane over the mapped banks, made with them (`ready`)
         # (event, layers, T, int32 tensor [n, 3, P] (ids, rows read, how served), its rows of `layers` (None: all, in
         # order), ring index or -1) not read back yet
         self.records: deque = deque()
-        self.landing: deque = deque()  # fill=False: (event, layer, experts), uploads whose table entries are hidden
+        self.landing: deque = deque()  # (event, layer, experts): admissions whose table entries are hidden
         cuda = ex.device.type == "cuda"
         self.ring = [torch.empty(3, MAX_DEVICE_PAIRS, dtype=torch.int32, pin_memory=cuda) for _ in range(RING)]
         self._ring_busy = [False] * RING
@@ -82,15 +70,6 @@ class MappedDecode:
         self.block_copied: list = [None] * GRAPH_BLOCKS  # event after each block's last copy
         self.next_block = 0
         self.graph_layers: list[int] = []  # the MoE layers the captured graph runs through this path
-        # fill candidates per layer, int32 [L, 2, R] (slots; owners the host believes they hold), -1 = none
-        self.R = ex.k
-        self.cand = torch.full((ex.L, 2, self.R), -1, dtype=torch.int32, device=ex.device)
-        self._cand_host = [torch.full((ex.L, 2, self.R), -1, dtype=torch.int32, pin_memory=cuda)
-                           for _ in range(CAND_BUFFERS)]
-        self._cand_copied: list = [None] * CAND_BUFFERS
-        self._cand_next = 0
-        self.offered = np.empty(0, np.int64)  # candidates of the last refresh (maybe taken by a call in flight)
-        self._refreshed = False
         self._arange: dict[int, torch.Tensor] = {}
         self.checked = not cuda  # the first CUDA call is compared with the reference once (`_kernel`)
 
@@ -126,7 +105,6 @@ class MappedDecode:
     def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         ex = self.ex
         self.poll()
-        self.refresh()
         T, k = topk_ids.shape
         count_call(ex, T)
         self.table.sync()
@@ -147,7 +125,7 @@ class MappedDecode:
     def graph_call(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                    topk_weights: torch.Tensor) -> torch.Tensor:
         """A call inside a CUDA graph capture (or its warm-up): the kernels, and the entry into `graph_buf`; no host
-        work (table and candidates were uploaded before; `after_replay` does the bookkeeping)."""
+        work (the table was uploaded before; `after_replay` does the bookkeeping)."""
         y, pair_slot, pair_copy = self._kernel(layer, x, topk_ids, topk_weights)
         P = topk_ids.numel()
         for i, t in enumerate((topk_ids.reshape(-1), pair_slot, pair_copy)):
@@ -159,19 +137,16 @@ class MappedDecode:
     def before_replay(self) -> None:
         self.ex.pipeline.abandon()  # a prefill forward that stopped part way may still copy into the staging rows
         self.publish()
-        if self.fill and not self._refreshed:  # the first step: no candidates uploaded yet
-            self.refresh()
 
     def after_replay(self, num_tokens: int) -> None:
-        """After a replay was queued: queue its entries' read-back, read back what has arrived and refresh the
-        candidates for the next step (this runs while the GPU replays)."""
+        """After a replay was queued: queue its entries' read-back and read back what has arrived (this runs while
+        the GPU replays)."""
         self.record_step(num_tokens)
         self.poll()
-        self.refresh()
 
     def record_step(self, num_tokens: int) -> None:
-        """One async copy of every captured layer's entry (queued so far: a replay, or the capture's warm-up, whose
-        fills are real) into a page-locked block, read back by later polls like ring entries (in layer order)."""
+        """One async copy of every captured layer's entry (queued so far: a replay, or the capture's warm-up) into a
+        page-locked block, read back by later polls like ring entries (in layer order)."""
         i = self.next_block
         self.next_block = (i + 1) % GRAPH_BLOCKS
         if self.block_copied[i] is not None:  # the block may still be unread: wait for its copy
@@ -185,36 +160,11 @@ class MappedDecode:
             layers = sorted(self.graph_layers)
             self.records.append((ev, layers, num_tokens, block, layers, -1))  # block: [L, 3, P]
 
-    def refresh(self) -> None:
-        """Choose the next call's fill candidates (R per MoE layer, the cache's next victims, none offered by the last
-        refresh) and queue their upload."""
-        if not self.fill:
-            return
-        ex, cache = self.ex, self.ex.cache
-        layers = [i for i in ex.moe_layers if i in (self.base or ())]
-        victims = cache.victims(len(layers) * self.R, exclude=self.offered)
-        i = self._cand_next
-        self._cand_next = (i + 1) % CAND_BUFFERS
-        if self._cand_copied[i] is not None:
-            self._cand_copied[i].synchronize()  # its last upload has long left (CAND_BUFFERS refreshes ago)
-        host = self._cand_host[i]
-        arr = host.numpy()
-        arr.fill(-1)
-        for j, layer in enumerate(layers):
-            s = victims[j * self.R:(j + 1) * self.R]
-            arr[layer, 0, :len(s)] = s
-            arr[layer, 1, :len(s)] = cache.owner[s]
-        self.cand.copy_(host, non_blocking=ex.device.type == "cuda")
-        self._cand_copied[i] = ex._record_compute()
-        self.offered = victims
-        self._refreshed = True
-
     def _kernel(self, layer, x, topk_ids, topk_weights):
         """-> (fp32 [T, H], pair rows int32 [P], copied int32 [P]) of one call (see the module docstring)."""
         ex = self.ex
         bank, P = ex.banks[layer], topk_ids.numel()
         row = self.table.tensor[layer]
-        owner, cand = (self.table.owner, self.cand[layer]) if self.fill else (None, None)
         if P > 2 * ex.opts.prefill_slots:  # no staging rows for every pair: records read in place (CUDA, mapped)
             pair_slot = row[topk_ids.reshape(-1).long()]
             copied = (pair_slot < 0).to(torch.int32)
@@ -229,8 +179,7 @@ class MappedDecode:
             from .gather import plan_reference
             from .moe_reference import moe_ref
 
-            pair_slot, copied = plan_reference(topk_ids, self.table.tensor, layer, ex.num_slots, owner=owner,
-                                               candidates=cand)
+            pair_slot, copied = plan_reference(topk_ids, self.table.tensor, layer, ex.num_slots)
             ids = topk_ids.reshape(-1).tolist()
             for p in torch.nonzero(copied).flatten().tolist():
                 ex.pool[int(pair_slot[p])] = bank.record(ids[p])
@@ -241,12 +190,10 @@ class MappedDecode:
 
         lane = self.lane if self.lane is not None and topk_ids.shape[0] <= self.lane.tmax else None
         base = self.base.get(layer, 0)  # 0: lane-only, every staged miss goes to the CPU (`CpuLane.split_all`)
-        if base == 0:
-            owner = cand = None  # no fills: nothing is copied
         post = None if lane is None else (lambda s, c: lane.post(layer, x, topk_ids, topk_weights, s, c, ex.num_slots,
                                                                  cpu_only=base == 0))
         pair_slot, copied = gather_missing(ex.pool, ex.layout, topk_ids, self.table.tensor, layer, base,
-                                           bank.stride, ex.num_slots, owner=owner, candidates=cand, between=post)
+                                           bank.stride, ex.num_slots, between=post)
         y = moe_nvfp4_device(ex.pool, ex.layout, x, self._pairs(P).view(topk_ids.shape), pair_slot, topk_weights)
         if lane is not None:
             lane.finish(y)
@@ -278,7 +225,7 @@ class MappedDecode:
             self._pop(wait=False)
 
     def publish(self) -> None:
-        """fill=False: show the table entries of admitted experts whose upload has landed (the next `sync` uploads)."""
+        """Show the table entries of admitted experts whose upload has landed (the next `sync` uploads)."""
         while self.landing and (self.landing[0][0] is None or self.landing[0][0].query()):
             _, layer, experts = self.landing.popleft()
             self.table.show(layer, experts)
@@ -288,7 +235,6 @@ class MappedDecode:
         kernels wait for every upload queued so far, and publish every hidden entry."""
         while self.records:
             self._pop(wait=True)
-        self.offered = np.empty(0, np.int64)  # nothing in flight any more
         if self.landing:
             self.ex._wait(self.ex.uploader.fence())
             self.landing.clear()

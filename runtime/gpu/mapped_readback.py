@@ -8,10 +8,7 @@ them in one vectorized pass over flat expert ids (layer * E + expert): this runs
 that must queue the next one, so its cost is paid per step, not per layer.
   * counters (hits / misses over each call's distinct experts, bytes read from host memory by the GPU and by the
     CPU lane), per-layer counts, the routing trace and frequency counts, recency of the slots hit;
-  * fill mode: every miss the device copied into a candidate slot is mirrored in the host table (`adopt`). The device
-    table already holds it, so the table is marked synced (no upload) unless the host had changes of its own pending,
-    which only happens after `MappedDecode.release` has read everything back;
-  * otherwise: `admit_uploads` over the step's missed experts.
+  * `admit_uploads` over the step's missed experts.
 """
 
 from __future__ import annotations
@@ -42,25 +39,13 @@ def read_back(md, layers: list[int], T: int, entries: np.ndarray) -> None:
         starts = np.flatnonzero(np.r_[True, layer_of[1:] != layer_of[:-1]])
         for part in np.split(uniq, starts[1:]):
             ex.trace.append((int(part[0] // E), part % E))
-    if md.fill:
-        rows = entries[:, 1, :P].ravel()[first]
-        filled = miss & (rows >= 0) & (rows < ex.num_slots)
-        if filled.any():
-            clean = not md.table.dirty
-            for f, r in zip(uniq[filled].tolist(), rows[filled].tolist()):
-                cache.adopt(f // E, f % E, int(r))
-            if clean:
-                md.table.mark_synced()
-            c["filled"] += int(filled.sum())
-            np.add.at(ex.per_layer[2], layer_of[filled], 1)
     slots = cache.slot_of.ravel()[uniq]
     cache.touch(slots[slots >= 0])
-    if not md.fill:
-        admit_uploads(md, uniq[slots < 0])
+    admit_uploads(md, uniq[slots < 0])
 
 
 def admit_uploads(md, missed: np.ndarray) -> None:
-    """fill=False: upload missed experts (flat ids), at most `admit_max` per layer, most frequently routed first,
+    """Upload missed experts (flat ids), at most `admit_max` per layer, most frequently routed first,
     into victim slots whose owner is routed `admit_margin` x less often (empty slots always); their table entries stay
     hidden until they land. One victims() choice for all (O(S) numpy work once per read-back)."""
     ex, cache = md.ex, md.ex.cache

@@ -39,9 +39,8 @@ class OffloadConfig:
     cpu_layers: tuple[int, ...] = ()
     prefetch: bool = True
     prefetch_max: int | None = None  # experts per layer and step; None = top-k
-    fill: bool = False  # mode mapped, experimental: misses the GPU copies become cache entries on the device
     cpu_lane: bool = True  # mode mapped: the CPU computes part of each decode call's misses (cpu_lane.py)
-    admit_max: int = 2  # mode mapped without fill: experts uploaded into the cache per layer call at most
+    admit_max: int = 2  # mode mapped: experts uploaded into the cache per layer call at most
     admit_margin: float = 2.0  # mode mapped: a miss replaces a resident expert routed this many times less often
     # (routing counts over a few hundred tokens are noisy: with a smaller margin, swaps at uniform routing mostly spend
     # the link on uploads; benchmarks/gpu_full.md, run 25)

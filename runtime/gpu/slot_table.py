@@ -1,9 +1,7 @@
 """Device mirror of the expert cache's slot table, so kernels can map (layer, expert) -> slot without the host.
 
 `DeviceSlotTable.tensor` is int32 [num_layers, num_experts] on the device, -1 = not resident; row `layer` is what the
-device-planned kernel (`nvfp4_decode.py`) reads. `owner` int32 [S] mirrors `ExpertCache.owner` (mode mapped's fills
-check it on the device, `gather.py`); both live in one buffer `flat` and upload together. The host table
-`ExpertCache.slot_of` stays the source of truth;
+device-planned kernel (`nvfp4_decode.py`) reads. The host table `ExpertCache.slot_of` stays the source of truth;
 `ExpertCache.version` counts its changes and `sync()` re-uploads the whole table when the count moved since the last
 upload (a few KiB to a few hundred KiB: 4 * L * E bytes), else does nothing. So:
 
@@ -36,17 +34,14 @@ class DeviceSlotTable:
         self.cache = cache  # an ExpertCache: slot_of int64 [L, E] and version
         self.device = torch.device(device)
         L, E = cache.slot_of.shape
-        # [L * E] table, then [S] owner mirror (flat id layer * E + expert per slot, -1 = empty): one upload for both
-        self.flat = torch.full((L * E + len(cache.owner),), -1, dtype=torch.int32, device=self.device)
-        self.tensor = self.flat[:L * E].view(L, E)
-        self.owner = self.flat[L * E:]
+        self.tensor = torch.full((L, E), -1, dtype=torch.int32, device=self.device)
         self.version = -1  # (cache version, hidden changes) uploaded last; -1 = never
         self.hidden = np.zeros(tuple(cache.slot_of.shape), bool)  # resident on the host, -1 on the device for now
         self._hidden_changes = 0
         self.uploads = 0
         cuda = self.device.type == "cuda"
         n = STAGING if cuda else 1
-        self._staging = [torch.empty(self.flat.shape, dtype=torch.int32, pin_memory=cuda) for _ in range(n)]
+        self._staging = [torch.empty((L, E), dtype=torch.int32, pin_memory=cuda) for _ in range(n)]
         self._copied: list = [None] * n  # event after the last upload from each staging copy
 
     def hide(self, layer: int, experts) -> None:
@@ -75,21 +70,14 @@ class DeviceSlotTable:
             i = self.uploads % len(self._staging)
             if self._copied[i] is not None:
                 self._copied[i].synchronize()  # its previous upload still reads it (done long ago, normally)
-            staged = self._staging[i].numpy()
-            L, E = host.shape
-            np.copyto(staged[:L * E].reshape(L, E), np.where(self.hidden, -1, host), casting="unsafe")
-            np.copyto(staged[L * E:], self.cache.owner, casting="unsafe")
-            self.flat.copy_(self._staging[i], non_blocking=self.device.type == "cuda")
+            np.copyto(self._staging[i].numpy(), np.where(self.hidden, -1, host), casting="unsafe")
+            self.tensor.copy_(self._staging[i], non_blocking=self.device.type == "cuda")
             if self.device.type == "cuda":
                 self._copied[i] = torch.cuda.Event()
                 self._copied[i].record()
             self.version = (self.cache.version, self._hidden_changes)
             self.uploads += 1
         return self.tensor
-
-    def mark_synced(self) -> None:
-        """The host table changed only to mirror what the device already did (mode mapped's fills): no upload."""
-        self.version = (self.cache.version, self._hidden_changes)
 
     def row(self, layer: int) -> torch.Tensor:
         """int32 [E] view of one layer's expert -> slot map (synced first)."""

@@ -58,9 +58,9 @@ def _close(a, b):
         assert (x - y).abs().max() <= 2e-2 * y.abs().max() + 1e-3
 
 
-@pytest.mark.parametrize("mode,fill", [("resident", False), ("mapped", False), ("mapped", True)])
-def test_static_decode_matches_eager(ftw, mode, fill):
-    opts = OffloadConfig(mode=mode, num_slots=None if mode == "resident" else 3, prefetch=False, fill=fill)
+@pytest.mark.parametrize("mode", ["resident", "mapped"])
+def test_static_decode_matches_eager(ftw, mode):
+    opts = OffloadConfig(mode=mode, num_slots=None if mode == "resident" else 3, prefetch=False)
     eager, ex0 = _model(ftw, opts)
     want_toks, want = _decode(eager, 10)
     model, ex = _model(ftw, opts, graphs=True, capture=False)
@@ -73,11 +73,8 @@ def test_static_decode_matches_eager(ftw, mode, fill):
     s, s0 = ex.stats(), (ex0.settle(), ex0.stats())[1]
     assert s["calls"] == s0["calls"] and s["tokens"] == s0["tokens"]  # every MoE call of every step is counted
     if mode == "mapped":  # routing read back after the steps: hits, misses, admits, the trace
-        assert s["hits"] + s["misses"] > 0 and s["bytes_mapped"] > 0 and s["filled" if fill else "fetched"] > 0
+        assert s["hits"] + s["misses"] > 0 and s["bytes_mapped"] > 0 and s["fetched"] > 0
         assert s["hits"] + s["misses"] == sum(len(np.unique(u)) for _, u in ex.trace)
-        t = ex.cache.device_table(ex.device)  # the host mirrored every fill the device made
-        assert not fill or (np.array_equal(t.tensor.numpy(), ex.cache.slot_of)
-                            and np.array_equal(t.owner.numpy(), ex.cache.owner))
     for e in (ex, ex0):
         e.close()
 
@@ -171,10 +168,9 @@ def test_quantized_dense_linears_decode_statically(ftw):
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("mode,keep_quantized,fill", [("resident", False, False), ("mapped", False, False),
-                                                      ("mapped", True, False), ("mapped", False, True)])
-def test_cuda_graph_decode_matches_eager(ftw, mode, keep_quantized, fill):
-    opts = OffloadConfig(mode=mode, num_slots=None if mode == "resident" else 3, prefetch=False, fill=fill)
+@pytest.mark.parametrize("mode,keep_quantized", [("resident", False), ("mapped", False), ("mapped", True)])
+def test_cuda_graph_decode_matches_eager(ftw, mode, keep_quantized):
+    opts = OffloadConfig(mode=mode, num_slots=None if mode == "resident" else 3, prefetch=False)
     eager, ex0 = _model(ftw, opts, device="cuda", keep_quantized=keep_quantized)
     ex0.wait_pinned()
     want_toks, want = _decode(eager, 16)
