@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 from typing import Optional
 
 import typer
@@ -19,7 +18,8 @@ def register(app: typer.Typer) -> None:
 
 @engine_flags(exit_code=1)
 def generate_command(
-    ftw: Path = typer.Option(..., "--ftw", help="FTW model directory."),
+    ftw: str = typer.Option(..., "--ftw", help="FTW model directory, or a Hugging Face repo id (org/name) one was "
+                            "pushed to (pulled into the Hub cache)."),
     prompt: Optional[str] = typer.Option(None, "--prompt", help="Raw text prompt (tokenized as is)."),
     chat: Optional[str] = typer.Option(None, "--chat", help="A user message, wrapped in the model's chat template."),
     token_ids: Optional[str] = typer.Option(None, "--token-ids", help="Comma-separated prompt token ids: 1,2,3."),
@@ -41,11 +41,12 @@ def generate_command(
         _fail("give exactly one of --prompt, --chat or --token-ids")
 
     from ft.formats import FtwError, FtwReader
+    from ft.formats.hub import resolve_ftw
     from ft.runtime.engine import ContextOverflowError, Engine, generate
     from ft.runtime.sampling import params_from_generation_config
 
     try:
-        reader = FtwReader(ftw)
+        reader = FtwReader(resolve_ftw(ftw))
         if verify:
             problems = reader.verify()
             if problems:

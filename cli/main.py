@@ -21,6 +21,7 @@ COMMAND_MODULES = [
     "ft.cli.ctl_cmd",
     "ft.cli.launch_cmd",
     "ft.cli.synth_cmd",
+    "ft.cli.bundle_cmd",
 ]
 
 app = typer.Typer(

@@ -17,7 +17,9 @@ def register(app: typer.Typer) -> None:
 
 @engine_flags(exit_code=2)
 def serve(
-    ftw: Path = typer.Option(..., "--ftw", help="FTW directory written by `ft checkpoint`."),
+    ftw: str = typer.Option(..., "--ftw", help="FTW directory written by `ft checkpoint`, or a Hugging Face repo id "
+                            "(org/name) one was pushed to (`ft bundle push`; pulled into the Hub cache)."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="Branch, tag or commit of a repo id --ftw."),
     host: str = typer.Option("127.0.0.1", "--host", help="Bind address. The default serves this machine only; "
                              "0.0.0.0 exposes the server to the network (set --api-key)."),
     port: int = typer.Option(1919, "--port", help="TCP port."),
@@ -41,10 +43,18 @@ def serve(
 
     from ft.runtime.server.state import ServeSettings
 
+    from ft.formats import FtwError
+    from ft.formats.hub import HubError, resolve_ftw
+
     err = Console(stderr=True, soft_wrap=True)
-    if not ftw.is_dir():
-        err.print(f"[red]error[/red]: --ftw {ftw} is not a directory (expected an FTW written by `ft checkpoint`)")
+    try:
+        local = resolve_ftw(ftw, revision=revision)
+    except (HubError, FtwError) as e:
+        err.print(f"[red]error[/red]: --ftw {e}")
         raise typer.Exit(2)
+    if local != Path(ftw) and served_model_name is None:
+        served_model_name = ftw.split("/")[-1]  # the repo's name, not the cache's snapshot hash
+    ftw = local
     if log_level not in ("debug", "info", "warning", "error"):
         err.print(f"[red]error[/red]: --log-level {log_level!r}; use debug, info, warning or error")
         raise typer.Exit(2)

@@ -69,7 +69,7 @@ def test_serve_flag_validation():
     result = runner.invoke(app, ["serve", "--ftw", ".", "--memory-ratio", "0"])
     assert result.exit_code == 2 and "--memory-ratio must be in (0, 1]" in result.output
     result = runner.invoke(app, ["serve", "--ftw", "/no/such/dir"])
-    assert result.exit_code == 2 and "not a directory" in result.output
+    assert result.exit_code == 2 and "no such directory, and not a Hugging Face repo id" in result.output
     help_text = runner.invoke(app, ["serve", "--help"], env={"COLUMNS": "200"}).output
     for flag in ("--kv-reserve-tokens", "--max-prefill-length", "--max-output-tokens", "--max-running-requests",
                  "--memory-ratio", "--served-model-name", "--api-key", "127.0.0.1", "1919"):
