@@ -9,14 +9,17 @@ Every file of the FTW directory (regular files only, relative POSIX paths, sorte
 `chunk_size` plain bytes, each compressed on its own with zstandard, so that chunks compress and decompress on all
 cores and an interrupted unpack resumes chunk by chunk. The manifest lists per file its size, kind (dense, experts,
 kernels, plans, meta) and sha256 (over its chunks' digests: `file_digest`), and per chunk its compressed offset and
-size, plain size and sha256, so every hash is computed on all cores.
+size, plain size, the sha256 of its compressed bytes (checked before they are decompressed; every hash runs on all
+cores) and the xxh3-64 of its plain bytes (a resumed unpack keeps what it already wrote); zstd frames carry their own
+content checksum.
 Chunks are stored in manifest order, back to back from offset 0 up to the manifest: a gap, an overlap or a reordering
 is refused. A signature is ed25519 over the manifest bytes (`trust.py`); the sha256 inside make it cover every byte.
 
 Unpack validates the whole manifest before it writes anything (paths stay inside the target: no absolute path, no
 `..`, no duplicate, nothing through a symlink; sizes add up; the disk has room), writes each file as `PATH.part`
 (O_NOFOLLOW; O_DIRECT where sizes allow), decompresses each chunk to exactly its declared size (a bomb is refused
-from its frame header), checks its sha256, then fsyncs and renames. Existing `.part` chunks that already match are kept.
+from its frame header) after checking its sha256, then fsyncs and renames. Existing `.part` chunks that already
+match are kept.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import struct
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import xxhash
 import zstandard
 
 from .bundle_safety import VERSION, BundleError, check_manifest, file_digest, prepare_dest, source_files
@@ -55,9 +59,9 @@ def pack(src: Path, out: Path, *, level: int = 3, threads: int | None = None, ch
             path, chunks = src / rel, []
             with open(path, "rb") as g:
                 pieces = iter(lambda: g.read(chunk_size), b"")
-                for n, digest, packed in _ordered(pool, lambda b: _compress(b, level), pieces, threads):
+                for n, digest, plain_xxh3, packed in _ordered(pool, lambda b: _compress(b, level), pieces, threads):
                     f.write(packed)
-                    chunks.append([offset, len(packed), n, digest])
+                    chunks.append([offset, len(packed), n, digest, plain_xxh3])
                     offset += len(packed)
                     if progress:
                         progress(n)
@@ -167,13 +171,13 @@ def _open_read(path: Path) -> int:
     return fd if fd is not None else os.open(path, os.O_RDONLY)
 
 
-def _pread(fd: int, n: int, offset: int) -> bytes:
-    """n bytes at offset, through a page-aligned buffer covering the aligned range (O_DIRECT needs both aligned)."""
+def _pread(fd: int, n: int, offset: int) -> memoryview:
+    """n bytes at offset, read into a page-aligned buffer covering the aligned range (O_DIRECT needs both aligned);
+    a view of it, no copy (the buffer lives as long as the view)."""
     start = offset - offset % ALIGN
-    span = -(-(offset + n - start) // ALIGN) * ALIGN
-    with mmap.mmap(-1, span) as buf:
-        got = os.preadv(fd, [buf], start)
-        return bytes(buf[offset - start:min(got, offset - start + n)])
+    buf = mmap.mmap(-1, -(-(offset + n - start) // ALIGN) * ALIGN)
+    got = os.preadv(fd, [buf], start)
+    return memoryview(buf)[offset - start:min(got, offset - start + n)]
 
 
 def verify(bundle: Path, *, threads: int | None = None, progress=None) -> dict:
@@ -205,14 +209,16 @@ def sizes_by_kind(manifest: dict) -> dict[str, dict[str, int]]:
 def _restore(job) -> tuple[bytes, bool]:
     """One chunk -> (plain bytes, whether they must be written): reused from `out` when the `.part` file already
     holds them (resume), else read and decompressed to exactly their declared size and checked."""
-    fd, out, (offset, csize, usize, digest), pos, have = job
+    fd, out, (offset, csize, usize, digest, plain_xxh3), pos, have = job
     if out is not None and pos + usize <= have:
         old = os.pread(out, usize, pos)
-        if hashlib.sha256(old).hexdigest() == digest:
+        if xxhash.xxh3_64_hexdigest(old) == plain_xxh3:  # written by an earlier run of this unpack
             return old, False
     packed = _pread(fd, csize, offset)
     if len(packed) != csize:
         raise BundleError(f"chunk at {offset}: {len(packed)} of {csize} bytes (truncated bundle)")
+    if hashlib.sha256(packed).hexdigest() != digest:  # before decompressing: only the signer's bytes go further
+        raise BundleError(f"chunk at {offset} does not match its sha256 in the manifest")
     try:
         inside = zstandard.frame_content_size(packed)
         if inside not in (-1, usize):  # checked before any allocation: a bomb declares its real size here
@@ -221,13 +227,14 @@ def _restore(job) -> tuple[bytes, bool]:
         plain = zstandard.ZstdDecompressor().decompress(packed, max_output_size=usize)
     except zstandard.ZstdError as e:
         raise BundleError(f"chunk at {offset} does not decompress to its declared {usize} bytes ({e})") from None
-    if len(plain) != usize or hashlib.sha256(plain).hexdigest() != digest:
-        raise BundleError(f"chunk at {offset} does not match its size or sha256 in the manifest")
+    if len(plain) != usize:
+        raise BundleError(f"chunk at {offset} decompresses to {len(plain)} bytes, not its declared {usize}")
     return plain, True
 
 
-def _compress(plain: bytes, level: int) -> tuple[int, str, bytes]:
-    return len(plain), hashlib.sha256(plain).hexdigest(), zstandard.ZstdCompressor(level).compress(plain)
+def _compress(plain: bytes, level: int) -> tuple[int, str, str, bytes]:
+    packed = zstandard.ZstdCompressor(level, write_checksum=True).compress(plain)
+    return len(plain), hashlib.sha256(packed).hexdigest(), xxhash.xxh3_64_hexdigest(plain), packed
 
 
 def _ordered(pool, fn, items, threads: int):

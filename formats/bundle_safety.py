@@ -60,16 +60,16 @@ def check_manifest(m, end: int, where: str) -> None:
             raise BundleError(f"{where}: {path}: malformed kind or sha256")
         total = 0
         for c in e["chunks"]:
-            if (not isinstance(c, list) or len(c) != 4 or not all(isinstance(v, int) and v >= 0 for v in c[:3])
-                    or not isinstance(c[3], str)):
+            if (not isinstance(c, list) or len(c) != 5 or not all(isinstance(v, int) and v >= 0 for v in c[:3])
+                    or not all(isinstance(v, str) for v in c[3:])):
                 raise BundleError(f"{where}: {path}: a malformed chunk entry")
             if c[0] != offset:
                 raise BundleError(f"{where}: {path}: chunks are not stored back to back in order (reordered or "
                                   f"truncated bundle)")
             if not 0 < c[2] <= size or c[1] == 0:
                 raise BundleError(f"{where}: {path}: a chunk declares {c[2]} plain bytes (chunk_size {size})")
-            if len(c[3]) != 64:
-                raise BundleError(f"{where}: {path}: a chunk's sha256 is malformed")
+            if len(c[3]) != 64 or len(c[4]) != 16:
+                raise BundleError(f"{where}: {path}: a chunk's sha256 or xxh3 is malformed")
             offset += c[1]
             total += c[2]
         if e["sha256"] != file_digest(e["chunks"]):

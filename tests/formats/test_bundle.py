@@ -3,6 +3,7 @@ unpack resumes; every hostile bundle is refused with its own error before anythi
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -143,12 +144,13 @@ def test_a_decompression_bomb_stops_at_its_declared_size(packed, tmp_path, frame
     header before anything is allocated, or when the output passes the manifest's size."""
     bomb = zstandard.ZstdCompressor(write_content_size=frame_size).compress(b"\0" * (8 << 20))
 
-    def edit(m):  # the manifest keeps a small declared size for a chunk that inflates far beyond it
+    def edit(m):  # a consistent manifest (its hashes are the bomb's) with a small declared size per chunk
         offset = 0
         for e in m["files"]:
             for c in e["chunks"]:
-                c[0], c[1] = offset, len(bomb)
+                c[0], c[1], c[3] = offset, len(bomb), hashlib.sha256(bomb).hexdigest()
                 offset += len(bomb)
+            e["sha256"] = file_digest(e["chunks"])
     manifest, _, _ = bundle.read_manifest(packed)
     n = sum(len(e["chunks"]) for e in manifest["files"])
     evil = _rewrite(packed, tmp_path / "bomb.ftb", edit, chunks=bomb * n)
