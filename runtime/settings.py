@@ -48,6 +48,10 @@ class EngineSettings:
                                      "Finished requests whose state is kept, so that a later prompt starting with "
                                      "the same tokens prefills only the rest (agents resend the conversation every "
                                      "turn); kept states give way to running requests. 0 = off.")
+    prefix_cache_dir: str | None = _opt(None, "--prefix-cache-dir",
+                                        "Keep the prefix cache's states here across restarts: written at shutdown, "
+                                        "loaded at start (this model's only), so agents' conversations resume "
+                                        "without prefilling them again.", cli_type=str)
     memory_ratio: float = _opt(0.9, "--memory-ratio",
                                "CUDA only: share of free GPU memory for weights + expert cache + KV when "
                                "--vram-budget is not given, in (0, 1].")

@@ -115,3 +115,29 @@ def test_a_conversation_keeps_its_earlier_snapshots(ftw_for):
     third = FIRST[:20] + [4, 5, 6]
     got, hit = _turn(eng, third, "t3")
     assert hit == 16 and got == _turn(plain, third, "t3")[0] and _same(eng, plain)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_kept_states_survive_a_restart(ftw_for, arch, tmp_path, caplog):
+    """--prefix-cache-dir: the states kept at shutdown are loaded by the next engine on the same model, which then
+    resumes the conversation (same logprobs as without any cache); files of another model, or damaged ones, are
+    skipped with a log line."""
+    ftw = ftw_for(arch, "none")
+    first_run = _engine(ftw, 4, prefix_cache_dir=str(tmp_path))
+    first, _ = _turn(first_run, FIRST, "t1")
+    first_run.close()
+    saved = list(tmp_path.glob("prefix-*.safetensors"))
+    assert len(saved) == 1
+    (tmp_path / "prefix-damaged.safetensors").write_bytes(b"\0" * 64)
+    second_run, plain = _engine(ftw, 4, prefix_cache_dir=str(tmp_path)), _engine(ftw, 0)
+    assert second_run.stats()["prefix_cache"]["entries"] == 1 and "prefix-damaged" in caplog.text
+    second = FIRST + first + [17, 23, 29, 31]
+    got, hit = _turn(second_run, second, "t2")
+    assert hit >= len(FIRST) + len(first) - 1
+    assert got == _turn(plain, second, "t2")[0] and _same(second_run, plain)
+    second_run.close()
+    other = ftw_for("qwen3_5_moe" if arch == "qwen3_moe" else "qwen3_moe", "none")
+    third_run = _engine(other, 4, prefix_cache_dir=str(tmp_path))  # another model: nothing of it is loaded ...
+    assert third_run.stats()["prefix_cache"]["entries"] == 0 and "another model" in caplog.text
+    assert len(list(tmp_path.glob("prefix-*.safetensors"))) == 1  # ... and the first model's state stays
+    assert not (tmp_path / "prefix-damaged.safetensors").exists()

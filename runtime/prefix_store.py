@@ -1,0 +1,133 @@
+"""The prefix cache on disk (`--prefix-cache-dir`): a restarted server resumes its agents' conversations without
+prefilling them again.
+
+    save(cache, directory, model_key)         # at shutdown: each kept state as one safetensors file
+    load(cache, directory, model_key, new_state)   # at start: the newest ones that fit the KV budget, kept again
+
+One file per kept state, `prefix-<sha256 of its tokens>.safetensors` (written to a temporary name, fsynced, renamed):
+`tokens` int64 [n]; per full-attention layer i, `kv.i.k` / `kv.i.v` [n, kv heads, head dim] (its first n rows);
+per linear-attention layer, `conv.i` / `rec.i` (the state at n) and `snap.L.conv.i` / `snap.L.rec.i` for each
+snapshot length L. Metadata: `model` (the FTW's manifest hash, the compute dtype: states of another model or dtype
+are never loaded), `format` ("ft-prefix-1"). safetensors holds tensors and strings only (no code runs on load); a
+file that is malformed or too large for the budget is skipped, named in the log and removed; another model's files
+are skipped and left for it. Loaded files are removed (what the server keeps is written again at its next
+shutdown), so the directory holds each model's states of its last shutdown.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+log = logging.getLogger("ft.prefix")
+FORMAT = "ft-prefix-1"
+
+
+def model_key(ftw_path: Path, dtype: torch.dtype) -> str:
+    """The FTW's index (header + manifest: every tensor's checksum) hashed, with the dtype states are kept in."""
+    return hashlib.sha256((Path(ftw_path) / "model.ftw").read_bytes()).hexdigest()[:32] + f"-{dtype}".replace(
+        "torch.", "")
+
+
+def save(cache, directory: Path, key: str) -> int:
+    """Write every kept state of `cache` (a PrefixCache) to `directory` (its previous files replaced); returns the
+    number written."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for old in directory.glob("prefix-*.safetensors"):  # this model's earlier states (others' stay)
+        if _model_of(old) == key:
+            old.unlink()
+    written = 0
+    for e in cache.entries:
+        st, n = e.state, len(e.tokens)
+        tensors = {"tokens": torch.from_numpy(e.tokens.astype(np.int64))}
+        for i, (k, v) in st.kv.items():
+            tensors[f"kv.{i}.k"], tensors[f"kv.{i}.v"] = k[:n].cpu(), v[:n].cpu()
+        for name, states in (("conv", st.conv), ("rec", st.recurrent)):
+            for i, t in states.items():
+                tensors[f"{name}.{i}"] = t.cpu()
+        for length, (conv, rec) in e.snapshots.items():
+            for name, states in (("conv", conv), ("rec", rec)):
+                for i, t in states.items():
+                    tensors[f"snap.{length}.{name}.{i}"] = t.cpu()
+        digest = hashlib.sha256(e.tokens.astype(np.int64).tobytes()).hexdigest()[:32]
+        final = directory / f"prefix-{digest}.safetensors"
+        tmp = final.with_name(final.name + ".tmp")
+        save_file({k: t.contiguous() for k, t in tensors.items()}, str(tmp), metadata={"model": key, "format": FORMAT})
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        written += 1
+    return written
+
+
+def load(cache, directory: Path, key: str, new_state) -> int:
+    """Keep again the states saved in `directory` for this model (newest first, while the cache takes them);
+    `new_state(num_tokens)` makes an empty SequenceState. Returns the number loaded."""
+    directory = Path(directory)
+    files = sorted(directory.glob("prefix-*.safetensors"), key=lambda p: p.stat().st_mtime, reverse=True)
+    loaded = 0
+    for path in files:
+        try:
+            entry = _read(path, key, new_state)
+        except _OtherModel as e:  # left for the model it belongs to
+            log.warning("prefix cache: skipped %s (%s)", path.name, e)
+            continue
+        except (SafetensorError, OSError, ValueError, KeyError, RuntimeError) as e:
+            log.warning("prefix cache: skipped %s (%s)", path.name, e)
+            entry = None
+        path.unlink(missing_ok=True)
+        if entry is not None and cache.put(*entry):
+            loaded += 1
+    return loaded
+
+
+class _OtherModel(ValueError):
+    pass
+
+
+def _model_of(path: Path) -> str | None:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except (SafetensorError, OSError):
+        return None
+    return meta.get("model") if meta.get("format") == FORMAT else None
+
+
+def _read(path: Path, key: str, new_state):
+    owner = _model_of(path)
+    if owner is None:
+        raise ValueError("not a readable prefix-cache file")
+    if owner != key:
+        raise _OtherModel("saved by another model or dtype")
+    t = load_file(str(path))
+    tokens = t.pop("tokens").tolist()
+    n = len(tokens)
+    state = new_state(n)
+    snapshots: dict[int, tuple[dict, dict]] = {}
+    for name, value in t.items():
+        parts = name.split(".")
+        if parts[0] == "kv":
+            i = int(parts[1])
+            state.kv[i][0 if parts[2] == "k" else 1][:n].copy_(value)
+        elif parts[0] in ("conv", "rec"):
+            (state.conv if parts[0] == "conv" else state.recurrent)[int(parts[1])].copy_(value)
+        elif parts[0] == "snap":
+            conv, rec = snapshots.setdefault(int(parts[1]), ({}, {}))
+            (conv if parts[2] == "conv" else rec)[int(parts[3])] = value
+        else:
+            raise ValueError(f"unexpected tensor {name}")
+    if set(state.kv) | set(state.conv) != {int(k.split(".")[1]) for k in t if not k.startswith("snap.")}:
+        raise ValueError("its layers are not this model's")
+    state.length = n
+    return tokens, state, snapshots
