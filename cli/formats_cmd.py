@@ -36,6 +36,7 @@ def verify(path: Path = typer.Argument(..., help="FTW directory")) -> None:
         console.print(f"[red]FAIL[/red] {escape(str(f))}")
     if failures:
         raise typer.Exit(1)
+    r.write_stamp()  # a later open of the unchanged files skips the lazy checksums (FtwReader.verified)
     console.print(f"[green]OK[/green] {path}: {len(r.tensor_names())} tensors, {len(r.bank_names())} expert banks, "
                   f"{total_bytes(r) / 2**20:.1f} MiB checked")
 

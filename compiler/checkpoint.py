@@ -176,3 +176,4 @@ def _verify(tmp: Path, out_dir: Path, mode: str, progress: bool) -> None:
     if failures:
         raise CheckpointError(f"{out_dir}: verification failed after writing ({len(failures)} problems; first: "
                               f"{failures[0]}); nothing was kept")
+    r.write_stamp()  # every digest came from the bytes written: a serving start need not hash them again

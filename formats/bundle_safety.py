@@ -36,7 +36,7 @@ def source_files(src: Path) -> list[str]:
                 continue
             if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
                 raise BundleError(f"{rel}: only regular files are packed, not links or special files")
-            if not name.endswith((".part", ".tmp")):  # a writer's leftovers are not part of the FTW
+            if not name.endswith((".part", ".tmp")) and name != ".ft-verified":  # not part of the FTW
                 files.append(rel)
     return sorted(files)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import mmap
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -131,6 +132,16 @@ class ExpertBankView:
                                flat.storage_offset() + c.offset // item)
 
 
+STAMP_NAME = ".ft-verified"  # not part of the FTW: a note of this machine (inodes, mtimes), never packed
+
+
+def read_stamp(path: Path) -> dict | None:
+    try:
+        return json.loads((Path(path) / STAMP_NAME).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def _stamp(p: Path) -> tuple[int, int, int] | None:
     try:
         st = p.stat()
@@ -159,15 +170,34 @@ class FtwReader:
         self.index_path = self.path / INDEX_NAME
         self.manifest_obj = read_index(self.path)
         self._m: Manifest = parse_manifest(self.manifest_obj, str(self.index_path))
-        self._lazy = checksums == "lazy"
         self._checked_tensors: set[str] = set()
         self._checked_experts: set[tuple[str, int]] = set()
         for f in self._m.files:
             self._check_size(self.path / f.name, f.nbytes)
         self._stamps = {f.name: _stamp(self.path / f.name) for f in self._m.files}  # what `changed` compares to
+        # every byte already checked (`ft verify`, or the compiler that wrote them) and not changed since: no lazy
+        # checksums (a serving start then reads no byte it does not use)
+        self.verified = read_stamp(self.path) == self._stamp_record()
+        self._lazy = checksums == "lazy" and not self.verified
         for a in (*self._m.assets.values(), *self._m.slots["plans"], *self._m.slots["kernels"]):
             self._check_size(self.path / a.name, a.nbytes)
         self._maps: dict[int, torch.Tensor] = {}
+
+    def _stamp_record(self) -> dict:
+        files = {INDEX_NAME: _stamp(self.index_path), **self._stamps}
+        return {"format": "ft-verified-1", "files": {k: list(v) if v else None for k, v in files.items()}}
+
+    def write_stamp(self) -> bool:
+        """Record that every byte of these files was checked (call after a full pass without failures, or after
+        writing them); False where the directory is not writable (then nothing changes)."""
+        try:
+            tmp = self.path / (STAMP_NAME + ".tmp")
+            tmp.write_text(json.dumps(self._stamp_record()))
+            os.replace(tmp, self.path / STAMP_NAME)
+        except OSError:
+            return False
+        self.verified = True
+        return True
 
     def changed(self) -> str | None:
         """None while every data file is the one opened (same inode, size and modification time); else what changed.

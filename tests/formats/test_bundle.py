@@ -33,7 +33,8 @@ def packed(ftw, tmp_path) -> Path:
 
 
 def _files(d: Path) -> dict[str, bytes]:
-    return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+    return {p.relative_to(d).as_posix(): p.read_bytes() for p in sorted(d.rglob("*"))
+            if p.is_file() and p.name != ".ft-verified"}  # a machine-local note, not part of the FTW
 
 
 def _rewrite(src: Path, dst: Path, edit=None, *, chunks: bytes | None = None, sig: bytes = b"") -> Path:
