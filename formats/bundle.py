@@ -96,8 +96,8 @@ def read_manifest(bundle: Path) -> tuple[dict, bytes, dict | None]:
     try:
         manifest = json.loads(body)
         signature = json.loads(sig) if sig else None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise BundleError(f"{bundle}: the manifest is not valid JSON ({e})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:  # RecursionError: absurd nesting
+        raise BundleError(f"{bundle}: the manifest is not valid JSON ({type(e).__name__})") from None
     check_manifest(manifest, m_off, str(bundle))
     return manifest, body, signature
 

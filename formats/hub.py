@@ -73,5 +73,5 @@ def push(src: Path, repo_id: str, *, revision: str | None = None, private: bool 
         api.create_branch(repo_id, branch=revision, exist_ok=True)
     info = api.upload_folder(folder_path=str(src), repo_id=repo_id, revision=revision,
                              commit_message=f"ft bundle push {Path(src).name}",
-                             ignore_patterns=["*.part", "*.tmp"])
+                             ignore_patterns=["*.part", "*.tmp", ".ft-verified"])
     return str(info)

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import zstandard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from ft.formats import bundle, trust
 from ft.formats.bundle import TRAILER, BundleError
@@ -224,3 +226,41 @@ def test_unpack_writes_no_temporary_files_outside_its_target(packed, tmp_path):
     bundle.unpack(packed, tmp_path / "out")
     assert set(os.listdir(tmp_path)) - before == {"out"}
     assert not [p for p in (tmp_path / "out").rglob("*.part")]
+
+
+_leaf = st.none() | st.booleans() | st.integers(-2, 2**40) | st.floats(allow_nan=True) | st.text(max_size=8)
+_json = st.recursive(_leaf, lambda inner: st.lists(inner, max_size=4)
+                     | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=20)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(edit=st.sampled_from(["top", "file", "chunk"]), value=_json, raw=st.binary(max_size=64))
+def test_any_manifest_is_refused_with_a_bundle_error_or_read(packed, tmp_path, edit, value, raw):
+    """Arbitrary JSON (or bytes) in place of the manifest, a file entry or a chunk entry: read_manifest either accepts
+    it or raises BundleError, never anything else."""
+    manifest, body, _ = bundle.read_manifest(packed)
+    data = packed.read_bytes()[:TRAILER.unpack(packed.read_bytes()[-TRAILER.size:])[0]]
+    if edit == "top":
+        new = json.dumps(value).encode() if value is not None else raw
+    else:
+        m = json.loads(body)
+        if edit == "file":
+            m["files"][0] = value
+        else:
+            m["files"][0]["chunks"][0] = value
+        new = json.dumps(m).encode()
+    path = tmp_path / "fuzz.ftb"
+    path.write_bytes(data + new + TRAILER.pack(len(data), len(new), 0, bundle.VERSION, 0, bundle.MAGIC))
+    try:
+        bundle.read_manifest(path)
+    except BundleError:
+        pass
+
+
+def test_absurdly_nested_json_is_a_bundle_error(packed, tmp_path):
+    data = packed.read_bytes()[:TRAILER.unpack(packed.read_bytes()[-TRAILER.size:])[0]]
+    new = b"[" * 100_000 + b"]" * 100_000
+    (tmp_path / "deep.ftb").write_bytes(data + new + TRAILER.pack(len(data), len(new), 0, bundle.VERSION, 0,
+                                                                    bundle.MAGIC))
+    with pytest.raises(BundleError, match="not valid JSON"):
+        bundle.read_manifest(tmp_path / "deep.ftb")
