@@ -29,6 +29,7 @@ import json
 import mmap
 import os
 import struct
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -66,7 +67,7 @@ def pack(src: Path, out: Path, *, level: int = 3, threads: int | None = None, ch
                     if progress:
                         progress(n)
             entries.append({"path": rel, "size": path.stat().st_size, "sha256": file_digest(chunks),
-                            "kind": kinds.get(rel, "meta"), "chunks": chunks})
+                            "kind": kinds[rel], "chunks": chunks})
         manifest = {"format": "ft-bundle", "version": VERSION, "chunk_size": chunk_size, "files": entries}
         body = json.dumps(manifest, separators=(",", ":"), sort_keys=True).encode()
         sig = json.dumps(signer.sign(body)).encode() if signer is not None else b""
@@ -125,8 +126,8 @@ def unpack(bundle: Path, dest: Path, *, threads: int | None = None, progress=Non
 
 
 def _unpack_file(pool, threads: int, fd: int, entry: dict, part: Path, buf, progress, where: str) -> None:
-    """Write one file as `part`: chunks decompressed on the pool, written in order (O_DIRECT when the file's size
-    allows it), hashed in order; chunks a previous run already wrote correctly are kept."""
+    """Write one file as `part`: chunks read, checked and decompressed on the pool, written in order (O_DIRECT when
+    the file's size allows it); chunks a previous run already wrote correctly are kept."""
     aligned = entry["size"] % ALIGN == 0 and len(buf) % ALIGN == 0
     flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW
     out = _open_direct(part, flags) if aligned else None
@@ -239,11 +240,11 @@ def _compress(plain: bytes, level: int) -> tuple[int, str, str, bytes]:
 
 def _ordered(pool, fn, items, threads: int):
     """fn over items on the pool, results in order, at most 2 * threads in flight (bounded memory)."""
-    pending = []
+    pending: deque = deque()
     for item in items:
         pending.append(pool.submit(fn, item))
         if len(pending) >= 2 * threads:
-            yield pending.pop(0).result()
+            yield pending.popleft().result()
     for fut in pending:
         yield fut.result()
 

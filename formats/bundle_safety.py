@@ -104,7 +104,8 @@ def prepare_dest(dest: Path, manifest: dict) -> None:
             if p.is_symlink() or (p.is_file() and rel not in ours):
                 raise BundleError(f"{dest} is not empty ({rel}); unpack into a new directory")
     need = sum(e["size"] for e in manifest["files"])
-    free = os.statvfs(dest).f_bavail * os.statvfs(dest).f_frsize
+    fs = os.statvfs(dest)
+    free = fs.f_bavail * fs.f_frsize
     if need > free + sum((dest / e["path"]).stat().st_size for e in manifest["files"] if (dest / e["path"]).exists()):
         raise BundleError(f"{dest}: the bundle needs {need} bytes, the disk has {free} free")
     for e in manifest["files"]:

@@ -114,7 +114,8 @@ class Engine:
         self.prefix = PrefixCache(self.kv, s.prefix_cache_entries) if s.prefix_cache_entries else None
         self._prefix_dir = Path(s.prefix_cache_dir) if s.prefix_cache_dir and self.prefix is not None else None
         if self._prefix_dir is not None:  # a previous run's kept conversations
-            n = prefix_store.load(self.prefix, self._prefix_dir, self._prefix_key(), self.model.new_state)
+            self._prefix_key = prefix_store.model_key(Path(self._reader.path), self.model.dtype)
+            n = prefix_store.load(self.prefix, self._prefix_dir, self._prefix_key, self.model.new_state)
             log.info("prefix cache: %d kept states loaded from %s", n, self._prefix_dir)
         offloaded = plan is not None and plan.num_slots < plan.max_slots
         self.max_prefill_length = s.max_prefill_length or (OFFLOADED_PREFILL_CHUNK if offloaded else PREFILL_CHUNK)
@@ -132,14 +133,11 @@ class Engine:
         """Stop the experts implementation's worker threads (GPU scheduler) and release pinned host memory; with
         --prefix-cache-dir, write the kept states there first."""
         if getattr(self, "_prefix_dir", None) is not None:
-            n = prefix_store.save(self.prefix, self._prefix_dir, self._prefix_key())
+            n = prefix_store.save(self.prefix, self._prefix_dir, self._prefix_key)
             log.info("prefix cache: %d kept states written to %s", n, self._prefix_dir)
             self._prefix_dir = None
         if callable(getattr(self._experts, "close", None)):
             self._experts.close()
-
-    def _prefix_key(self) -> str:
-        return prefix_store.model_key(Path(self._reader.path), self.model.dtype)
 
     def check_storage(self) -> None:
         """Raise OSError if a data file of the FTW was truncated, replaced or removed since the engine opened it:

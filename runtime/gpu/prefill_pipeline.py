@@ -54,6 +54,8 @@ class PrefillPipeline:
         self.lut: torch.Tensor | None = None  # int32 [groups + layers, E + 2] on the device
         self.copied: list = []  # per group: event after its copies (None on the CPU), once issued
         self.expect: int | None = None  # the MoE layer the current schedule calls next
+        self.after: dict[int, int | None] = {}  # scheduled layer -> the next one (None: the schedule's last)
+        self.bank_base: dict[int, int] = {}  # scheduled layer -> address of its bank's first record
         self.routing: deque = deque()  # (event, layer, tokens, page-locked int32 [T * k]) not yet counted
 
     def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -73,8 +75,7 @@ class PrefillPipeline:
             run(self.lut[i])
             ex._prefill_done[i % 2] = ex._record_compute()
             self._issue(i + 2)  # into the buffer this group has just released
-        later = [lay for lay in self.span if lay > layer]
-        self.expect = min(later) if later else None
+        self.expect = self.after[layer]
         self._keep_routing(layer, topk_ids)
         return run.result()
 
@@ -93,6 +94,8 @@ class PrefillPipeline:
                 break
             layers.append(i)
         self.groups, self.span = [], {}
+        self.after = dict(zip(layers, [*layers[1:], None]))
+        self.bank_base = {i: bank_range(ex.banks[i])[0] for i in layers}
         for i in layers:
             missing = np.flatnonzero(cache.slot_of[i] < 0)
             first = len(self.groups)
@@ -130,8 +133,7 @@ class PrefillPipeline:
         done = ex._prefill_done[i % 2]
         if done is not None:
             ex.uploader.after_compute(done)
-        bank = ex.banks[layer]
-        base, stride = bank_range(bank)[0], bank.stride
+        base, stride = self.bank_base[layer], ex.banks[layer].stride
         row = ex.num_slots + (i % 2) * self.G
         starts = np.flatnonzero(np.r_[True, np.diff(experts) != 1])  # runs of consecutive experts: one DMA each
         for s, e in zip(starts.tolist(), np.r_[starts[1:], len(experts)].tolist()):

@@ -129,7 +129,10 @@ class CudaUploader:
 
     def _dma_source(self, record: torch.Tensor) -> torch.Tensor | None:
         """The page-locked bytes of `record` if a registered range holds it, else None."""
-        ptr, n = record.data_ptr(), record.numel()
+        return self._pinned(record.data_ptr(), record.numel())
+
+    def _pinned(self, ptr: int, n: int) -> torch.Tensor | None:
+        """The page-locked bytes [ptr, ptr + n) if a registered range holds them, else None."""
         for a, b, view, _ in self._ranges:
             if a <= ptr and ptr + n <= b:
                 return view[ptr - a:ptr - a + n]
@@ -151,8 +154,7 @@ class CudaUploader:
         n, rest = divmod(nbytes, self.stride)
         if rest or slot < 0 or slot + n > self.pool.shape[0]:
             raise ValueError(f"upload_range: {nbytes} bytes into rows {slot}.. of {self.pool.shape[0]}")
-        src = next((view[ptr - a:ptr - a + nbytes] for a, b, view, _ in self._ranges if a <= ptr and ptr + nbytes <= b),
-                   None)
+        src = self._pinned(ptr, nbytes)
         if src is None:
             raise ValueError("upload_range reads page-locked banks only")
         self._q.join()  # copies still queued go first: the order of uploads into one row holds
