@@ -3,9 +3,10 @@
 One decode call of one MoE layer, P = T * k routed pairs (P <= 64), with no host involvement (CUDA-graph safe):
 
 1. `_plan_kernel` (one program): a pair whose expert has a slot in the device table reads it (a hit); a miss goes to
-   staging row `staging0 + p` (read once, not admitted: admission is the host's, a step later). Out: `pair_slot` [P]
-   (the row the pair's kernel reads) and `pair_copy` [P] (1 = its record must be copied there; the CPU lane may turn
-   a miss into 2 = computed on the CPU, not copied: `cpu_lane.py`).
+   staging row `staging0 + p` (read once, not admitted: admission is the host's, a step later). It writes the call's
+   record (int32 [3, W]: row 0 the expert ids, row 1 `pair_slot`, the row each pair's kernel reads, row 2
+   `pair_copy`, 1 = its record must be copied there; the CPU lane may turn a miss into 2 = computed on the CPU, not
+   copied: `cpu_lane.py`), which is also what the host reads back a step later (`mapped_readback.py`).
 2. `_copy_kernel`, grid (P, chunks): copies the records of the pairs with `pair_copy` 1, 32 KiB per program in 4 KiB
    loads, so enough independent reads are in flight to fill the link (run M: 50.2 GB/s against 54 for copy-engine
    H2D; the GEMV kernel reading records in place reached 30).
@@ -27,14 +28,15 @@ COPY_CHUNK, COPY_BLOCK = 4096, 512  # 8-byte words per program (32 KiB) and per 
 
 
 @triton.jit
-def _plan_kernel(ids, table, pair_slot, pair_copy, layer, E, P, staging0, BLOCK_P: tl.constexpr):
+def _plan_kernel(ids, table, entry, layer, E, P, W, staging0, BLOCK_P: tl.constexpr):
     rp = tl.arange(0, BLOCK_P)
     valid = rp < P
     row = table + layer * E  # no .to() on scalar arguments: Triton turns an argument equal to 1 into a constant
     e = tl.load(ids + rp, mask=valid, other=0).to(tl.int64)
     s = tl.load(row + e, mask=valid, other=-1)
-    tl.store(pair_slot + rp, tl.where(s >= 0, s, staging0 + rp), mask=valid)
-    tl.store(pair_copy + rp, (s < 0).to(tl.int32), mask=valid)
+    tl.store(entry + rp, e.to(tl.int32), mask=valid)
+    tl.store(entry + W + rp, tl.where(s >= 0, s, staging0 + rp), mask=valid)
+    tl.store(entry + 2 * W + rp, (s < 0).to(tl.int32), mask=valid)
 
 
 @triton.jit
@@ -65,9 +67,10 @@ def _check(pool, layout, topk_ids, host_base, host_stride, staging0) -> int:
 
 
 def gather_missing(pool: torch.Tensor, layout: RecordLayout, topk_ids: torch.Tensor, table: torch.Tensor, layer: int,
-                   host_base: int, host_stride: int, staging0: int, *,
-                   between=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plan and copy one call's misses (module docstring) -> (pair_slot, pair_copy), int32 [P] each.
+                   host_base: int, host_stride: int, staging0: int, *, between=None,
+                   entry: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plan and copy one call's misses (module docstring) -> (pair_slot, pair_copy), int32 [P] each: rows 1 and 2 of
+    the call's record `entry` (int32 [3, W >= P] on the device, made if not given; row 0 gets the expert ids).
 
     pool u8 [rows, stride]; topk_ids [T, k]; table int32 [L, E]; host_base: the device address of this layer's mapped
     bank (expert e at host_base + e * host_stride). Rows staging0 .. staging0 + P - 1 must be free for this call's
@@ -75,11 +78,13 @@ def gather_missing(pool: torch.Tensor, layout: RecordLayout, topk_ids: torch.Ten
     which takes misses off the copy list). host_base 0: the bank is not mapped, nothing is copied, and `between` must
     take every miss."""
     words = _check(pool, layout, topk_ids, host_base, host_stride, staging0)
-    P, dev = topk_ids.numel(), pool.device
+    P = topk_ids.numel()
     ids = topk_ids.reshape(-1).contiguous()
-    pair_slot = torch.empty(P, dtype=torch.int32, device=dev)
-    pair_copy = torch.empty(P, dtype=torch.int32, device=dev)
-    _plan_kernel[(1,)](ids, table, pair_slot, pair_copy, layer, table.shape[1], P, staging0, BLOCK_P=64, num_warps=1)
+    if entry is None:
+        entry = torch.empty(3, P, dtype=torch.int32, device=pool.device)
+    pair_slot, pair_copy = entry[1, :P], entry[2, :P]
+    _plan_kernel[(1,)](ids, table, entry, layer, table.shape[1], P, entry.stride(0), staging0, BLOCK_P=64,
+                       num_warps=1)
     if between is not None:
         between(pair_slot, pair_copy)
     if host_base == 0:  # no mapping: `between` took every staged miss (the CPU lane's lane-only layers)
@@ -92,7 +97,7 @@ def gather_missing(pool: torch.Tensor, layout: RecordLayout, topk_ids: torch.Ten
 
 def plan_reference(topk_ids: torch.Tensor, table: torch.Tensor, layer: int,
                    staging0: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step 1 of the module docstring in PyTorch."""
+    """Step 1 of the module docstring in PyTorch -> (pair_slot, pair_copy)."""
     ids = topk_ids.reshape(-1).long()
     slot = table[layer].long()[ids]
     staged = staging0 + torch.arange(ids.numel())

@@ -8,8 +8,9 @@ the (idle in decode) prefill buffers, and the resident kernel runs over the pair
 once. Nothing waits for the host, so decode steps can be CUDA graphs (`graphs.py`). A call with more pairs than the
 prefill buffers have rows reads records in place inside the kernel (`moe_nvfp4_device(host_base=...)`).
 
-The host follows a step later. After the kernels, the call copies its routing, the rows its pairs read and which
-were copied (int32 [3, P]) into a page-locked ring entry, asynchronously, with an event; later calls read back the
+The host follows a step later. After the kernels, the call copies its routing record (int32 [3, 64]: the expert ids,
+the rows its pairs read and how each was served, as `gather.py`'s plan kernel wrote it) into a page-locked ring
+entry, asynchronously, with an event (graph replays: one copy of every layer's record); later calls read back the
 entries whose event has completed (`poll`, never blocking unless the ring entry is needed again): hits / misses /
 the trace are counted (`mapped_readback.py`), and up to `admit_max` of the missed experts per call, most frequently
 routed first, are uploaded into victim slots when their routing frequency beats `admit_margin` x that of the slot's
@@ -60,11 +61,12 @@ class MappedDecode:
         self.landing: deque = deque()  # (event, layer, experts): admissions whose table entries are hidden
         cuda = ex.device.type == "cuda"
         self.ring = [torch.empty(3, MAX_DEVICE_PAIRS, dtype=torch.int32, pin_memory=cuda) for _ in range(RING)]
+        self.entry = torch.full((3, MAX_DEVICE_PAIRS), -1, dtype=torch.int32, device=ex.device)  # eager calls' record
         self._ring_busy = [False] * RING
         self.next = 0
-        # CUDA-graph decode (graphs.py): the captured calls write their entries here, int32 [L, 3, P]; after each
+        # CUDA-graph decode (graphs.py): the captured calls write their records here, int32 [L, 3, P]; after each
         # replay one copy moves all layers' into the next page-locked block, read back like ring entries
-        self.graph_buf = torch.zeros(ex.L, 3, MAX_DEVICE_PAIRS, dtype=torch.int32, device=ex.device)
+        self.graph_buf = torch.full((ex.L, 3, MAX_DEVICE_PAIRS), -1, dtype=torch.int32, device=ex.device)
         self.blocks = [torch.empty(ex.L, 3, MAX_DEVICE_PAIRS, dtype=torch.int32, pin_memory=cuda)
                        for _ in range(GRAPH_BLOCKS)]
         self.block_copied: list = [None] * GRAPH_BLOCKS  # event after each block's last copy
@@ -108,15 +110,14 @@ class MappedDecode:
         T, k = topk_ids.shape
         count_call(ex, T)
         self.table.sync()
-        y, pair_slot, pair_copy = self._kernel(layer, x, topk_ids, topk_weights)
+        y, record = self._kernel(layer, x, topk_ids, topk_weights, self.entry)
         r = self.next
         while self._ring_busy[r]:  # the entry is still to be read back (with graph blocks in between, the oldest
             self._pop(wait=True)   # record need not be this entry's): read back up to it
         entry = self.ring[r]
         self.next = (r + 1) % RING
         self._ring_busy[r] = True
-        for row, t in enumerate((topk_ids.reshape(-1), pair_slot, pair_copy)):
-            entry[row, :T * k].copy_(t, non_blocking=True)
+        entry.copy_(record, non_blocking=True)
         ev = ex._record_compute()
         self.records.append((ev, [layer], T, entry[None], None, r))
         ex._prefill_done[:] = [ev, ev]  # staging wrote prefill-buffer rows: prefill uploads wait for this call
@@ -126,10 +127,7 @@ class MappedDecode:
                    topk_weights: torch.Tensor) -> torch.Tensor:
         """A call inside a CUDA graph capture (or its warm-up): the kernels, and the entry into `graph_buf`; no host
         work (the table was uploaded before; `after_replay` does the bookkeeping)."""
-        y, pair_slot, pair_copy = self._kernel(layer, x, topk_ids, topk_weights)
-        P = topk_ids.numel()
-        for i, t in enumerate((topk_ids.reshape(-1), pair_slot, pair_copy)):
-            self.graph_buf[layer, i, :P].copy_(t)
+        y, _ = self._kernel(layer, x, topk_ids, topk_weights, self.graph_buf[layer])
         if layer not in self.graph_layers:
             self.graph_layers.append(layer)
         return y
@@ -160,21 +158,21 @@ class MappedDecode:
             layers = sorted(self.graph_layers)
             self.records.append((ev, layers, num_tokens, block, layers, -1))  # block: [L, 3, P]
 
-    def _kernel(self, layer, x, topk_ids, topk_weights):
-        """-> (fp32 [T, H], pair rows int32 [P], copied int32 [P]) of one call (see the module docstring)."""
+    def _kernel(self, layer, x, topk_ids, topk_weights, entry):
+        """-> (fp32 [T, H], the call's record: `entry` int32 [3, 64] filled as the module docstring says)."""
         ex = self.ex
         bank, P = ex.banks[layer], topk_ids.numel()
         row = self.table.tensor[layer]
         if P > 2 * ex.opts.prefill_slots:  # no staging rows for every pair: records read in place (CUDA, mapped)
             pair_slot = row[topk_ids.reshape(-1).long()]
-            copied = (pair_slot < 0).to(torch.int32)
+            _fill(entry, topk_ids, pair_slot, (pair_slot < 0).to(torch.int32))
             if ex.device.type != "cuda":
-                return _bank_reference(ex, bank, x, topk_ids, topk_weights), pair_slot, copied
+                return _bank_reference(ex, bank, x, topk_ids, topk_weights), entry
             from .nvfp4_decode_mma import decode_kernel
 
             y = decode_kernel(x.shape[0])(ex.pool, ex.layout, x, topk_ids, row, topk_weights,
                                           host_base=self.base[layer], host_stride=bank.stride)
-            return self._check(y, bank, x, topk_ids, topk_weights), pair_slot, copied
+            return self._check(y, bank, x, topk_ids, topk_weights), entry
         if ex.device.type != "cuda" and not ex.interpret:  # CPU emulation: plan and copy in PyTorch
             from .gather import plan_reference
             from .moe_reference import moe_ref
@@ -183,8 +181,9 @@ class MappedDecode:
             ids = topk_ids.reshape(-1).tolist()
             for p in torch.nonzero(copied).flatten().tolist():
                 ex.pool[int(pair_slot[p])] = bank.record(ids[p])
+            _fill(entry, topk_ids, pair_slot, copied)
             y = moe_ref(ex.pool, ex.layout, x, pair_slot.long().view(topk_ids.shape), topk_weights)
-            return y, pair_slot, copied
+            return y, entry
         from .gather import gather_missing
         from .nvfp4_decode import moe_nvfp4_device
 
@@ -192,12 +191,12 @@ class MappedDecode:
         base = self.base.get(layer, 0)  # 0: lane-only, every staged miss goes to the CPU (`CpuLane.split_all`)
         post = None if lane is None else (lambda s, c: lane.post(layer, x, topk_ids, topk_weights, s, c, ex.num_slots,
                                                                  cpu_only=base == 0))
-        pair_slot, copied = gather_missing(ex.pool, ex.layout, topk_ids, self.table.tensor, layer, base,
-                                           bank.stride, ex.num_slots, between=post)
+        pair_slot, _ = gather_missing(ex.pool, ex.layout, topk_ids, self.table.tensor, layer, base, bank.stride,
+                                      ex.num_slots, between=post, entry=entry)
         y = moe_nvfp4_device(ex.pool, ex.layout, x, self._pairs(P).view(topk_ids.shape), pair_slot, topk_weights)
         if lane is not None:
             lane.finish(y)
-        return self._check(y, bank, x, topk_ids, topk_weights), pair_slot, copied
+        return self._check(y, bank, x, topk_ids, topk_weights), entry
 
     def _check(self, got, bank, x, topk_ids, topk_weights) -> torch.Tensor:
         if not self.checked:  # once: a GPU that misread mapped host memory would compute garbage silently
@@ -261,3 +260,10 @@ def _bank_reference(ex, bank, x, topk_ids, topk_weights) -> torch.Tensor:
     index = {e: i for i, e in enumerate(uniq)}
     pair_slots = torch.tensor([index[e] for e in ids.tolist()]).view(topk_ids.shape)
     return moe_ref(records, ex.layout, x.cpu(), pair_slots, topk_weights.cpu()).to(x.device)
+
+
+def _fill(entry: torch.Tensor, topk_ids: torch.Tensor, pair_slot: torch.Tensor, how: torch.Tensor) -> None:
+    """A call's record (int32 [3, 64]) where no plan kernel writes it: in-place reads and the CPU emulation."""
+    P = topk_ids.numel()
+    for i, t in enumerate((topk_ids.reshape(-1), pair_slot, how)):
+        entry[i, :P].copy_(t)

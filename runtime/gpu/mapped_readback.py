@@ -1,6 +1,6 @@
 """The host's side of mode mapped (`mapped_path.py`): what it does with calls' entries once they have come back.
 
-An entry is int32 [3, P] for P = T * k routed pairs: the expert ids, the pool row each pair's kernel read (a slot,
+An entry is int32 [3, >= P] for P = T * k routed pairs: the expert ids, the pool row each pair's kernel read (a slot,
 a staging row >= num_slots, or -1 for a record read in place from host memory or computed on the CPU) and how a
 miss was served (1: its record was copied from host memory for this call; 2: the CPU lane computed it). One
 `read_back` takes the entries of one eager call or of a whole graph replay (every MoE layer of the step) and handles

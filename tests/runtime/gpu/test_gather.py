@@ -1,6 +1,6 @@
 """Mode mapped's device-side miss path (`gather.py`): the plan kernel against its PyTorch reference (hits, repeated
-experts, staging), and the copies byte for byte. Without CUDA the kernels run under
-Triton's interpreter (conftest.py sets TRITON_INTERPRET) on CPU tensors, the bank at its host address."""
+experts, staging), the copies byte for byte, and the call's record. Without CUDA the kernels
+run under Triton's interpreter (conftest.py sets TRITON_INTERPRET) on CPU tensors, the bank at its host address."""
 
 from __future__ import annotations
 
@@ -47,8 +47,13 @@ def test_plan_kernel_matches_reference_and_copies_records(ids):
     P = T * k
     want_slot, want_copy = plan_reference(ids, table, 1, S)
     pool_d, table_d = pool.to(DEV), table.to(DEV)
-    slot, copy = gather_missing(pool_d, layout, ids.to(DEV), table_d, 1, bank.data_ptr(), bank.stride(0), S)
+    entry = torch.full((3, 64), -7, dtype=torch.int32, device=DEV)
+    slot, copy = gather_missing(pool_d, layout, ids.to(DEV), table_d, 1, bank.data_ptr(), bank.stride(0), S,
+                                entry=entry)
     assert torch.equal(slot.cpu(), want_slot) and torch.equal(copy.cpu(), want_copy)
+    rec = entry.cpu()  # the call's record: ids, rows, how (what the host reads back), nothing past P written
+    assert rec[0, :P].tolist() == ids.reshape(-1).tolist() and (rec[:, P:] == -7).all()
+    assert torch.equal(rec[1, :P], want_slot) and torch.equal(rec[2, :P], want_copy)
     assert torch.equal(table_d.cpu(), table)  # the plan never changes the table
     if T == 2:
         assert want_slot.tolist() == [S + 0, 1, S + 2, S + 3, S + 4, S + 5]
@@ -73,3 +78,4 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="1..64 pairs"):
         gather_missing(pool.to(DEV), layout, torch.zeros(1, 65, dtype=torch.long).to(DEV), table.to(DEV), 1,
                        bank.data_ptr(), bank.stride(0), 0)
+
