@@ -2,8 +2,8 @@
 
 A prefill forward of T tokens with T * k >= BLIND * E routes to nearly every expert of every MoE layer (uniform
 routing leaves a fraction e^-BLIND of them unrouted). So its misses are known before its routing is: the experts
-without a VRAM slot. This path (mode mapped, layers whose bank is page-locked and verified) streams them without
-waiting for any routing, so the host never syncs and the copy engine never idles at a layer boundary:
+without a VRAM slot. This path (mode mapped, layers whose bank is verified) streams them without waiting for any
+routing, so the host never syncs on the GPU and the copy engine never idles at a layer boundary:
 
   schedule  at a forward's first MoE call: per MoE layer from there on, its experts without a slot in ascending
             order, cut into groups of G = prefill_slots. Group i goes to prefill buffer i % 2 (pool rows
@@ -11,7 +11,10 @@ waiting for any routing, so the host never syncs and the copy engine never idles
             one per layer for its hits (expert -> slot), uploaded together: int32 [groups + layers, E + 2].
   copies    on the uploader's stream, each run of consecutive experts one DMA from the page-locked bank; group i
             after the compute that last read its buffer (group i - 2). The copies run two groups ahead of the
-            compute, across layer boundaries: layer l+1's experts stream while layer l's attention computes.
+            compute, across layer boundaries: layer l+1's experts stream while layer l's attention computes. A bank
+            the host-memory allowance left un-page-locked (`MappedDecode.lane_only`) goes through the uploader's
+            staging ring instead (pageable -> pinned memcpy on its thread, then DMA); the host waits for a staged
+            group's memcpy only when its compute is queued, one group behind the copies.
   compute   per layer one device plan of the pairs by expert (`prefill_plan.plan_by_expert`), then the tile kernels
             once over the hits and once per group (after its copy), each call mapping blocks to slots through its
             lookup row; blocks of other experts are SKIP (-2) and write nothing, so the shared [P, H] output gets
@@ -36,13 +39,13 @@ from .pinning import bank_range
 
 BLIND = 4  # T * k >= BLIND * E: stream every expert without a slot (expected unrouted share e^-BLIND, uniform)
 SKIP = -2  # block slot: another call of the same plan computes these pairs (nvfp4_triton._down_kernel)
+STAGED = "staged"  # a group's copies queued on the staging thread, not yet fenced
 
 
 def uses_pipeline(ex, layer: int, num_tokens: int) -> bool:
     md = ex.mapped
     return (md is not None and ex.device_plan and num_tokens >= ex.opts.prefill_tokens
-            and num_tokens * ex.k >= BLIND * ex.E and layer not in ex.opts.cpu_layers and md.ready(layer)
-            and layer in md.base)  # streamed from page-locked banks only
+            and num_tokens * ex.k >= BLIND * ex.E and layer not in ex.opts.cpu_layers and md.ready(layer))
 
 
 class PrefillPipeline:
@@ -55,7 +58,7 @@ class PrefillPipeline:
         self.copied: list = []  # per group: event after its copies (None on the CPU), once issued
         self.expect: int | None = None  # the MoE layer the current schedule calls next
         self.after: dict[int, int | None] = {}  # scheduled layer -> the next one (None: the schedule's last)
-        self.bank_base: dict[int, int] = {}  # scheduled layer -> address of its bank's first record
+        self.bank_base: dict[int, int] = {}  # scheduled page-locked layer -> address of its bank's first record
         self.routing: deque = deque()  # (event, layer, tokens, page-locked int32 [T * k]) not yet counted
 
     def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
@@ -71,6 +74,8 @@ class PrefillPipeline:
                     kernels=ex.device.type == "cuda" or ex.interpret)
         run(self.lut[hit_row])
         for i in range(first, end):
+            if self.copied[i] is STAGED:  # its memcpy runs on the staging thread: wait until it is issued
+                self.copied[i] = ex.uploader.fence()
             ex._wait(self.copied[i])
             run(self.lut[i])
             ex._prefill_done[i % 2] = ex._record_compute()
@@ -95,7 +100,7 @@ class PrefillPipeline:
             layers.append(i)
         self.groups, self.span = [], {}
         self.after = dict(zip(layers, [*layers[1:], None]))
-        self.bank_base = {i: bank_range(ex.banks[i])[0] for i in layers}
+        self.bank_base = {i: bank_range(ex.banks[i])[0] for i in layers if i in ex.mapped.base}
         for i in layers:
             missing = np.flatnonzero(cache.slot_of[i] < 0)
             first = len(self.groups)
@@ -133,14 +138,20 @@ class PrefillPipeline:
         done = ex._prefill_done[i % 2]
         if done is not None:
             ex.uploader.after_compute(done)
-        base, stride = self.bank_base[layer], ex.banks[layer].stride
+        bank = ex.banks[layer]
         row = ex.num_slots + (i % 2) * self.G
-        starts = np.flatnonzero(np.r_[True, np.diff(experts) != 1])  # runs of consecutive experts: one DMA each
-        for s, e in zip(starts.tolist(), np.r_[starts[1:], len(experts)].tolist()):
-            ex.uploader.upload_range(row + s, base + int(experts[s]) * stride, (e - s) * stride)
-        self.copied[i] = ex.uploader.fence()
+        base = self.bank_base.get(layer)
+        if base is None:  # not page-locked: each record through the staging ring, queued (`__call__` fences it)
+            for j, e in enumerate(experts.tolist()):
+                ex.uploader.upload(row + j, bank.record(e))
+            self.copied[i] = STAGED
+        else:
+            starts = np.flatnonzero(np.r_[True, np.diff(experts) != 1])  # runs of consecutive experts: one DMA each
+            for s, e in zip(starts.tolist(), np.r_[starts[1:], len(experts)].tolist()):
+                ex.uploader.upload_range(row + s, base + int(experts[s]) * bank.stride, (e - s) * bank.stride)
+            self.copied[i] = ex.uploader.fence()
         ex.counters["prefill_streamed"] += len(experts)
-        ex.counters["bytes_h2d"] += len(experts) * stride
+        ex.counters["bytes_h2d"] += len(experts) * bank.stride
 
     def _keep_routing(self, layer: int, topk_ids: torch.Tensor) -> None:
         ids = topk_ids.reshape(-1).to(torch.int32)

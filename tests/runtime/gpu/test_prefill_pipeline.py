@@ -121,3 +121,29 @@ def test_a_forward_stopped_part_way_is_abandoned(reader):
     ex(0, torch.randn(1, H).to(torch.bfloat16).to(DEV), ids, torch.ones(1, K, device=DEV))  # decode: abandons
     assert ex.pipeline.expect is None
     ex.close()
+
+
+def test_a_bank_left_unpinned_streams_through_the_staging_ring(reader):
+    """A verified bank the host-memory allowance did not page-lock (lane-only at decode) stays in the schedule: its
+    experts without a slot go through the uploader's staging path record by record, fenced when their compute is
+    queued; every pair is still computed, each missing expert streamed once."""
+    ex = _experts(reader)
+    md = ex.mapped
+    assert md.ready(1)  # resolves which banks are mapped: all of them here
+    md.base.pop(1)
+    md.lane_only.add(1)
+    staged = []
+    upload = ex.uploader.upload
+
+    def counting(slot, record):
+        staged.append(slot)
+        upload(slot, record)
+
+    ex.uploader.upload = counting
+    assert uses_pipeline(ex, 1, T)
+    g = torch.Generator().manual_seed(12)
+    for y, want, _ in _forward(ex, reader, g):
+        assert rel_err(y.float().cpu(), want) < 1e-2
+    assert len(staged) == E  # layer 1's experts, none with a slot: staged one by one; layers 0 and 2 by range
+    assert ex.stats()["prefill_streamed"] == 3 * E - 3 and ex.pipeline.expect is None
+    ex.close()
