@@ -97,7 +97,7 @@ def unpack(src: Path = typer.Argument(..., help="bundle file"),
             kernel_trust.trust_ftw(dest, f"unpacked from a bundle signed by trusted key {key}")
     except (OSError, ValueError) as e:
         _fail(e)
-    typer.echo(f"{dest}: {len(manifest['files'])} files, FTW verified; {signer}{_kernels_note(manifest, key)}")
+    typer.echo(f"{dest}: {len(manifest['files'])} files, FTW verified; {signer}{_kernels_note(manifest, key, dest)}")
     _report(manifest, seconds)
 
 
@@ -157,14 +157,22 @@ def _signer(body: bytes, signature: dict | None) -> tuple[str, str | None]:
     return f"signed by {signature.get('key')}, a key this machine does not trust", None
 
 
-def _kernels_note(manifest: dict, key: str | None) -> str:
-    """Whether the bundle's prebuilt kernels are (or, at unpack, will be) trusted on this machine."""
+def _kernels_note(manifest: dict, key: str | None, dest: Path | None = None) -> str:
+    """Whether the bundle's prebuilt kernels would be trusted here by its signature, or (`dest`: unpacked there) are
+    trusted here now, by this signature or an earlier build or unpack of the same bytes."""
     n = sum(e["kind"] == "kernels" for e in manifest["files"])
     if not n:
         return ""
+    if dest is not None:
+        from ft.formats.kernels import describe
+
+        ok = sum(bool(k.get("trusted")) for k in describe(dest))
+        if ok == n:
+            return f"; its {n} kernels entries are trusted here"
+        return f"; {n - ok} of its {n} kernels entries are NOT trusted here (the runtime compiles those kernels itself)"
     if key is not None:
         return f"; its {n} kernels entries are trusted (the signature covers them)"
-    return f"; its {n} kernels entries are NOT trusted (the runtime compiles its own kernels instead)"
+    return f"; its {n} kernels entries are NOT trusted (unsigned, or not by a trusted key)"
 
 
 @trust_app.command("keygen")
