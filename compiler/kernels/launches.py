@@ -221,9 +221,10 @@ def moe(g: Geometry, lengths: list[int]) -> None:
     for T in (t for t in lengths if t > MAX_DECODE):  # resident prefill (device plan); tiles from pick_blocks(T)
         ids = (torch.arange(T * k) % E).view(T, k)
         moe_nvfp4_prefill(pool, layout, torch.zeros(T, H, dtype=g.dtype), ids, row, torch.ones(T, k))
-    slots = (torch.arange(512 * k) % E).numpy()
-    for blocks in TILE_CONFIGS.values():  # host-planned tile kernels (offloaded prefill), every tile config
-        moe_nvfp4(pool, layout, torch.zeros(512, H, dtype=g.dtype), slots, torch.ones(512, k), blocks=blocks)
+    for T in lengths:  # host-planned tile kernels (hybrid decode misses, offloaded prefill): every tile config
+        slots = (torch.arange(T * k) % E).numpy()
+        for blocks in TILE_CONFIGS.values():
+            moe_nvfp4(pool, layout, torch.zeros(T, H, dtype=g.dtype), slots, torch.ones(T, k), blocks=blocks)
 
 
 GROUPS = {"fused": fused, "router": router, "attention": attention, "deltanet": deltanet, "dense": dense,

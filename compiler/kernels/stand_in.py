@@ -87,8 +87,8 @@ class Built:
 
 
 class Recorder:
-    """Compiles every intercepted launch for the target; `built` holds each distinct kernel once, `errors` the
-    launches that failed to compile (kernel, case, message)."""
+    """Compiles every intercepted launch for the target; `built` holds each distinct kernel once, `errors` one
+    message per specialization that failed to compile."""
 
     def __init__(self, arch: int, on_kernel=None):
         self.arch = arch
@@ -103,19 +103,30 @@ class Recorder:
 
         self.touched.add(fn)
         kwargs = cuda_kwargs(kwargs, args, self.arch)
+        key = (fn, tuple(map(_spec, args)), tuple(sorted((k, _spec(v)) for k, v in kwargs.items())))
+        if key in self.errors:  # a failed compile is not cached by Triton: do not retry it
+            return None
         try:
             k = JITFunction.run(fn, *args, grid=grid, warmup=True, **kwargs)
         except Exception as e:  # noqa: BLE001 - one kernel failing to build is reported, the others go on
             msg = " | ".join(str(e).strip().splitlines()[-3:])
-            key = (fn.fn.__module__, fn.fn.__name__, msg)
-            if key not in self.errors:
-                self.errors[key] = f"{fn.fn.__name__} ({self.case}): {type(e).__name__}: {msg}"[:600]
+            self.errors[key] = f"{fn.fn.__name__} ({self.case}): {type(e).__name__}: {msg}"[:600]
             return None
         if (k.hash, k.name) not in self.built:
             b = Built(k.hash, k.name, f"{fn.fn.__module__}.{fn.fn.__name__}", self.case, k)
             self.built[(k.hash, k.name)] = b
             self.on_kernel(b)
         return None
+
+
+def _spec(v):
+    """What Triton specializes a launch argument on (dtype and alignment, integer classes), or the value itself."""
+    if isinstance(v, (torch.Tensor, int)) and not isinstance(v, bool):
+        from triton._C.libtriton import native_specialize_impl
+        from triton.backends.nvidia.compiler import CUDABackend
+
+        return native_specialize_impl(CUDABackend, v, False, True, True)
+    return repr(v)
 
 
 @contextlib.contextmanager
