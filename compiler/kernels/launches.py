@@ -2,7 +2,8 @@
 the real shapes (inside `stand_in.cuda_target`, where each launch compiles for the target and runs nothing).
 
 What varies at run time is enumerated so that every specialization a launch can get is covered: decode batches of
-1..MAX_DECODE tokens (graph buckets, eager steps, and prompts of up to 16 tokens), prefill chunks of every length
+1..MAX_DECODE tokens (graph buckets, eager steps, and prompts of up to 16 tokens; the per-sequence attention and
+DeltaNet decode kernels up to MAX_BATCH sequences), prefill chunks of every length
 class up to `max_prefill` (1..64, then around each power of two: integers specialize on == 1 and divisibility by 16,
 and the launchers derive tile sizes from powers of two), every MoE layer index, attention split counts (a function of
 the GPU's SM count), resident and mapped expert paths. A launch repeated with the same specialization costs a lookup.
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 MAX_DECODE = 16  # dense_gemv.MAX_TOKENS, router.MAX_TOKENS: decode-sized calls
+MAX_BATCH = 64  # decode batches (--max-running-requests) the per-sequence decode kernels are built for
 ADDR = 1 << 40  # a device / mapped host address: 64-bit, 16-byte aligned (never dereferenced here)
 F32 = torch.float32
 
@@ -120,7 +122,7 @@ def attention(g: Geometry, lengths: list[int]) -> None:
     while s <= cfg["max_splits"]:
         splits.append(s)
         s *= 2
-    for B in (t for t in lengths if t <= MAX_DECODE):
+    for B in (t for t in lengths if t <= MAX_BATCH):
         rows = (g.nq + 2 * g.nkv) * g.hd + (g.nq * g.hd if g.gated else 0)
         qkv = torch.zeros(B, rows, dtype=g.dtype)
         norm = torch.ones(g.hd) if g.qk_norm else None
@@ -139,7 +141,7 @@ def deltanet(g: Geometry, lengths: list[int]) -> None:
 
     hk, hv, dk, dv, K = g.gdn
     C = 2 * hk * dk + hv * dv
-    for B in (t for t in lengths if t <= MAX_DECODE):
+    for B in (t for t in lengths if t <= MAX_BATCH):
         ba = torch.zeros(B, 2 * hv, dtype=g.dtype)
         gdn_decode(torch.zeros(B, C, dtype=g.dtype), torch.zeros(B, hv * dv, dtype=g.dtype), ba[:, :hv], ba[:, hv:],
                    torch.zeros(C, K, dtype=g.dtype), torch.zeros(hv), torch.zeros(hv), torch.ones(dv), 1e-6,
