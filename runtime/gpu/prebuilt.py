@@ -100,7 +100,10 @@ def load_trusted(reader: FtwReader, name: str) -> tuple[KernelSet | None, str, s
     """(kernel set, "installed", how it is trusted) or (None, "tampered" | "untrusted", why) for entry `name`."""
     rec = next(e for e in reader.records.slots["kernels"] if e.name == name)
     path = reader.path / name
-    data = path.read_bytes()
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        return None, "tampered", f"{path} cannot be read ({e}): refused"
     if len(data) != rec.nbytes or xxh3_hex(data) != rec.xxh3:
         return None, "tampered", f"{path} does not match the manifest's size and digest: refused (tampered or damaged)"
     try:
@@ -132,7 +135,11 @@ def use_prebuilt(reader: FtwReader, arch: int) -> KernelStatus:
     if ks is None:
         level = logging.ERROR if decision == "tampered" else logging.WARNING
         return _done(KernelStatus(decision, f"kernels: {how}{_HINT}", chosen.name, counter=counter), level)
-    installed, stale = triton_cache.install(ks.kernels)
+    try:
+        installed, stale = triton_cache.install(ks.kernels)
+    except OSError as e:  # e.g. a read-only TRITON_CACHE_DIR: the kernels that did land are used, the rest compile
+        return _done(KernelStatus("unavailable", f"kernels: Triton's cache cannot take them ({e}){_HINT}",
+                                  chosen.name, counter=counter), logging.WARNING)
     if counter is not None:
         counter.verbose = True
     note = f"; {stale} from other kernel sources (another ft version) compile on first use" if stale else ""
