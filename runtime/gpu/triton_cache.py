@@ -121,8 +121,10 @@ class CompileCounter:
             return
         self.compiled += 1
         fn = getattr(src, "fn", None)
-        consts = getattr(src, "constants", {}) or {}
-        shown = ", ".join(f"{k}={v}" for k, v in sorted(consts.items(), key=str) if not callable(v))
+        args = getattr(fn, "arg_names", [])
+        consts = {(args[k[0]] if isinstance(k, tuple) and len(k) == 1 and k[0] < len(args) else k): v
+                  for k, v in (getattr(src, "constants", {}) or {}).items()}  # (index,) -> the argument's name
+        shown = ", ".join(f"{k}={v}" for k, v in consts.items() if not callable(v))
         name = f"{getattr(fn, '__name__', getattr(src, 'name', '?'))}" + (f"[{shown}]" if shown else "")
         self.names = (self.names + [name])[-64:]
         (log.info if self.verbose else log.debug)("kernels: compiled %s (not prebuilt)", name)

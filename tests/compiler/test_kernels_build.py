@@ -18,8 +18,6 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("triton.backends.nvidia.compiler")
-
 GROUPS = "fused,router,attention,deltanet,dense,embedding"
 FT = [sys.executable, "-c", "from ft.cli.main import main; main()"]
 
@@ -51,6 +49,8 @@ def _env(tmp_path: Path) -> dict:
 
 
 def test_build_stores_trusted_cubins_that_a_fresh_process_loads_without_compiling(ftw_for, tmp_path):
+    # imported here, not at collection: triton must first see the interpreter setting of tests/runtime/gpu
+    pytest.importorskip("triton.backends.nvidia.compiler")
     ftw = tmp_path / "m"
     shutil.copytree(ftw_for("qwen3_5_moe", "nvfp4"), ftw)
     env = _env(tmp_path)

@@ -15,9 +15,7 @@ from ft.formats import FtwReader, kernel_trust
 from ft.formats.kernels import Kernel, KernelSet, entry_name, pack
 from ft.formats.slots import update_slot
 
-pytest.importorskip("triton.backends.nvidia.compiler")
-
-from ft.runtime.gpu import prebuilt, triton_cache  # noqa: E402
+from ft.runtime.gpu import prebuilt, triton_cache
 
 WANT = {"triton": "3.6.0", "triton_build": "ab" * 32, "arch": 90, "backend_key": "cd" * 32, "env": {}}
 
@@ -51,6 +49,8 @@ def _kernel_set(key: dict, **over) -> KernelSet:
 
 @pytest.fixture()
 def env(tmp_path, monkeypatch):
+    # imported here, not at collection: triton must first see the interpreter setting of tests/runtime/gpu
+    pytest.importorskip("triton.backends.nvidia.compiler")
     monkeypatch.setenv("FT_HOME", str(tmp_path / "home"))
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton"))
     return tmp_path
