@@ -78,12 +78,12 @@ def unpack(src: Path = typer.Argument(..., help="bundle file"),
     and a sample of its checksums; `ft verify DIR` re-reads all of it)."""
     import time
 
-    from ft.formats import FtwReader, bundle
+    from ft.formats import FtwReader, bundle, kernel_trust
     from ft.formats.verify import SAMPLE_BYTES, verify_sample
 
     try:
         manifest, body, signature = bundle.read_manifest(src)
-        signer = _signer(body, signature)
+        signer, key = _signer(body, signature)
         t = time.perf_counter()
         with _bar("unpacking", sum(e["size"] for e in manifest["files"])) as advance:
             bundle.unpack(src, dest, threads=threads, progress=advance)
@@ -93,9 +93,11 @@ def unpack(src: Path = typer.Argument(..., help="bundle file"),
             failures = verify_sample(r, progress=advance)
         if failures:
             raise ValueError("; ".join(str(f) for f in failures))
+        if key is not None:  # the bytes just written are the signer's: its kernels may run here
+            kernel_trust.trust_ftw(dest, f"unpacked from a bundle signed by trusted key {key}")
     except (OSError, ValueError) as e:
         _fail(e)
-    typer.echo(f"{dest}: {len(manifest['files'])} files, FTW verified; {signer}")
+    typer.echo(f"{dest}: {len(manifest['files'])} files, FTW verified; {signer}{_kernels_note(manifest, key, dest)}")
     _report(manifest, seconds)
 
 
@@ -106,12 +108,12 @@ def verify(src: Path = typer.Argument(..., help="bundle file")):
 
     try:
         manifest, body, signature = bundle.read_manifest(src)
-        signer = _signer(body, signature)
+        signer, key = _signer(body, signature)
         with _bar("verifying", sum(e["size"] for e in manifest["files"])) as advance:
             bundle.verify(src, progress=advance)
     except (OSError, ValueError) as e:
         _fail(e)
-    typer.echo(f"OK {src}: {len(manifest['files'])} files; {signer}")
+    typer.echo(f"OK {src}: {len(manifest['files'])} files; {signer}{_kernels_note(manifest, key)}")
 
 
 @bundle_app.command("push")
@@ -143,13 +145,34 @@ def pull(repo_id: str = typer.Argument(..., help="Hugging Face model repo (org/n
     typer.echo(f"{repo_id}: {path}")
 
 
-def _signer(body: bytes, signature: dict | None) -> str:
+def _signer(body: bytes, signature: dict | None) -> tuple[str, str | None]:
+    """(what to say about the signature, the trusted key that signed or None)."""
     from ft.formats import trust
 
     key = trust.check(body, signature, trust.trusted_keys())
     if key is not None:
-        return f"signed by trusted key {key}"
-    return "unsigned" if signature is None else f"signed by {signature.get('key')}, a key this machine does not trust"
+        return f"signed by trusted key {key}", key
+    if signature is None:
+        return "unsigned", None
+    return f"signed by {signature.get('key')}, a key this machine does not trust", None
+
+
+def _kernels_note(manifest: dict, key: str | None, dest: Path | None = None) -> str:
+    """Whether the bundle's prebuilt kernels would be trusted here by its signature, or (`dest`: unpacked there) are
+    trusted here now, by this signature or an earlier build or unpack of the same bytes."""
+    n = sum(e["kind"] == "kernels" for e in manifest["files"])
+    if not n:
+        return ""
+    if dest is not None:
+        from ft.formats.kernels import describe
+
+        ok = sum(bool(k.get("trusted")) for k in describe(dest))
+        if ok == n:
+            return f"; its {n} kernels entries are trusted here"
+        return f"; {n - ok} of its {n} kernels entries are NOT trusted here (the runtime compiles those kernels itself)"
+    if key is not None:
+        return f"; its {n} kernels entries are trusted (the signature covers them)"
+    return f"; its {n} kernels entries are NOT trusted (unsigned, or not by a trusted key)"
 
 
 @trust_app.command("keygen")

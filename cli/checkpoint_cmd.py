@@ -28,6 +28,9 @@ def checkpoint(
                                                           "disk (the writer computed every checksum from the bytes "
                                                           "it wrote). full: re-read and check every byte, like "
                                                           "`ft verify` (adds a read of the whole output)."),
+    kernels: Optional[str] = typer.Option(None, "--kernels", help="Also build the runtime's GPU kernels for these "
+                                                                  "CUDA architectures (e.g. 90, or 80,86,89,90,100,"
+                                                                  "120) into the FTW, as `ft kernels build` does."),
 ) -> None:
     """Compile MoE safetensors (BF16/FP16/FP32 or ModelOpt NVFP4/FP8) into FTW, check the result (--verify), then
     move it into place. `ft verify OUT` re-reads every byte at any later time."""
@@ -38,9 +41,17 @@ def checkpoint(
 
     console = Console(stderr=True, soft_wrap=True)
     try:
+        if kernels:  # refused before the compile, not after it
+            from ft.compiler.kernels import parse_archs
+
+            parse_archs(kernels)
         path = compile_checkpoint(model, out, revision=revision, dtype=dtype, dequant=dequant, force=force,
                                   progress=progress, verify=verify)
-    except CheckpointError as e:
+    except (CheckpointError, ValueError) as e:
         console.print(f"[red]error[/red] {escape(str(e))}")
         raise typer.Exit(1)
     console.print(f"[green]OK[/green] {escape(str(path))}")
+    if kernels:
+        from ft.cli.kernels_cmd import run_build
+
+        run_build(path, kernels, None, 4096)

@@ -39,6 +39,10 @@ def verify(path: Path = typer.Argument(..., help="FTW directory")) -> None:
     r.write_stamp()  # a later open of the unchanged files skips the lazy checksums (FtwReader.verified)
     console.print(f"[green]OK[/green] {path}: {len(r.tensor_names())} tensors, {len(r.bank_names())} expert banks, "
                   f"{total_bytes(r) / 2**20:.1f} MiB checked")
+    from ft.formats.kernels import describe
+
+    for k in describe(r):
+        console.print(f"kernels {escape(_kernel_set(k))}")
 
 
 def inspect(path: Path = typer.Argument(..., help="FTW directory"),
@@ -75,9 +79,18 @@ def inspect(path: Path = typer.Argument(..., help="FTW directory"),
     t.add_row("bytes", f"dense {_mib(b['dense'])}, experts {_mib(b['experts'])}, assets {_mib(b['assets'])}; "
                        f"{b['num_data_files']} data file(s), {_mib(b['data_files'])}")
     t.add_row("plans", ", ".join(s["plans"]) or "none")
-    t.add_row("kernels", ", ".join(s["kernels"]) or "none")
+    t.add_row("kernels", "\n".join(_kernel_set(k) for k in s["kernel_sets"]) or "none")
     t.add_row("source", json.dumps(s["provenance"]))
     Console().print(t)
+
+
+def _kernel_set(k: dict) -> str:
+    """One line per kernels/ entry: target, Triton, count, size, and whether this machine trusts it."""
+    if "error" in k:
+        return f"{k['name']}: unreadable ({k['error']})"
+    trust = f"trusted: {k['trusted']}" if k["trusted"] else "not trusted on this machine (the runtime compiles instead)"
+    return (f"{k['name']}: sm_{k['arch']}, triton {k['triton']}, {k['kernels']} kernels, {_mib(k['nbytes'])}; "
+            f"{trust}")
 
 
 def _human(n: int) -> str:

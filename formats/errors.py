@@ -1,4 +1,4 @@
-"""FTW validation errors: one class per numbered rule of specs/ftw.md (V1..V21).
+"""FTW validation errors: one class per numbered rule of specs/ftw.md (V1..V22).
 
 Every message names the file and what is wrong, so a user can act on one line of output.
 """
@@ -64,11 +64,13 @@ FtwChecksumError = _rule("FtwChecksumError", "V20", "checksum mismatch",
                          "Content bytes do not hash to the recorded xxh3-64 value.")
 FtwPaddingError = _rule("FtwPaddingError", "V21", "non-zero padding",
                         "Bytes between regions are not zero.")
+FtwKernelsError = _rule("FtwKernelsError", "V22", "kernels entry",
+                        "A kernels/ entry is not a valid kernels container (§5.7).")
 
 ALL_ERRORS: tuple[type[FtwError], ...] = (
     FtwNotFoundError, FtwTruncatedError, FtwMagicError, FtwVersionError, FtwHeaderError,
     FtwManifestTooLargeError, FtwManifestChecksumError, FtwManifestParseError, FtwSchemaError,
     FtwFeatureError, FtwPathError, FtwDtypeError, FtwShapeError, FtwAlignmentError, FtwRangeError,
     FtwOverlapError, FtwDuplicateError, FtwFileSizeError, FtwConfigError, FtwChecksumError,
-    FtwPaddingError,
+    FtwPaddingError, FtwKernelsError,
 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .kernels import describe
 from .reader import FtwReader
 
 # Components / tensor suffixes that hold scales, not parameters.
@@ -55,6 +56,7 @@ def summarize(r: FtwReader) -> dict[str, Any]:
                   "data_files": sum(f.nbytes for f in m.files), "num_data_files": len(m.files)},
         "plans": [a.name for a in m.slots["plans"]],
         "kernels": [a.name for a in m.slots["kernels"]],
+        "kernel_sets": describe(r),
         "provenance": {k: v for k, v in r.provenance.items() if k != "files"},
         "num_source_files": len(r.provenance.get("files", {})),
     }

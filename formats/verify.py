@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Callable
 import xxhash
 
 from . import errors as E
+from .kernels import unpack as unpack_kernels
 from .layout import ALIGN, align_up, xxh3_hex
 
 if TYPE_CHECKING:
@@ -121,10 +122,16 @@ def check(r: "FtwReader", plan: Plan, progress: Callable[[int], None] | None = N
     tick = progress or (lambda n: None)
     for idx, units in sorted(plan.items()):
         failures += _scan_file(r.path / m.files[idx].name, units, tick)
+    kernels = {a.name for a in m.slots["kernels"]}
     for a in (*m.assets.values(), *m.slots["plans"], *m.slots["kernels"]):
         data = (r.path / a.name).read_bytes()
         if xxh3_hex(data) != a.xxh3:
             failures.append(E.FtwChecksumError(r.path / a.name, f"xxh3 {xxh3_hex(data)} != recorded {a.xxh3}"))
+        elif a.name in kernels:  # an intact kernels entry is also a well-formed container (V22)
+            try:
+                unpack_kernels(data, r.path / a.name)
+            except E.FtwError as e:
+                failures.append(e)
         tick(a.nbytes)
     return failures
 

@@ -83,6 +83,13 @@ class Engine:
                  experts: Any = None, offload: Any = None) -> None:
         s = self.settings = settings or EngineSettings()
         reader = ftw_dir if isinstance(ftw_dir, FtwReader) else FtwReader(Path(ftw_dir))
+        self.kernels = None  # on CUDA: what start-up did with the FTW's prebuilt kernels (before any kernel compiles)
+        if s.cuda:
+            from ft.runtime.gpu.prebuilt import use_prebuilt
+
+            dev = torch.device(s.device)
+            major, minor = torch.cuda.get_device_capability(dev.index if dev.index is not None else None)
+            self.kernels = use_prebuilt(reader, 10 * major + minor)
         model = None
         if experts is None and (s.cuda or offload is not None):
             from ft.runtime.gpu.engine_setup import load_offloaded, unsupported_reason
@@ -136,6 +143,9 @@ class Engine:
             n = prefix_store.save(self.prefix, self._prefix_dir, self._prefix_key)
             log.info("prefix cache: %d kept states written to %s", n, self._prefix_dir)
             self._prefix_dir = None
+        kernels = getattr(self, "kernels", None)
+        if kernels is not None and kernels.counter is not None:
+            log.info("kernels: %d compiled since start (prebuilt: %s)", kernels.counter.compiled, kernels.decision)
         if callable(getattr(self._experts, "close", None)):
             self._experts.close()
 
@@ -404,7 +414,8 @@ class Engine:
 
     def stats(self) -> dict:
         """Counters since start (`EngineCounters`), the queue and the KV budget. "moe" holds the experts
-        implementation's own counters when it has any, "cuda_graphs" the decode graphs'."""
+        implementation's own counters when it has any, "cuda_graphs" the decode graphs', "kernels" (CUDA) the
+        prebuilt kernels' decision and the kernels compiled since start (`ft.runtime.gpu.prebuilt`)."""
         cached = self.prefix.held() if self.prefix is not None else 0  # kept prefixes: theirs, not the requests'
         out = self._counters.snapshot() | {"running": len(self._running), "waiting": len(self._waiting),
                                            "kv_tokens_used": self.kv.used - cached, "kv_tokens_cached": cached,
@@ -415,4 +426,6 @@ class Engine:
             out["cuda_graphs"] = dict(self.model.graphs.counters)
         if self.prefix is not None:
             out["prefix_cache"] = self.prefix.stats()
+        if self.kernels is not None:  # prebuilt kernels used or why not, and the kernels compiled since start
+            out["kernels"] = self.kernels.stats()
         return out

@@ -1,0 +1,233 @@
+"""The kernel launches serving makes for one model, replayed through the runtime's own launchers with CPU tensors of
+the real shapes (inside `stand_in.cuda_target`, where each launch compiles for the target and runs nothing).
+
+What varies at run time is enumerated so that every specialization a launch can get is covered: decode batches of
+1..MAX_DECODE tokens (graph buckets, eager steps, and prompts of up to 16 tokens; the per-sequence attention and
+DeltaNet decode kernels up to MAX_BATCH sequences), prefill chunks of every length
+class up to `max_prefill` (1..64, then around each power of two: integers specialize on == 1 and divisibility by 16,
+and the launchers derive tile sizes from powers of two), every MoE layer index, attention split counts (a function of
+the GPU's SM count), resident and mapped expert paths. A launch repeated with the same specialization costs a lookup.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MAX_DECODE = 16  # dense_gemv.MAX_TOKENS, router.MAX_TOKENS: decode-sized calls
+MAX_BATCH = 64  # decode batches (--max-running-requests) the per-sequence decode kernels are built for
+ADDR = 1 << 40  # a device / mapped host address: 64-bit, 16-byte aligned (never dereferenced here)
+F32 = torch.float32
+
+
+@dataclass(frozen=True)
+class Geometry:
+    H: int
+    I: int
+    E: int
+    k: int
+    nq: int
+    nkv: int
+    hd: int
+    rd: int
+    gated: bool
+    qk_norm: bool
+    shared_I: int
+    moe_layers: tuple[int, ...]
+    dtype: torch.dtype
+    gdn: tuple[int, int, int, int, int] | None  # (hk, hv, dk, dv, conv kernel)
+    linears: tuple[tuple[str | None, int, int], ...]  # (scheme or None, N, K) of the dense linears
+
+
+def geometry(reader) -> Geometry:
+    """The launch-relevant sizes of an FTW (its config, quantization and dense tensors)."""
+    c, quant = reader.config, reader.quant.get("linears") or {}
+    dtype = reader.tensor("embed_tokens.weight").dtype if reader.has_tensor("embed_tokens.weight") else torch.bfloat16
+    linears = set()
+    for name in reader.tensor_names():
+        t = reader.records.tensors[name]
+        owner = name.removesuffix(".weight")
+        if not name.endswith(".weight") or len(t.shape) != 2 or "embed_tokens" in name or "conv1d" in name:
+            continue
+        n, kk = t.shape
+        scheme = quant.get(owner)
+        linears.add((None, n, kk * 2 if scheme == "nvfp4" else kk))  # dequantized at load (the default)
+        if scheme is not None:
+            linears.add((scheme, n, kk * 2 if scheme == "nvfp4" else kk))  # --dense-weights quantized
+    gdn = None
+    if "linear_attention" in c.layer_types:
+        gdn = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim,
+               c.linear_conv_kernel_dim)
+        hk, hv, dk, dv, _ = gdn  # in_proj_qkvz and in_proj_ba run as one stacked GEMV when both are plain
+        linears.add((None, 2 * hk * dk + 2 * hv * dv + 2 * hv, c.hidden_size))
+    return Geometry(H=c.hidden_size, I=c.moe_intermediate_size, E=c.num_experts, k=c.num_experts_per_tok,
+                    nq=c.num_heads, nkv=c.num_kv_heads, hd=c.head_dim, rd=c.rotary_dim, gated=c.attn_output_gate,
+                    qk_norm=c.attn_qk_norm, shared_I=c.shared_expert_intermediate_size or c.intermediate_size,
+                    moe_layers=tuple(i for i, m in enumerate(c.mlp_types) if m == "moe"), dtype=dtype, gdn=gdn,
+                    linears=tuple(sorted(linears, key=str)))
+
+
+def prefill_lengths(max_prefill: int) -> list[int]:
+    """Every length class of a prefill chunk up to max_prefill (module docstring)."""
+    out = set(range(1, min(64, max_prefill) + 1)) | {max_prefill, max_prefill - 1}
+    p = 64
+    while p <= max_prefill:
+        out |= {p - 1, p, p + 1, p + 16}
+        p *= 2
+    return sorted(n for n in out if 1 <= n <= max_prefill)
+
+
+def _addr(n: int) -> torch.Tensor:  # int64 "device addresses" (16-byte aligned); never dereferenced here
+    return (torch.arange(n, dtype=torch.int64) + 1) << 20
+
+
+def fused(g: Geometry, lengths: list[int]) -> None:
+    from ft.runtime.gpu import fused_ops as f
+
+    H, dt = g.H, g.dtype
+    for T in lengths:
+        x = torch.zeros(T, H, dtype=dt)
+        f.rms_norm(x, torch.ones(H), 1e-6)
+        f.add_rms_norm(x, x.clone(), torch.ones(H), 1e-6)
+        if T > MAX_DECODE and g.moe_layers:
+            f.route_topk(torch.zeros(T, g.E, dtype=dt), g.k, True)
+        if g.shared_I:
+            f.silu_mul(torch.zeros(T, 2 * g.shared_I, dtype=dt))
+            f.sigmoid_gate_add(x, torch.zeros(T, 1, dtype=dt), x.clone())
+        if g.qk_norm:  # the q and k heads of the qkv rows, normed in place of a strided split
+            rows = (g.nq * (2 if g.gated else 1) + 2 * g.nkv) * g.hd
+            qkv = torch.zeros(T, rows, dtype=dt)
+            q0 = g.nq * g.hd * (2 if g.gated else 1)
+            f.rms_norm(qkv[:, :g.nq * g.hd].view(T, g.nq, g.hd), torch.ones(g.hd), 1e-6)
+            f.rms_norm(qkv[:, q0:q0 + g.nkv * g.hd].view(T, g.nkv, g.hd), torch.ones(g.hd), 1e-6)
+
+
+def router(g: Geometry, lengths: list[int]) -> None:
+    if not g.moe_layers:
+        return
+    from ft.runtime.gpu.router import MAX_TOKENS, router_topk
+
+    for T in (t for t in lengths if t <= MAX_TOKENS):
+        x = torch.zeros(T, g.H, dtype=g.dtype)
+        for extra in (None, torch.zeros(1, g.H, dtype=g.dtype)):
+            router_topk(x, torch.zeros(g.E, g.H, dtype=g.dtype), g.k, True, extra)
+
+
+def attention(g: Geometry, lengths: list[int]) -> None:
+    from ft.runtime.gpu import decode_attention as da
+
+    cfg = da.CONFIG
+    splits, s = [], cfg["min_splits"]
+    while s <= cfg["max_splits"]:
+        splits.append(s)
+        s *= 2
+    for B in (t for t in lengths if t <= MAX_BATCH):
+        rows = (g.nq + 2 * g.nkv) * g.hd + (g.nq * g.hd if g.gated else 0)
+        qkv = torch.zeros(B, rows, dtype=g.dtype)
+        norm = torch.ones(g.hd) if g.qk_norm else None
+        cos = torch.zeros(B, g.rd) if g.rd else None
+        tables, pos = _addr(2 * B).view(2, B), torch.zeros(B, dtype=torch.int64)
+        for S in splits:  # what num_splits gives depends on the GPU's SM count
+            da.decode_attention(qkv, norm, norm, 1e-6, cos, cos, tables, pos, nq=g.nq, nkv=g.nkv, hd=g.hd,
+                                scale=g.hd ** -0.5, gated=g.gated, splits=S)
+
+
+def deltanet(g: Geometry, lengths: list[int]) -> None:
+    if g.gdn is None:
+        return
+    from ft.runtime.gpu.deltanet_decode import gdn_decode
+    from ft.runtime.gpu.deltanet_prefill import gdn_chunk_prefill
+
+    hk, hv, dk, dv, K = g.gdn
+    C = 2 * hk * dk + hv * dv
+    for B in (t for t in lengths if t <= MAX_BATCH):
+        ba = torch.zeros(B, 2 * hv, dtype=g.dtype)
+        gdn_decode(torch.zeros(B, C, dtype=g.dtype), torch.zeros(B, hv * dv, dtype=g.dtype), ba[:, :hv], ba[:, hv:],
+                   torch.zeros(C, K, dtype=g.dtype), torch.zeros(hv), torch.zeros(hv), torch.ones(dv), 1e-6,
+                   _addr(2 * B).view(2, B), hk=hk, hv=hv, dk=dk, dv=dv)
+    for T in (t for t in lengths if t > 1):
+        qk = torch.zeros(T, hk, dk)
+        gdn_chunk_prefill(qk, qk.clone(), torch.zeros(T, hv, dv), torch.zeros(T, hv), torch.zeros(T, hv),
+                          torch.zeros(hv, dk, dv))
+
+
+def dense(g: Geometry, lengths: list[int]) -> None:
+    from ft.runtime.gpu.dense_gemv import MAX_TOKENS, dense_gemv
+    from ft.runtime.gpu.dense_quant import quantized_gemv, supported
+
+    for scheme, N, K in g.linears:
+        for T in (t for t in lengths if t <= MAX_TOKENS):
+            x = torch.zeros(T, K, dtype=g.dtype)
+            if scheme is None:
+                dense_gemv(x, torch.zeros(N, K, dtype=g.dtype))
+            elif scheme == "nvfp4" and supported(scheme, K):
+                buf = torch.zeros(N * K // 2 + N * K // 16, dtype=torch.uint8)
+                w, s = buf[:N * K // 2].view(N, K // 2), buf[N * K // 2:].view(torch.float8_e4m3fn).view(N, K // 16)
+                for s2 in (torch.ones(1), torch.ones(N)):
+                    quantized_gemv("nvfp4", x, w, s, s2)
+            elif scheme == "fp8_row":
+                quantized_gemv("fp8_row", x, torch.zeros(N, K, dtype=torch.float8_e4m3fn), torch.ones(N), None)
+
+
+def embedding(g: Geometry, lengths: list[int]) -> None:
+    from ft.runtime.gpu.embedding import gather_rows
+
+    for T in lengths:
+        gather_rows(ADDR, torch.zeros(T, dtype=torch.int64), torch.zeros(T, g.H, dtype=g.dtype))
+
+
+def moe(g: Geometry, lengths: list[int]) -> None:
+    if not g.moe_layers:
+        return
+    from ft.runtime.gpu import cpu_lane
+    from ft.runtime.gpu.gather import gather_missing
+    from ft.runtime.gpu.host_plan import moe_nvfp4
+    from ft.runtime.gpu.nvfp4_decode import moe_nvfp4_device
+    from ft.runtime.gpu.nvfp4_decode_mma import moe_nvfp4_mma
+    from ft.runtime.gpu.nvfp4_triton import TILE_CONFIGS
+    from ft.runtime.gpu.prefill_plan import moe_nvfp4_prefill
+    from ft.runtime.gpu.record_layout import RecordLayout
+
+    H, I, E, k = g.H, g.I, g.E, g.k
+    layout = RecordLayout.packed(H, I)
+    pool = torch.zeros(E + 64, layout.stride, dtype=torch.uint8)
+    row = torch.arange(E, dtype=torch.int32)
+    table = torch.zeros(max(g.moe_layers) + 1, E, dtype=torch.int32)
+    state, split = torch.zeros(2, dtype=torch.int32), torch.zeros(4)
+    for T in (t for t in lengths if t <= MAX_DECODE):
+        ids, w = torch.arange(T * k).view(T, k) % E, torch.ones(T, k)
+        x = torch.zeros(T, H, dtype=g.dtype)
+        for combine in ("tokens", "pairs"):
+            moe_nvfp4_device(pool, layout, x, ids, row, w, combine=combine)
+        for out_dtype in (F32, g.dtype):
+            moe_nvfp4_device(pool, layout, x, ids, row, w, out_dtype=out_dtype)
+            moe_nvfp4_device(pool, layout, x, ids, row, w, host_base=ADDR, host_stride=layout.stride,
+                             out_dtype=out_dtype)
+        if T > 1:  # the tensor-core decode kernels, resident and mapped
+            for host in (0, ADDR):
+                moe_nvfp4_mma(pool, layout, x, ids, row, w, out_dtype=g.dtype, host_base=host,
+                              host_stride=layout.stride if host else 0)
+        P = T * k
+        if P <= cpu_lane.MAX_DEVICE_PAIRS:
+            pair = torch.zeros(P, dtype=torch.int32)
+            for layer in g.moe_layers:  # layer and staging row are launch integers: each of their classes
+                for staging0 in (E, E + 1):
+                    gather_missing(pool, layout, ids, table, layer, ADDR, layout.stride, staging0)
+                    cpu_lane._post_kernel[(1,)](ADDR, state, split, x, ids.reshape(-1), w.reshape(-1), pair,
+                                                pair, layer, staging0, T, H, P, k, BLOCK_P=cpu_lane.MAX_DEVICE_PAIRS,
+                                                BLOCK_H=1024, FENCE=True, num_warps=4)
+            y, y_off = torch.zeros(T, H), cpu_lane.MB_X.value + cpu_lane.MAX_DEVICE_PAIRS // k * H
+            cpu_lane._wait_add_kernel[(1,)](y, ADDR, state, y.numel(), y_off, cpu_lane.WAIT_LIMIT, BLOCK=2048,
+                                            FENCE=True, num_warps=4)
+    for T in (t for t in lengths if t > MAX_DECODE):  # resident prefill (device plan); tiles from pick_blocks(T)
+        ids = (torch.arange(T * k) % E).view(T, k)
+        moe_nvfp4_prefill(pool, layout, torch.zeros(T, H, dtype=g.dtype), ids, row, torch.ones(T, k))
+    for T in lengths:  # host-planned tile kernels (hybrid decode misses, offloaded prefill): every tile config
+        slots = (torch.arange(T * k) % E).numpy()
+        for blocks in TILE_CONFIGS.values():
+            moe_nvfp4(pool, layout, torch.zeros(T, H, dtype=g.dtype), slots, torch.ones(T, k), blocks=blocks)
+
+
+GROUPS = {"fused": fused, "router": router, "attention": attention, "deltanet": deltanet, "dense": dense,
+          "embedding": embedding, "moe": moe}

@@ -1,0 +1,130 @@
+"""What Triton's on-disk kernel cache needs from us: the key parts a prebuilt kernel must share with this process, the
+runtime's kernel functions and their source keys, installing kernels into the cache, and counting compiles.
+
+Triton files a compiled kernel under sha256(triton_key - source hash - backend hash - options hash - env) (triton
+3.6/3.9 `compiler.compile`, `runtime.cache.get_cache_key`), and `compile` returns the cached kernel without compiling
+when its group file names a `.json` metadata file. Every part is content, not a path: `triton_key()` hashes the
+installed Triton (its Python files and libtriton, so one Triton version on another Python or platform is another
+build), the backend hash is ptxas' version and the arch, the options hash holds libdevice's digest, and the env part
+lists only the cache-invalidating variables that are set. The source hash comes from the kernel's source (and its
+callees'), the specialization (dtypes, 16-byte alignment, divisibility of integers) and the constexprs. So a kernel
+compiled on any machine by the same Triton build for the same arch, from the same source and launch, has the key a
+launch here computes, and installing its files under that key makes the launch load it without compiling.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import logging
+import threading
+
+log = logging.getLogger("ft.gpu")
+
+# ft.runtime.gpu modules whose kernels the runtime launches (`kernel_function` resolves names only inside these).
+KERNEL_MODULES = ("cpu_lane", "decode_attention", "deltanet_decode", "deltanet_prefill", "dense_gemv", "dense_quant",
+                  "embedding", "fused_ops", "gather", "nvfp4_decode", "nvfp4_decode_mma", "nvfp4_triton", "router")
+
+
+def target_key(arch: int) -> dict:
+    """The parts of Triton's cache key that a prebuilt kernel must share with this process for target sm_`arch`:
+    {"triton", "triton_build", "arch", "backend_key", "env"} (see the module docstring)."""
+    import triton
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.cache import triton_key
+
+    backend = make_backend(GPUTarget("cuda", arch, 32))
+    return {"triton": triton.__version__, "triton_build": hashlib.sha256(triton_key().encode()).hexdigest(),
+            "arch": arch, "backend_key": hashlib.sha256(backend.hash().encode()).hexdigest(),
+            "env": dict(sorted(get_cache_invalidating_env_vars().items()))}
+
+
+def kernel_function(qualname: str):
+    """The JITFunction named `ft.runtime.gpu.<module>.<name>`, or None where there is no such kernel here (only the
+    modules of KERNEL_MODULES are imported: the name comes from a file)."""
+    from triton.runtime.jit import JITFunction
+
+    prefix, _, name = qualname.rpartition(".")
+    module = prefix.removeprefix("ft.runtime.gpu.")
+    if not prefix.startswith("ft.runtime.gpu.") or module not in KERNEL_MODULES:
+        return None
+    fn = getattr(importlib.import_module(prefix), name, None)
+    return fn if isinstance(fn, JITFunction) else None
+
+
+def source_key(fn) -> str:
+    """The function's part of Triton's source hash: its source, its callees' and the global constants it reads."""
+    return fn.cache_key
+
+
+def install(kernels) -> tuple[int, int]:
+    """Put each `formats.kernels.Kernel` into Triton's cache (the configured cache manager, `TRITON_CACHE_DIR` or
+    ~/.triton/cache) unless an entry is there already. Kernels whose function is gone or whose source key differs
+    from this runtime's are skipped: their launches compile. -> (installed or already there, skipped)."""
+    from triton.runtime.cache import get_cache_manager
+
+    ready = stale = 0
+    for k in kernels:
+        fn = kernel_function(k.function)
+        if fn is None or source_key(fn) != k.source:
+            stale += 1
+            continue
+        cache = get_cache_manager(k.hash)
+        meta = f"{k.name}.json"
+        group = cache.get_group(meta) or {}
+        if set(k.files) - set(group):
+            paths = {fname: cache.put(data, fname, binary=True) for fname, data in k.files.items()}
+            cache.put_group(meta, paths)
+        ready += 1
+    return ready, stale
+
+
+class CompileCounter:
+    """Counts the kernels Triton compiles in this process (cache misses), through `triton.knobs.compilation.listener`
+    (chained after any listener already set). `names`: the last ones compiled, with their constexprs."""
+
+    _installed: "CompileCounter | None" = None
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.compiled = 0
+        self.hits = 0
+        self.names: list[str] = []
+        self.verbose = False  # log each compile at INFO (prebuilt kernels were installed: a compile is a miss)
+
+    @classmethod
+    def get(cls) -> "CompileCounter | None":
+        """The process' counter, installed on first use; None where this Triton has no compilation listener."""
+        with cls._lock:
+            if cls._installed is None:
+                from triton import knobs
+
+                if not hasattr(knobs.compilation, "listener"):
+                    return None
+                counter, before = cls(), knobs.compilation.listener
+
+                def listener(*, src, metadata, metadata_group, times, cache_hit):
+                    counter.observe(src, cache_hit)
+                    if before is not None:
+                        before(src=src, metadata=metadata, metadata_group=metadata_group, times=times,
+                               cache_hit=cache_hit)
+
+                knobs.compilation.listener = listener
+                cls._installed = counter
+            return cls._installed
+
+    def observe(self, src, cache_hit: bool) -> None:
+        if cache_hit:
+            self.hits += 1
+            return
+        self.compiled += 1
+        fn = getattr(src, "fn", None)
+        args = getattr(fn, "arg_names", [])
+        consts = {(args[k[0]] if isinstance(k, tuple) and len(k) == 1 and k[0] < len(args) else k): v
+                  for k, v in (getattr(src, "constants", {}) or {}).items()}  # (index,) -> the argument's name
+        shown = ", ".join(f"{k}={v}" for k, v in consts.items() if not callable(v))
+        name = f"{getattr(fn, '__name__', getattr(src, 'name', '?'))}" + (f"[{shown}]" if shown else "")
+        self.names = (self.names + [name])[-64:]
+        (log.info if self.verbose else log.debug)("kernels: compiled %s (not prebuilt)", name)
