@@ -1,4 +1,4 @@
-"""FTW validation errors: one class per numbered rule of specs/ftw.md (V1..V21).
+"""FTW validation errors: one class per numbered rule of specs/ftw.md (V1..V22).
 
 Every message names the file and what is wrong, so a user can act on one line of output.
 """
@@ -64,11 +64,13 @@ FtwChecksumError = _rule("FtwChecksumError", "V20", "checksum mismatch",
                          "Content bytes do not hash to the recorded xxh3-64 value.")
 FtwPaddingError = _rule("FtwPaddingError", "V21", "non-zero padding",
                         "Bytes between regions are not zero.")
+FtwPlanError = _rule("FtwPlanError", "V22", "bad plan",
+                     "A plans/<name>.json entry is not a valid placement plan for this model (specs/plan.md).")
 
 ALL_ERRORS: tuple[type[FtwError], ...] = (
     FtwNotFoundError, FtwTruncatedError, FtwMagicError, FtwVersionError, FtwHeaderError,
     FtwManifestTooLargeError, FtwManifestChecksumError, FtwManifestParseError, FtwSchemaError,
     FtwFeatureError, FtwPathError, FtwDtypeError, FtwShapeError, FtwAlignmentError, FtwRangeError,
     FtwOverlapError, FtwDuplicateError, FtwFileSizeError, FtwConfigError, FtwChecksumError,
-    FtwPaddingError,
+    FtwPaddingError, FtwPlanError,
 )

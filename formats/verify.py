@@ -7,7 +7,8 @@ Two plans, one scanner (specs/ftw.md §10):
   each sampled region is read with the padding that follows it. The writer computed every digest from the
   bytes it wrote, so the sample is there to catch misplaced bytes (a wrong offset shifts everything after it, the
   last region of each file included) and a disk that did not keep what it acknowledged.
-Side files (assets, plans, kernels) are always hashed whole: they are small.
+Side files (assets, plans, kernels) are always hashed whole: they are small; placement plans (`plans/<name>.json`,
+formats/plan.py) are also validated (V22).
 
 Data files are read in aligned blocks through one reusable buffer, not through the reader's mmap: touched pages of
 a mapping count as resident memory until it is unmapped, so verifying a 20 GB FTW through the mapping would grow
@@ -121,10 +122,18 @@ def check(r: "FtwReader", plan: Plan, progress: Callable[[int], None] | None = N
     tick = progress or (lambda n: None)
     for idx, units in sorted(plan.items()):
         failures += _scan_file(r.path / m.files[idx].name, units, tick)
+    from .plan import SUFFIX, model_key, parse_plan
+
+    key = model_key(m) if m.slots["plans"] else None
     for a in (*m.assets.values(), *m.slots["plans"], *m.slots["kernels"]):
         data = (r.path / a.name).read_bytes()
         if xxh3_hex(data) != a.xxh3:
             failures.append(E.FtwChecksumError(r.path / a.name, f"xxh3 {xxh3_hex(data)} != recorded {a.xxh3}"))
+        elif a.name.startswith("plans/") and a.name.endswith(SUFFIX):  # a placement plan: its content too (V22)
+            try:
+                parse_plan(data, r.path / a.name, name=a.name[len("plans/"):-len(SUFFIX)], key=key)
+            except E.FtwPlanError as e:
+                failures.append(e)
         tick(a.nbytes)
     return failures
 

@@ -1,4 +1,4 @@
-"""One malformed fixture per validation rule V1..V21 of specs/ftw.md, each raising its own error class.
+"""One malformed fixture per validation rule V1..V22 of specs/ftw.md, each raising its own error class.
 
 Every fixture starts from a valid FTW (`small_ftw`: data-00000.ftd holds `t.f32` at 0, `t.bf16` at 4096 and the
 4-expert bank `bank` at 8192 with stride 4096; assets `tokenizer.json` and `plans/tiny.plan`). Manifest edits are
@@ -361,9 +361,24 @@ def test_V21_non_zero_padding(ftw: Path, offset: int) -> None:
     _only(r.verify(), E.FtwPaddingError, f"padding byte at offset {offset} is not zero")
 
 
+# -- V22: placement plans (verify, and whoever reads a plan; more in test_plan_format.py) ------------------
+
+def test_V22_bad_plan(ftw: Path) -> None:
+    from ft.formats.plan import read_plan
+    from ft.formats.slots import put_entry
+
+    put_entry(ftw, "plans", "gpu.json", b'{"format": "ft-plan", "version": 2}')
+    r = FtwReader(ftw)  # plans are not read at open
+    with pytest.raises(E.FtwPlanError, match=r"gpu\.json: V22 bad plan: plan version 2; this reader knows version 1"):
+        read_plan(r, "gpu")
+    failures = r.verify()
+    assert len(failures) == 1 and type(failures[0]) is E.FtwPlanError and Path(failures[0].where).name == "gpu.json"
+    assert FtwReader(ftw).tensor("t.f32").shape == (3, 5)  # the weights stay readable
+
+
 def test_every_rule_has_its_own_class_and_a_fixture() -> None:
-    assert [c.rule for c in E.ALL_ERRORS] == [f"V{i}" for i in range(1, 22)]
-    assert len({c.__name__ for c in E.ALL_ERRORS}) == 21
+    assert [c.rule for c in E.ALL_ERRORS] == [f"V{i}" for i in range(1, 23)]
+    assert len({c.__name__ for c in E.ALL_ERRORS}) == 22
     assert all(getattr(E, c.__name__) is c and issubclass(c, ValueError) for c in E.ALL_ERRORS)
     tests = [n for n in dir(sys.modules[__name__]) if n.startswith("test_V")]
     for c in E.ALL_ERRORS:
