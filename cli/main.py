@@ -22,6 +22,7 @@ COMMAND_MODULES = [
     "ft.cli.launch_cmd",
     "ft.cli.synth_cmd",
     "ft.cli.bundle_cmd",
+    "ft.cli.plan_cmd",
 ]
 
 app = typer.Typer(
