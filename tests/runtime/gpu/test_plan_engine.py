@@ -69,6 +69,7 @@ def _resident(ex) -> set[tuple[int, int]]:
 def _first_step_hits(eng) -> int:
     eng.add_request("r", PROMPT, PARAMS)
     eng.step()  # the prompt's forward and its first token
+    eng._experts.settle()  # mode mapped counts a call when its routing has come back
     hits = eng.stats()["moe"]["hits"]
     while eng.has_unfinished():
         eng.step()
@@ -205,7 +206,8 @@ def test_cuda_engine_preloads_the_plan_before_capturing_graphs(ftw, monkeypatch)
     eng = Engine(ftw, EngineSettings(vram_budget=budget, **kw))
     ex = eng._experts
     assert eng.placement.plan == "gpu" and ex.opts.mode == "mapped" and eng.model.graphs is not None
-    assert _resident(ex) == set(plan.resident[:ex.num_slots])
+    resident = _resident(ex)  # the plan's list, continued if this engine measured room for more slots
+    assert set(plan.resident[:ex.num_slots]) <= resident and len(resident) == ex.num_slots
     ex.wait_pinned()
     assert _first_step_hits(eng) > 0
     eng.close()
