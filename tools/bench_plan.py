@@ -19,6 +19,7 @@ import argparse
 import gc
 import json
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -104,7 +105,8 @@ def bench_budget(ftw: Path, gib: float, *, calibrate: int, steps: int, baseline:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--work", type=Path, default=Path("/tmp/ft-full"))
+    ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "ft-full",
+                    help="where the synthetic checkpoint and its FTW are built (shared with tools/gpu_full.py)")
     ap.add_argument("--model", default="qwen3moe-35b-geom")
     ap.add_argument("--routing", default="uniform")
     ap.add_argument("--budgets", default="8,12")
