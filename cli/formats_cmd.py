@@ -78,7 +78,7 @@ def inspect(path: Path = typer.Argument(..., help="FTW directory"),
                          f"dense dtypes {s['formats']['dense_dtypes']}")
     t.add_row("bytes", f"dense {_mib(b['dense'])}, experts {_mib(b['experts'])}, assets {_mib(b['assets'])}; "
                        f"{b['num_data_files']} data file(s), {_mib(b['data_files'])}")
-    t.add_row("plans", ", ".join(s["plans"]) or "none")
+    t.add_row("plans", _plans_text(s) or "none")
     t.add_row("kernels", "\n".join(_kernel_set(k) for k in s["kernel_sets"]) or "none")
     t.add_row("source", json.dumps(s["provenance"]))
     Console().print(t)
@@ -91,6 +91,22 @@ def _kernel_set(k: dict) -> str:
     trust = f"trusted: {k['trusted']}" if k["trusted"] else "not trusted on this machine (the runtime compiles instead)"
     return (f"{k['name']}: sm_{k['arch']}, triton {k['triton']}, {k['kernels']} kernels, {_mib(k['nbytes'])}; "
             f"{trust}")
+
+
+def _plans_text(s: dict) -> str:
+    """Each placement plan with its machine and prediction (other plans/ entries by name)."""
+    lines = []
+    for p in s["placement_plans"]:
+        if "error" in p:
+            lines.append(f"{p['name']}: unreadable ({p['error']})")
+        else:
+            pre = f", prefill {p['prefill_tok_s']:.0f}" if p["prefill_tok_s"] is not None else ""
+            lines.append(f"{p['name']}: {p['gpu']}, VRAM budget {p['vram_budget'] / 2**30:.2f} GiB, host RAM "
+                         f"{p['host_memory'] / 2**30:.0f} GiB; {p['expert_slots']} expert slots, KV "
+                         f"{p['kv_tokens']} tokens, routing {p['routing']}; predicted decode "
+                         f"{p['decode_tok_s']:.1f}{pre} tok/s")
+    named = {f"plans/{p['name']}.json" for p in s["placement_plans"]}
+    return "\n".join(lines + [n for n in s["plans"] if n not in named])
 
 
 def _human(n: int) -> str:

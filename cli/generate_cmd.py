@@ -52,6 +52,8 @@ def generate_command(
             if problems:
                 _fail(str(problems[0]) + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""))
         engine = Engine(reader, settings)
+        if engine.placement is not None and not as_json:
+            typer.echo(f"plan: {engine.placement.note}", err=True)
     except FtwError as e:  # structural problems, unknown family (V19), bad config
         _fail(str(e))
     except ValueError as e:
@@ -73,6 +75,7 @@ def generate_command(
             "finish_reason": result.finish_reason, "prompt_tokens": result.prompt_tokens,
             "output_tokens": len(result.token_ids), "timings": result.timings,
             **({"moe": moe} if (moe := engine.stats().get("moe")) else {}),  # GPU expert cache counters
+            **({"plan": engine.placement.stats()} if engine.placement is not None else {}),  # `ft plan`
         }))
     else:
         sys.stdout.write("\n")

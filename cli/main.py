@@ -23,6 +23,7 @@ COMMAND_MODULES = [
     "ft.cli.synth_cmd",
     "ft.cli.bundle_cmd",
     "ft.cli.kernels_cmd",
+    "ft.cli.plan_cmd",
 ]
 
 app = typer.Typer(

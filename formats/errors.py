@@ -66,11 +66,13 @@ FtwPaddingError = _rule("FtwPaddingError", "V21", "non-zero padding",
                         "Bytes between regions are not zero.")
 FtwKernelsError = _rule("FtwKernelsError", "V22", "kernels entry",
                         "A kernels/ entry is not a valid kernels container (§5.7).")
+FtwPlanError = _rule("FtwPlanError", "V23", "bad plan",
+                     "A plans/<name>.json entry is not a valid placement plan for this model (specs/plan.md).")
 
 ALL_ERRORS: tuple[type[FtwError], ...] = (
     FtwNotFoundError, FtwTruncatedError, FtwMagicError, FtwVersionError, FtwHeaderError,
     FtwManifestTooLargeError, FtwManifestChecksumError, FtwManifestParseError, FtwSchemaError,
     FtwFeatureError, FtwPathError, FtwDtypeError, FtwShapeError, FtwAlignmentError, FtwRangeError,
     FtwOverlapError, FtwDuplicateError, FtwFileSizeError, FtwConfigError, FtwChecksumError,
-    FtwPaddingError, FtwKernelsError,
+    FtwPaddingError, FtwKernelsError, FtwPlanError,
 )

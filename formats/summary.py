@@ -55,11 +55,31 @@ def summarize(r: FtwReader) -> dict[str, Any]:
         "bytes": {"dense": dense_bytes, "experts": expert_bytes, "assets": asset_bytes,
                   "data_files": sum(f.nbytes for f in m.files), "num_data_files": len(m.files)},
         "plans": [a.name for a in m.slots["plans"]],
+        "placement_plans": _plans(r),
         "kernels": [a.name for a in m.slots["kernels"]],
         "kernel_sets": describe(r),
         "provenance": {k: v for k, v in r.provenance.items() if k != "files"},
         "num_source_files": len(r.provenance.get("files", {})),
     }
+
+
+def _plans(r: FtwReader) -> list[dict[str, Any]]:
+    """One line of facts per placement plan (`plans/<name>.json`), or why it cannot be read."""
+    from . import errors as E
+    from .plan import plan_names, read_plan
+
+    out = []
+    for name in plan_names(r):
+        try:
+            p = read_plan(r, name)
+        except E.FtwError as e:
+            out.append({"name": name, "error": str(e)})
+            continue
+        out.append({"name": name, "gpu": p.machine.gpu, "vram_budget": p.vram.budget,
+                    "host_memory": p.machine.host_memory, "expert_slots": p.vram.expert_slots,
+                    "kv_tokens": p.vram.kv_tokens, "routing": p.routing.source,
+                    "decode_tok_s": p.prediction.decode_tok_s, "prefill_tok_s": p.prediction.prefill_tok_s})
+    return out
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -7,7 +7,8 @@ Two plans, one scanner (specs/ftw.md §10):
   each sampled region is read with the padding that follows it. The writer computed every digest from the
   bytes it wrote, so the sample is there to catch misplaced bytes (a wrong offset shifts everything after it, the
   last region of each file included) and a disk that did not keep what it acknowledged.
-Side files (assets, plans, kernels) are always hashed whole: they are small.
+Side files (assets, plans, kernels) are always hashed whole: they are small; kernels containers (V22) and placement
+plans (`plans/<name>.json`, formats/plan.py; V23) are also validated.
 
 Data files are read in aligned blocks through one reusable buffer, not through the reader's mmap: touched pages of
 a mapping count as resident memory until it is unmapped, so verifying a 20 GB FTW through the mapping would grow
@@ -122,7 +123,10 @@ def check(r: "FtwReader", plan: Plan, progress: Callable[[int], None] | None = N
     tick = progress or (lambda n: None)
     for idx, units in sorted(plan.items()):
         failures += _scan_file(r.path / m.files[idx].name, units, tick)
+    from .plan import SUFFIX, model_key, parse_plan
+
     kernels = {a.name for a in m.slots["kernels"]}
+    key = model_key(m) if m.slots["plans"] else None
     for a in (*m.assets.values(), *m.slots["plans"], *m.slots["kernels"]):
         data = (r.path / a.name).read_bytes()
         if xxh3_hex(data) != a.xxh3:
@@ -131,6 +135,11 @@ def check(r: "FtwReader", plan: Plan, progress: Callable[[int], None] | None = N
             try:
                 unpack_kernels(data, r.path / a.name)
             except E.FtwError as e:
+                failures.append(e)
+        elif a.name.startswith("plans/") and a.name.endswith(SUFFIX):  # a placement plan: its content too (V23)
+            try:
+                parse_plan(data, r.path / a.name, name=a.name[len("plans/"):-len(SUFFIX)], key=key)
+            except E.FtwPlanError as e:
                 failures.append(e)
         tick(a.nbytes)
     return failures

@@ -102,7 +102,7 @@ class Engine:
                     reader, device=s.device, vram_budget=s.vram_budget, memory_ratio=s.memory_ratio, offload=offload,
                     kv_reserve_tokens=s.kv_reserve_tokens, max_running_requests=s.max_running_requests,
                     dense_weights=s.dense_weights, mode=s.offload_mode,
-                    cuda_graphs=s.cuda_graphs, pin_host_bytes=s.pinned_memory)
+                    cuda_graphs=s.cuda_graphs, pin_host_bytes=s.pinned_memory, plan_name=s.plan)
             else:
                 log.warning("%s; routed experts run on the CPU", why)
         self.model = model if model is not None else load_model(reader, device=s.device, experts=experts)
@@ -112,10 +112,12 @@ class Engine:
         self.generation_config: dict = dict(reader.generation)  # generation_config.json defaults
         self.model_name = Path(reader.path).name.removesuffix(".ftw")  # the directory the user named
         self._reader = reader  # its data files are mapped: `check_storage` before a forward reads them
+        self._save_routing = s.save_routing  # written once, at close
         self.device = torch.device(s.device)
         self.eos_token_ids = frozenset(self.config.eos_token_ids) | frozenset(
             self.generation_config.get("eos_token_ids") or ())
-        plan = getattr(experts, "vram_plan", None)  # on CUDA: the KV budget the VRAM plan gave (or was given)
+        plan = self.vram_plan = getattr(experts, "vram_plan", None)  # on CUDA: the KV budget the VRAM plan gave
+        self.placement = getattr(experts, "placement", None)  # the placement plan it started from (`ft plan`)
         kv_tokens = plan.kv_tokens if plan is not None and plan.kv_tokens else (s.kv_reserve_tokens or CPU_KV_TOKENS)
         self.kv = KvBudget(kv_tokens, self.config.max_position_embeddings, s.kv_block_tokens)
         self.prefix = PrefixCache(self.kv, s.prefix_cache_entries) if s.prefix_cache_entries else None
@@ -125,7 +127,8 @@ class Engine:
             n = prefix_store.load(self.prefix, self._prefix_dir, self._prefix_key, self.model.new_state)
             log.info("prefix cache: %d kept states loaded from %s", n, self._prefix_dir)
         offloaded = plan is not None and plan.num_slots < plan.max_slots
-        self.max_prefill_length = s.max_prefill_length or (OFFLOADED_PREFILL_CHUNK if offloaded else PREFILL_CHUNK)
+        self.max_prefill_length = s.max_prefill_length or getattr(self.placement, "prefill_chunk", None) or (
+            OFFLOADED_PREFILL_CHUNK if offloaded else PREFILL_CHUNK)
         self.max_running_requests = s.max_running_requests
         self.max_output_tokens = s.max_output_tokens
         self.max_queued_requests = s.max_queued_requests
@@ -138,7 +141,7 @@ class Engine:
 
     def close(self) -> None:
         """Stop the experts implementation's worker threads (GPU scheduler) and release pinned host memory; with
-        --prefix-cache-dir, write the kept states there first."""
+        --prefix-cache-dir, write the kept states there first, with --save-routing the expert cache's counts."""
         if getattr(self, "_prefix_dir", None) is not None:
             n = prefix_store.save(self.prefix, self._prefix_dir, self._prefix_key)
             log.info("prefix cache: %d kept states written to %s", n, self._prefix_dir)
@@ -146,6 +149,11 @@ class Engine:
         kernels = getattr(self, "kernels", None)
         if kernels is not None and kernels.counter is not None:
             log.info("kernels: %d compiled since start (prebuilt: %s)", kernels.counter.compiled, kernels.decision)
+        if getattr(self, "_save_routing", None):
+            from ft.runtime.plan.routing import save_engine_counts
+
+            save_engine_counts(self._save_routing, self._reader, self._experts)
+            self._save_routing = None
         if callable(getattr(self._experts, "close", None)):
             self._experts.close()
 
@@ -428,4 +436,6 @@ class Engine:
             out["prefix_cache"] = self.prefix.stats()
         if self.kernels is not None:  # prebuilt kernels used or why not, and the kernels compiled since start
             out["kernels"] = self.kernels.stats()
+        if self.placement is not None:
+            out["plan"] = self.placement.stats()
         return out

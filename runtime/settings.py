@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from ft.formats.layout import is_safe_name
+
 DENSE_WEIGHTS = ("dequantized", "quantized")
 OFFLOAD_MODES = ("hybrid", "mapped", "offload", "cpu")  # --offload-mode choices (resident: chosen when all fits)
 
@@ -72,6 +74,15 @@ class EngineSettings:
                              "CUDA only: how expert-cache misses are served. hybrid: split between PCIe fetches and "
                              "CPU compute; mapped: the GPU copies them from page-locked host memory without waiting "
                              "for the host; offload: every miss fetched; cpu: every miss on the CPU.")
+    plan: str | None = _opt(None, "--plan",
+                            "CUDA only: the FTW's placement plan to start from (`ft plan` writes them: VRAM split, "
+                            "experts preloaded into the cache, KV size), by NAME, or none. Default: the plan made "
+                            "for this machine (GPU, VRAM budget, host RAM), else one planned at start and not "
+                            "written; the start-up log names it.", cli_type=str)
+    save_routing: str | None = _opt(None, "--save-routing",
+                                    "CUDA only: at shutdown, write the expert cache's routing counts per MoE layer to "
+                                    "this JSON file (routing seen by offloaded layers), for `ft plan --routing "
+                                    "FILE`.", cli_type=str)
     cuda_graphs: bool = _opt(True, "--cuda-graphs/--enforce-eager",
                              "CUDA only: replay one-token decode steps from CUDA graphs captured at start (when every "
                              "MoE layer is sync-free: modes resident and mapped), or never (--enforce-eager).")
@@ -101,6 +112,8 @@ class EngineSettings:
                 object.__setattr__(self, name, value)
             except ValueError as e:
                 problems.append(f"{flag(name)}: {e}")
+        if self.plan is not None and self.plan != "none" and not is_safe_name(f"{self.plan}.json"):
+            problems.append(f"--plan {self.plan!r}: a plan name is a plain file name (see `ft inspect`), or none")
         try:
             object.__setattr__(self, "device", _resolve_device(self.device))
         except ValueError as e:

@@ -213,7 +213,8 @@ def moe(g: Geometry, lengths: list[int]) -> None:
             pair = torch.zeros(P, dtype=torch.int32)
             for layer in g.moe_layers:  # layer and staging row are launch integers: each of their classes
                 for staging0 in (E, E + 1):
-                    gather_missing(pool, layout, ids, table, layer, ADDR, layout.stride, staging0)
+                    gather_missing(pool, layout, ids, table, layer, ADDR, layout.stride, staging0,
+                                   entry=torch.empty(3, cpu_lane.MAX_DEVICE_PAIRS, dtype=torch.int32))
                     cpu_lane._post_kernel[(1,)](ADDR, state, split, x, ids.reshape(-1), w.reshape(-1), pair,
                                                 pair, layer, staging0, T, H, P, k, BLOCK_P=cpu_lane.MAX_DEVICE_PAIRS,
                                                 BLOCK_H=1024, FENCE=True, num_warps=4)

@@ -4,12 +4,14 @@
                                     kv_reserve_tokens=None, max_running_requests=4)
 
 Order: resolve the budget and measure what the device holds outside the caching allocator (before anything is
-loaded), load the dense weights onto the device (quantized linears dequantized, or as stored with
-`OffloadConfig(dense="quantized")`), measure what they took, then give the expert slots what the KV reserve, prefill
-buffers and activation reserve leave (the KV budget itself, unless given, from the budget: `default_kv_tokens`;
-`experts.vram_plan.kv_tokens` says what it is), and cap the allocator so that the device's use stays within the budget
-(`sizing`). When every expert fits, the scheduler runs fully resident. `device="cpu"` with an explicit `offload` runs
-the same scheduler on the CPU emulation path (the "VRAM" is then host memory; used by tests).
+loaded), pick the placement plan (the FTW's for this machine, `ft plan`; else one made now, not written), load the
+dense weights onto the device (quantized linears dequantized, or as stored with `OffloadConfig(dense="quantized")`),
+measure what they took, then give the expert slots what the KV reserve, prefill buffers and activation reserve leave
+(the KV budget itself, unless given, the placement plan's or from the budget: `default_kv_tokens`;
+`experts.vram_plan.kv_tokens` says what it is), preload the plan's experts into the slots, and cap the allocator so
+that the device's use stays within the budget (`sizing`); CUDA graphs are captured after that. When every expert
+fits, the scheduler runs fully resident. `device="cpu"` with an explicit `offload` runs the same scheduler on the CPU
+emulation path (the "VRAM" is then host memory; used by tests).
 """
 
 from __future__ import annotations
@@ -23,8 +25,7 @@ from ft.formats import FtwReader
 
 from .hybrid import GpuExperts
 from .offload_config import OffloadConfig
-from .sizing import (LATE_OUTSIDE, cap_allocator, default_kv_tokens, device_in_use, left_after, plan_vram,
-                     resolve_budget, state_bytes)
+from .sizing import LATE_OUTSIDE, cap_allocator, device_in_use, resolve_budget, split_budget, state_bytes
 
 log = logging.getLogger("ft.gpu")
 
@@ -51,11 +52,14 @@ def _weight_bytes(model) -> int:
 def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, memory_ratio: float,
                    offload: OffloadConfig | None, kv_reserve_tokens: int | None, max_running_requests: int,
                    dense_weights: str | None = None, mode: str | None = None, cuda_graphs: bool = True,
-                   pin_host_bytes: int | None = None):
+                   pin_host_bytes: int | None = None, plan_name: str | None = None):
     """-> (model, GpuExperts with its slot pool allocated; `experts.vram_plan` says how the budget was spent). On
     CUDA with `cuda_graphs`, the model replays sync-free decode steps of up to `max_running_requests` sequences from
     CUDA graphs (`graphs.py`), captured here. `pin_host_bytes`: the host memory the default scheduler's banks may
-    page-lock (None: half of MemAvailable; ignored when `offload` is given, which says it itself)."""
+    page-lock (None: half of MemAvailable; ignored when `offload` is given, which says it itself). `plan_name`: the
+    FTW's placement plan to use (`ft plan`), None to pick the one made for this machine (or plan at start, not
+    written), "none" for neither; it sizes KV (unless `kv_reserve_tokens` is given) and preloads its experts.
+    `experts.placement` says what was used."""
     from ft.runtime.gpu.benchbw import load_profile
     from ft.runtime.model import load_model
 
@@ -72,6 +76,11 @@ def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, m
         opts = dataclasses.replace(opts, vram_budget=budget)
     if dense_weights is not None:
         opts = dataclasses.replace(opts, dense=dense_weights)  # validated by OffloadConfig
+    placement = None  # the FTW's plan for this machine, or one made now (`ft.runtime.plan.select`); before loading
+    if budget is not None and plan_name != "none":
+        from ft.runtime.plan.select import choose_placement
+
+        placement = choose_placement(reader, plan_name, dev, budget)
     outside = held = 0
     if cuda:  # an explicit budget covers the context (and, on a shared GPU, other processes); a ratio of free does not
         torch.cuda.empty_cache()
@@ -83,20 +92,15 @@ def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, m
     model = load_model(reader, device=str(dev), experts=experts, keep_quantized=keep)
     dense = torch.cuda.memory_allocated(dev) - before if cuda else _weight_bytes(model)
     per_token, per_seq = state_bytes(model.config, model.dtype)
-    stride = experts.layout.stride
-    kv_tokens = kv_reserve_tokens
-    if kv_tokens is None:  # from the budget: what the fixed parts leave is shared between KV and expert slots
-        room = left_after(budget, dense=dense, kv=max_running_requests * per_seq, stride=stride,
-                          prefill_slots=opts.prefill_slots, reserve=opts.reserve_bytes,
-                          outside=outside) if budget is not None else 0
-        kv_tokens = default_kv_tokens(room, per_token, model.config.max_position_embeddings)
-    kv = kv_tokens * per_token + max_running_requests * per_seq
     max_slots = len(experts.moe_layers) * experts.E
+    kv_tokens = kv_reserve_tokens if kv_reserve_tokens is not None else getattr(placement, "kv_tokens", None)
     plan = None
-    if budget is not None:
-        plan = plan_vram(budget, dense=dense, kv=kv, stride=stride, prefill_slots=opts.prefill_slots,
-                         reserve=opts.reserve_bytes, max_slots=max_slots, dense_quantized=keep, outside=outside,
-                         kv_tokens=kv_tokens)
+    if budget is not None:  # what the fixed parts leave is shared between KV (unless given) and expert slots
+        plan = split_budget(budget, dense=dense, per_token=per_token, per_seq=per_seq,
+                            max_running_requests=max_running_requests, kv_tokens=kv_tokens,
+                            max_context=model.config.max_position_embeddings, stride=experts.layout.stride,
+                            prefill_slots=opts.prefill_slots, reserve=opts.reserve_bytes, max_slots=max_slots,
+                            dense_quantized=keep, outside=outside)
     num_slots = opts.num_slots if opts.num_slots is not None else (plan.num_slots if plan else None)
     if opts.mode in ("resident", "static"):
         need = max_slots - len(opts.cpu_layers) * experts.E
@@ -108,19 +112,24 @@ def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, m
     if cuda and plan is not None:
         cap_allocator(dev, held + budget - outside)  # lifted again by experts.close()
         experts.capped = dev
-    experts.allocate(num_slots=num_slots)
-    experts.vram_plan = plan
+    preload = priors = None
+    if placement is not None and experts.opts.mode not in ("resident", "static") and num_slots:
+        preload, priors = placement.preload(experts.moe_layers, experts.E, num_slots, num_layers=experts.L)
+    experts.allocate(num_slots=num_slots, priors=priors, preload=preload)  # the plan's experts resident before capture
+    experts.vram_plan, experts.placement = plan, placement
     if cuda and cuda_graphs:
         from .graphs import DecodeGraphs, bucket_sizes
 
         model.graphs = DecodeGraphs(model, experts, batch_sizes=bucket_sizes(max_running_requests))
         model.graphs.warm()  # every batch size captured now, where the experts allow replays already
+    if placement is not None:
+        log.info("%s", placement.note)
     if plan is not None:
         gib = 1 << 30
         log.info("VRAM budget %.2f GiB: in use at start + kernel modules %.2f, dense %.2f (%s), KV %.2f (%d tokens%s), "
                  "prefill buffers %.2f, reserve %.2f, expert slots %d of %d (%.0f %%, %.2f GiB), mode %s", budget / gib,
-                 outside / gib, dense / gib, "quantized" if keep else "dequantized", kv / gib, kv_tokens,
-                 "; --kv-reserve-tokens trades context for expert slots" if kv_reserve_tokens is None else "",
+                 outside / gib, dense / gib, "quantized" if keep else "dequantized", plan.kv / gib, plan.kv_tokens,
+                 "; --kv-reserve-tokens trades context for expert slots" if kv_tokens is None else "",
                  plan.prefill_buffers / gib, plan.reserve / gib, plan.num_slots, max_slots,
                  100 * plan.cached_fraction, plan.slot_bytes / gib, experts.opts.mode)
     return model, experts

@@ -58,11 +58,16 @@ class ExpertCache:
             rows = p.sum(1, keepdims=True)
             self.counts += np.where(rows > 0, p / np.maximum(rows, 1e-30), 0.0) * prior_tokens
             self.tokens += np.where(rows[:, 0] > 0, prior_tokens, 0.0)
+        self._prior = (self.counts.copy(), self.tokens.copy())  # `observed` leaves them out
 
     # ---- queries ----------------------------------------------------------------------------------------
     def lookup(self, layer: int, experts: np.ndarray) -> np.ndarray:
         """Slots of `experts` at `layer` (-1 for misses)."""
         return self.slot_of[layer, np.asarray(experts, np.int64)]
+
+    def observed(self) -> tuple[np.ndarray, np.ndarray]:
+        """(routed pairs [L, E], tokens [L]) seen while serving, without the priors (`--save-routing`)."""
+        return self.counts - self._prior[0], self.tokens - self._prior[1]
 
     def device_table(self, device):
         """The `DeviceSlotTable` mirroring `slot_of` on `device` (one per device, created on first use)."""

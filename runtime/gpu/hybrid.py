@@ -100,6 +100,7 @@ class GpuExperts:
         self.counters["cpu_seconds"] = 0.0
         self.per_layer = np.zeros((4, self.L), np.int64)  # hits, misses, fetched, cpu-computed per layer
         self.vram_plan = None  # set by the engine when it sized the pool from a VRAM budget
+        self.placement = None  # the engine's placement plan (`ft.runtime.plan.select.Placement`), when it has one
         self.capped: torch.device | None = None  # the device whose allocator the engine capped (lifted at close)
         self.pin_info: dict = {}  # BackgroundPinner's result, once it has finished
         self.pinner: BackgroundPinner | None = None
@@ -110,9 +111,12 @@ class GpuExperts:
                                   default_b_pcie=DEFAULT_B_PCIE, default_b_cpu=DEFAULT_B_CPU)
 
     # ---- allocation --------------------------------------------------------------------------------------
-    def allocate(self, num_slots: int | None = None) -> None:
+    def allocate(self, num_slots: int | None = None, *, priors: np.ndarray | None = None,
+                 preload: list[tuple[int, int]] | None = None) -> None:
         """Size and allocate the slot pool (+ two prefill buffers); preload resident / static layers.
-        `num_slots` (the engine's VRAM plan) overrides the options' sizing."""
+        `num_slots` (the engine's VRAM plan) overrides the options' sizing. A placement plan's routing counts
+        (`priors` [L, E]) seed the cache's frequency estimates and its (layer, expert) list (`preload`, hottest
+        first) fills the slots now (`ft.runtime.plan`)."""
         o, stride = self.opts, self.layout.stride
         extra = 2 * o.prefill_slots
         gpu_layers = [i for i in self.moe_layers if i not in o.cpu_layers]
@@ -128,7 +132,7 @@ class GpuExperts:
                                max_slots=len(self.moe_layers) * self.E)
         self.num_slots = n
         self.pool = torch.empty(n + extra, stride, dtype=torch.uint8, device=self.device)
-        self.cache = ExpertCache(self.L, self.E, n, policy=o.policy, moe_layers=self.moe_layers)
+        self.cache = ExpertCache(self.L, self.E, n, policy=o.policy, moe_layers=self.moe_layers, priors=priors)
         if self.device.type == "cuda":
             self.uploader = CudaUploader(self.pool, num_staging=o.num_staging, copy_threads=o.copy_threads)
             self.compute_stream = torch.cuda.current_stream(self.device)
@@ -139,16 +143,25 @@ class GpuExperts:
         else:
             self.uploader = HostUploader(self.pool)
         if o.mode in ("resident", "static"):
-            self.cache.tick()
-            for layer in gpu_layers:
-                for e, s in enumerate(self.cache.admit_many(layer, np.arange(self.E))[0].tolist()):
-                    self.uploader.upload(s, self.banks[layer].record(e))
-                self.cache.tick()
-            self._wait(self.uploader.fence())
-            self.cache.device_table(self.device).sync()  # the device-planned path's table, uploaded once
+            preload = [(layer, e) for layer in gpu_layers for e in range(self.E)]
+        if preload:
+            gpu = set(gpu_layers)
+            self._preload([(layer, e) for layer, e in preload if layer in gpu][:n])
         if o.mode == "mapped":
             self.mapped = MappedDecode(self)
             self.pipeline = PrefillPipeline(self)
+
+    def _preload(self, pairs: list[tuple[int, int]]) -> None:
+        """Admit and upload (layer, expert) pairs into empty slots (every expert of resident / static layers, or a
+        plan's); the device table (the device-planned path's, uploaded once for resident layers) after they land."""
+        self.cache.tick()
+        for layer in dict.fromkeys(layer for layer, _ in pairs):  # layers in first-seen order
+            experts = np.array([e for lay, e in pairs if lay == layer], np.int64)
+            for e, s in zip(experts.tolist(), self.cache.admit_many(layer, experts)[0].tolist()):
+                self.uploader.upload(s, self.banks[layer].record(e))
+        self.cache.tick()
+        self._wait(self.uploader.fence())
+        self.cache.device_table(self.device).sync()
 
     def _wait(self, event) -> None:
         if event is not None:

@@ -139,6 +139,20 @@ def plan_vram(budget: int, *, dense: int, kv: int, stride: int, prefill_slots: i
                     kv_tokens)
 
 
+def split_budget(budget: int, *, dense: int, per_token: int, per_seq: int, max_running_requests: int,
+                 kv_tokens: int | None, max_context: int, stride: int, prefill_slots: int, reserve: int,
+                 max_slots: int, dense_quantized: bool = False, outside: int = 0) -> VramPlan:
+    """The whole split of `budget` (the engine's at start, `ft plan`'s ahead of it): the KV budget (`kv_tokens`, else
+    `default_kv_tokens` of what the fixed parts leave), then `plan_vram`."""
+    if kv_tokens is None:
+        room = left_after(budget, dense=dense, kv=max_running_requests * per_seq, stride=stride,
+                          prefill_slots=prefill_slots, reserve=reserve, outside=outside)
+        kv_tokens = default_kv_tokens(room, per_token, max_context)
+    kv = kv_tokens * per_token + max_running_requests * per_seq
+    return plan_vram(budget, dense=dense, kv=kv, stride=stride, prefill_slots=prefill_slots, reserve=reserve,
+                     max_slots=max_slots, dense_quantized=dense_quantized, outside=outside, kv_tokens=kv_tokens)
+
+
 def resolve_budget(device: torch.device, vram_budget: int | None, memory_ratio: float) -> int:
     """The explicit budget, else memory_ratio x free VRAM now (call before loading anything)."""
     if not 0 < memory_ratio <= 1:

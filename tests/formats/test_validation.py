@@ -370,9 +370,24 @@ def test_V22_kernels_entry_that_is_not_a_container(ftw: Path) -> None:
     assert str(failures[0]).startswith(f"{ftw / 'kernels/junk.ftk'}: V22 kernels entry: ")
 
 
+# -- V23: placement plans (verify, and whoever reads a plan; more in test_plan_format.py) ------------------
+
+def test_V23_bad_plan(ftw: Path) -> None:
+    from ft.formats.plan import read_plan
+    from ft.formats.slots import put_entry
+
+    put_entry(ftw, "plans", "gpu.json", b'{"format": "ft-plan", "version": 2}')
+    r = FtwReader(ftw)  # plans are not read at open
+    with pytest.raises(E.FtwPlanError, match=r"gpu\.json: V23 bad plan: plan version 2; this reader knows version 1"):
+        read_plan(r, "gpu")
+    failures = r.verify()
+    assert len(failures) == 1 and type(failures[0]) is E.FtwPlanError and Path(failures[0].where).name == "gpu.json"
+    assert FtwReader(ftw).tensor("t.f32").shape == (3, 5)  # the weights stay readable
+
+
 def test_every_rule_has_its_own_class_and_a_fixture() -> None:
-    assert [c.rule for c in E.ALL_ERRORS] == [f"V{i}" for i in range(1, 23)]
-    assert len({c.__name__ for c in E.ALL_ERRORS}) == 22
+    assert [c.rule for c in E.ALL_ERRORS] == [f"V{i}" for i in range(1, 24)]
+    assert len({c.__name__ for c in E.ALL_ERRORS}) == 23
     assert all(getattr(E, c.__name__) is c and issubclass(c, ValueError) for c in E.ALL_ERRORS)
     tests = [n for n in dir(sys.modules[__name__]) if n.startswith("test_V")]
     for c in E.ALL_ERRORS:

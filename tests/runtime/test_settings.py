@@ -24,6 +24,7 @@ from ft.runtime.settings import EngineSettings, flag
     ({"vram_budget": 0}, "--vram-budget: a byte count must be positive"),
     ({"device": "tpu"}, "--device 'tpu'"),
     ({"prefix_cache_entries": -1}, "--prefix-cache-entries must be >= 0"),
+    ({"plan": "../gpu"}, "--plan '../gpu': a plan name is a plain file name"),
 ])
 def test_each_bad_value_names_its_flag(kwargs, message):
     with pytest.raises(ValueError) as e:
