@@ -14,13 +14,13 @@ import os
 import re
 from pathlib import Path
 
-from .trust import store_path as _keys_path
+from .home import ft_home
 
 _LINE = re.compile(r"([0-9a-f]{64}) (.{1,200})")
 
 
 def store_path() -> Path:
-    return _keys_path().with_name("trusted_kernels")
+    return ft_home() / "trusted_kernels"
 
 
 def digest(data: bytes) -> str:

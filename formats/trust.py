@@ -17,13 +17,15 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from .home import ft_home
+
 
 class TrustError(ValueError):
     """A signature that does not verify, or a key file that is not what it should be."""
 
 
 def store_path() -> Path:
-    return Path(os.environ.get("FT_HOME") or Path.home() / ".config" / "ft") / "trusted_keys"
+    return ft_home() / "trusted_keys"
 
 
 def keygen(private: Path) -> str:
