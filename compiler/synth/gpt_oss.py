@@ -49,6 +49,16 @@ def gpt_oss_config(keys: dict, tok: dict, dtype: torch.dtype):
     return cfg
 
 
+def harmony_tokenizer(out: Path, keys: dict, num_ranks: int | None) -> tuple[dict, dict]:
+    """Write the tokenizer files; -> (tokenizer info, keys with the vocab size: the tokenizer's for truncated ranks)."""
+    tok = write_tokenizer_files(out, "harmony", num_ranks)
+    if num_ranks is not None:
+        return tok, dict(keys, vocab_size=tok["vocab_size"])
+    if keys["vocab_size"] < tok["vocab_size"]:
+        raise ValueError(f"vocab_size {keys['vocab_size']} is smaller than the tokenizer ({tok['vocab_size']} ids)")
+    return tok, keys
+
+
 def value(name: str, shape: tuple[int, ...], num_layers: int, seed: int) -> torch.Tensor:
     """float32 synthetic values of one parameter (module docstring)."""
     gen = torch.Generator().manual_seed(name_seed(seed, name))
@@ -70,6 +80,9 @@ def build_gpt_oss(*, preset, keys: dict, dtype: torch.dtype, quant: str, seed: i
     Full-size presets are streamed (`synth.gpt_oss_stream`)."""
     from transformers import GptOssForCausalLM
 
+    from ft.compiler.synth.presets import TINY_RANKS
+
+    num_ranks = TINY_RANKS if preset.name == "tiny" else None
     if preset.kind == "stream":
         from ft.compiler.synth.build import _console, _progress
         from ft.compiler.synth.gpt_oss_stream import write_gpt_oss_stream
@@ -77,17 +90,12 @@ def build_gpt_oss(*, preset, keys: dict, dtype: torch.dtype, quant: str, seed: i
         with _progress(_console()) as progress:
             task = progress.add_task(f"gpt_oss {preset.name}", total=None)
             write_gpt_oss_stream(keys=keys, dtype=dtype, quant=quant, seed=seed, shard=shard, out=out, twin=twin,
-                                 advance=lambda n: progress.advance(task, n))
+                                 num_ranks=num_ranks, advance=lambda n: progress.advance(task, n))
         return
 
-    from ft.compiler.synth.presets import TINY_RANKS
     from ft.compiler.synth.tables import quiet_transformers
 
-    tok = write_tokenizer_files(out, "harmony", TINY_RANKS if preset.name == "tiny" else None)
-    if preset.name == "tiny":
-        keys = dict(keys, vocab_size=tok["vocab_size"])
-    elif keys["vocab_size"] < tok["vocab_size"]:
-        raise ValueError(f"vocab_size {keys['vocab_size']} is smaller than the tokenizer ({tok['vocab_size']} ids)")
+    tok, keys = harmony_tokenizer(out, keys, num_ranks)
     cfg = gpt_oss_config(keys, tok, dtype)
     torch.manual_seed(seed)
     with quiet_transformers():

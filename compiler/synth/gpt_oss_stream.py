@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from ft.compiler.synth.gpt_oss import QUANT_CONFIG, _finish_dir, generation_config, gpt_oss_config, value
+from ft.compiler.synth.gpt_oss import (QUANT_CONFIG, _finish_dir, generation_config, gpt_oss_config,
+                                       harmony_tokenizer, value)
 from ft.compiler.synth.pools import Fp4Pool, NormalPool
 from ft.compiler.synth.shards import Entry, write_checkpoint
 from ft.compiler.synth.tables import TensorSpec, _natural_order
-from ft.compiler.synth.tokenizer import write_tokenizer_files
 from ft.formats.quant import mxfp4
 from ft.formats.quant.nvfp4 import e2m1_values
 
@@ -45,9 +45,9 @@ def _mxfp4_specs(t: TensorSpec) -> tuple[TensorSpec, TensorSpec]:
 
 def gpt_oss_table(preset, keys: dict, dtype: torch.dtype, quant: str, tok_dir: Path) -> list[TensorSpec]:
     """The checkpoint's tensors as `synth` writes them (any preset), without data."""
-    tok = write_tokenizer_files(tok_dir, "harmony", 512 if preset.name == "tiny" else None)
-    if preset.name == "tiny":
-        keys = dict(keys, vocab_size=tok["vocab_size"])
+    from ft.compiler.synth.presets import TINY_RANKS
+
+    tok, keys = harmony_tokenizer(tok_dir, keys, TINY_RANKS if preset.name == "tiny" else None)
     table = _plain_table(gpt_oss_config(keys, tok, dtype), dtype)
     if quant != "mxfp4":
         return table
@@ -110,9 +110,9 @@ class StreamWriter:
 
 
 def write_gpt_oss_stream(*, keys: dict, dtype: torch.dtype, quant: str, seed: int, shard: int, out: Path,
-                         twin: Path | None, advance) -> None:
+                         twin: Path | None, num_ranks: int | None, advance) -> None:
     """Write a full-size checkpoint (and for mxfp4 with a twin directory, its exact plain twin)."""
-    tok = write_tokenizer_files(out, "harmony")
+    tok, keys = harmony_tokenizer(out, keys, num_ranks)
     cfg = gpt_oss_config(keys, tok, dtype)
     table = _plain_table(cfg, dtype)
     w = StreamWriter(seed, cfg.num_hidden_layers)
