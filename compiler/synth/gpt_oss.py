@@ -69,9 +69,14 @@ def value(name: str, shape: tuple[int, ...], num_layers: int, seed: int) -> torc
         return noise
     if name.endswith("bias"):
         return 0.1 * noise
-    fan_in = shape[-2] if name.endswith(_EXPERTS) else shape[-1]
+    return noise * weight_std(name, shape, num_layers)
+
+
+def weight_std(name: str, shape: tuple[int, ...], num_layers: int) -> float:
+    """std of a projection: 1/sqrt(fan_in), times 0.5/sqrt(L) for those writing into the residual stream."""
+    fan_in = shape[-2] if name.endswith(_EXPERTS) else shape[-1]  # experts are [E, in, out]
     residual = name.endswith(("o_proj.weight", "experts.down_proj"))
-    return noise / math.sqrt(fan_in) * (0.5 / math.sqrt(num_layers) if residual else 1.0)
+    return 1.0 / math.sqrt(fan_in) * (0.5 / math.sqrt(num_layers) if residual else 1.0)
 
 
 def build_gpt_oss(*, preset, keys: dict, dtype: torch.dtype, quant: str, seed: int, shard: int, out: Path,

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ft.compiler.synth.gpt_oss import (QUANT_CONFIG, _finish_dir, generation_config, gpt_oss_config,
-                                       harmony_tokenizer, value)
+                                       harmony_tokenizer, value, weight_std)
 from ft.compiler.synth.pools import Fp4Pool, NormalPool
 from ft.compiler.synth.shards import Entry, write_checkpoint
 from ft.compiler.synth.tables import TensorSpec, _natural_order
@@ -71,10 +71,7 @@ class StreamWriter:
         return float(e2m1_values(self.fp4.codes[: 1 << 20]).std())
 
     def std(self, t: TensorSpec) -> float:
-        """The rule's std (value() of a tiny stand-in tensor has the same scale factors)."""
-        fan_in = t.shape[-2] if t.name.endswith(_EXPERTS) else t.shape[-1]
-        residual = t.name.endswith(("o_proj.weight", "experts.down_proj"))
-        return 1.0 / math.sqrt(fan_in) * (0.5 / math.sqrt(self.num_layers) if residual else 1.0)
+        return weight_std(t.name, t.shape, self.num_layers)
 
     def plain(self, t: TensorSpec) -> Entry:
         def produce() -> Iterator[torch.Tensor]:
@@ -116,8 +113,7 @@ def write_gpt_oss_stream(*, keys: dict, dtype: torch.dtype, quant: str, seed: in
     cfg = gpt_oss_config(keys, tok, dtype)
     table = _plain_table(cfg, dtype)
     w = StreamWriter(seed, cfg.num_hidden_layers)
-    main = _natural_order_entries([e for t in table for e in (
-        w.mxfp4(t) if quant == "mxfp4" and t.name.endswith(_EXPERTS) else [w.plain(t)])])
+    main = [e for t in table for e in (w.mxfp4(t) if quant == "mxfp4" and t.name.endswith(_EXPERTS) else [w.plain(t)])]
     gen = generation_config(tok)
     cfg.save_pretrained(out)
     if twin is not None:
@@ -127,8 +123,3 @@ def write_gpt_oss_stream(*, keys: dict, dtype: torch.dtype, quant: str, seed: in
         _finish_dir(twin, out, gen, dtype, None)
     write_checkpoint(out, main, shard, advance)
     _finish_dir(out, None, gen, dtype, QUANT_CONFIG if quant == "mxfp4" else None)
-
-
-def _natural_order_entries(entries: list[Entry]) -> list[Entry]:
-    order = {s.name: i for i, s in enumerate(_natural_order([TensorSpec(e.name, e.shape, e.dtype) for e in entries]))}
-    return sorted(entries, key=lambda e: order[e.name])

@@ -214,3 +214,14 @@ def test_summary_counts_mxfp4_parameters(ftw_for):
     assert (s["layers"]["sliding_attention"], s["layers"]["full_attention"]) == (2, 2)
     plain = summarize(FtwReader(ftw_for("gpt_oss", "none")))
     assert plain["parameters"]["total"] == s["parameters"]["total"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("quant", ["none", "mxfp4"])
+def test_cuda_matches_cpu(quant, ftw_for):
+    """Dense weights on the GPU (sink / sliding attention on the eager path), experts from the CPU bank."""
+    cpu, gpu = load_model(ftw_for("gpt_oss", quant)), load_model(ftw_for("gpt_oss", quant), device="cuda")
+    ids = prompt(cpu, 24, seed=2)
+    ours_gpu = run_all(gpu, ids.cuda(), [13, 1, 10])
+    assert (ours_gpu.cpu() - run_all(cpu, ids)).abs().max() < TOL
+    assert greedy(gpu, ids.cuda(), 16) == greedy(cpu, ids, 16)
