@@ -68,7 +68,8 @@ def inspect(path: Path = typer.Argument(..., help="FTW directory"),
     t.add_row("family", s["family"])
     t.add_row("parameters", f"{_human(p['total'])} total, {_human(p['active_per_token'])} active per token "
                             f"({_human(p['dense'])} dense + {_human(p['experts'])} in experts)")
-    t.add_row("layers", f"{L['total']} ({L['full_attention']} full attention, "
+    sliding = f"{L['sliding_attention']} sliding-window attention, " if L["sliding_attention"] else ""
+    t.add_row("layers", f"{L['total']} ({L['full_attention']} full attention, {sliding}"
                         f"{L['linear_attention']} linear attention; {L['moe']} MoE)")
     t.add_row("experts", f"{x['per_layer']} per layer, top-{x['per_token']}"
                          + (f", shared expert {x['shared_expert_intermediate']}"

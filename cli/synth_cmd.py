@@ -28,13 +28,15 @@ def _parse_overrides(items: list[str]) -> dict:
 
 
 def synth(
-    arch: str = typer.Option(..., "--arch", help="qwen3_moe, qwen2_moe, mixtral, qwen3_next or qwen3_5_moe."),
+    arch: str = typer.Option(..., "--arch", help="qwen3_moe, qwen2_moe, mixtral, qwen3_next, qwen3_5_moe or "
+                              "gpt_oss."),
     preset: str = typer.Option(..., "--preset", help="tiny, small, demo (qwen3_5_moe) or a full-size release: "
                                "qwen3-30b-a3b, qwen3moe-35b-geom, qwen3.6-35b-a3b, qwen3-next-80b-a3b, "
-                               "qwen1.5-moe-a2.7b, mixtral-8x7b."),
-    out: Path = typer.Option(..., "--out", help="Directory to create (NVFP4 also writes <out>-twin)."),
+                               "qwen1.5-moe-a2.7b, mixtral-8x7b, gpt-oss-20b, gpt-oss-120b."),
+    out: Path = typer.Option(..., "--out", help="Directory to create (NVFP4 / MXFP4 also write <out>-twin)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="bf16 or fp32 (default: fp32 for tiny, else bf16)."),
-    quant: str = typer.Option("none", "--quant", help="none, or nvfp4 (ModelOpt layout + exact BF16 twin)."),
+    quant: str = typer.Option("none", "--quant", help="none, nvfp4 (ModelOpt layout + exact BF16 twin), or for "
+                              "gpt_oss mxfp4 (the release's MXFP4 experts + exact twin)."),
     routing: str = typer.Option("uniform", "--routing", help="uniform, or skewed (Zipf-like expert popularity)."),
     seed: int = typer.Option(0, "--seed", help="Random seed; same seed, same values."),
     expert_layout: str = typer.Option("auto", "--expert-layout",
@@ -42,7 +44,7 @@ def synth(
     layers: Optional[int] = typer.Option(None, "--layers", help="Cut the preset to this many layers."),
     max_shard_size: Optional[str] = typer.Option(None, "--max-shard-size", help="e.g. 500MB, 4GB."),
     override: list[str] = typer.Option([], "--override", help="HF config KEY=VALUE (JSON value); repeatable."),
-    no_twin: bool = typer.Option(False, "--no-twin", help="With --quant nvfp4: skip the BF16 twin <out>-twin."),
+    no_twin: bool = typer.Option(False, "--no-twin", help="With --quant nvfp4/mxfp4: skip the twin <out>-twin."),
     force: bool = typer.Option(False, "--force", help="Replace --out (and its twin) if not empty."),
 ) -> None:
     """Generate a synthetic checkpoint with the exact tensor names, shapes, dtypes and configs of a real release."""
@@ -63,5 +65,5 @@ def synth(
     except ValueError as e:  # impossible geometry for the request (e.g. NVFP4 with in_features % 16 != 0)
         console.print(f"[red]error[/red] {escape(str(e))}")
         raise typer.Exit(1)
-    twin = f" (+ {escape(str(path))}-twin)" if quant == "nvfp4" and not no_twin else ""
+    twin = f" (+ {escape(str(path))}-twin)" if quant in ("nvfp4", "mxfp4") and not no_twin else ""
     console.print(f"[green]OK[/green] {escape(str(path))}{twin}")

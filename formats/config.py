@@ -7,11 +7,14 @@ all required. `from_dict` refuses unknown keys, unknown families and inconsisten
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
 
-FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "qwen3_5_moe")
-LAYER_TYPES = ("full_attention", "linear_attention")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "qwen3_5_moe", "gpt_oss")
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
+ATTENTION_TYPES = ("full_attention", "sliding_attention")  # layers with a softmax attention and a KV cache
+EXPERT_ACTS = ("silu", "clamped_swiglu")
+ROPE_TYPES = ("default", "yarn")
 MLP_TYPES = ("moe", "dense")
 
 
@@ -47,6 +50,23 @@ class ModelConfig:
     tie_word_embeddings: bool
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # Keys added with gpt_oss. They may be absent from a manifest (written before them): absent = the default here,
+    # which is what every earlier family means.
+    sliding_window: int = 0             # sliding_attention layers: a query sees itself and the window - 1 keys before
+    attn_sinks: bool = False            # `self_attn.sinks [nq]`: one extra softmax logit per head, dropped after
+    attn_o_bias: bool = False           # `self_attn.o_proj.bias` exists
+    router_bias: bool = False           # `mlp.gate.bias` exists (added to the router logits before top-k)
+    expert_bias: bool = False           # expert records carry `gate_up_bias` and `down_bias`
+    expert_act: str = "silu"            # silu: silu(g)·u; clamped_swiglu: see families.md
+    swiglu_alpha: float = 0.0           # clamped_swiglu only
+    swiglu_limit: float = 0.0           # clamped_swiglu only
+    rope_type: str = "default"          # default | yarn
+    rope_factor: float = 1.0            # yarn only: the five rope_* keys below as in HF's rope_scaling
+    rope_attention_factor: float = 1.0  # multiplies cos and sin (yarn: 0.1·ln(factor) + 1 unless given)
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_original_max_position_embeddings: int = 0
+    rope_truncate: bool = True
 
     def __post_init__(self) -> None:
         problems = list(self._problems())
@@ -74,6 +94,19 @@ class ModelConfig:
             yield "dense layers need intermediate_size > 0"
         if len(self.layer_types) != self.num_layers or any(t not in LAYER_TYPES for t in self.layer_types):
             yield f"layer_types must list {self.num_layers} entries from {LAYER_TYPES}"
+        if "sliding_attention" in self.layer_types and self.sliding_window <= 0:
+            yield "sliding_attention layers need sliding_window > 0"
+        if self.expert_act not in EXPERT_ACTS:
+            yield f"expert_act {self.expert_act!r} not in {EXPERT_ACTS}"
+        elif self.expert_act == "clamped_swiglu" and not (self.swiglu_alpha > 0 and self.swiglu_limit > 0):
+            yield "clamped_swiglu needs swiglu_alpha > 0 and swiglu_limit > 0"
+        if self.rope_type not in ROPE_TYPES:
+            yield f"rope_type {self.rope_type!r} not in {ROPE_TYPES}"
+        elif self.rope_type == "yarn" and not (self.rope_factor >= 1 and self.rope_original_max_position_embeddings > 0
+                                                and self.rope_attention_factor > 0 and self.rope_beta_fast > 0
+                                                and self.rope_beta_slow > 0):
+            yield ("yarn rope needs rope_factor >= 1, rope_original_max_position_embeddings > 0 and positive "
+                   "rope_attention_factor, rope_beta_fast, rope_beta_slow")
         if len(self.mlp_types) != self.num_layers or any(t not in MLP_TYPES for t in self.mlp_types):
             yield f"mlp_types must list {self.num_layers} entries from {MLP_TYPES}"
         if self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads:
@@ -94,13 +127,14 @@ class ModelConfig:
         if not isinstance(d, dict):
             raise ValueError("config must be a JSON object")
         known = {f.name for f in fields(cls)}
+        optional = {f.name for f in fields(cls) if f.default is not MISSING}
         unknown = sorted(set(d) - known)
-        missing = sorted(known - set(d))
+        missing = sorted(known - optional - set(d))
         if unknown:
             raise ValueError(f"unknown config keys {unknown}")
         if missing:
             raise ValueError(f"missing config keys {missing}")
-        kw = dict(d)
+        kw = {f.name: f.default for f in fields(cls) if f.name in optional} | d
         for name in ("layer_types", "mlp_types", "eos_token_ids"):
             if not isinstance(kw[name], list):
                 raise ValueError(f"config key {name} must be a list")
@@ -110,9 +144,14 @@ class ModelConfig:
         return cls(**kw)
 
     def to_dict(self) -> dict[str, Any]:
+        """JSON-ready; an optional key (one added after FTW 1.0) is written only when it differs from its default,
+        so a model that uses none of them has the same manifest config as before they existed."""
         d = asdict(self)
         for name in ("layer_types", "mlp_types", "eos_token_ids"):
             d[name] = list(d[name])
+        for f in fields(self):
+            if f.default is not MISSING and d[f.name] == f.default:
+                del d[f.name]
         return d
 
     # Derived facts, used by the runtime and by `ft inspect`.
@@ -123,6 +162,10 @@ class ModelConfig:
     @property
     def has_shared_expert(self) -> bool:
         return self.shared_expert_intermediate_size > 0
+
+    def is_attention(self, layer: int) -> bool:
+        """Layer `layer` is a softmax-attention layer with a KV cache (full or sliding window)."""
+        return self.layer_types[layer] in ATTENTION_TYPES
 
 
 def _check_type(name: str, annotation: str, value: Any) -> None:

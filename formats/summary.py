@@ -34,7 +34,8 @@ def summarize(r: FtwReader) -> dict[str, Any]:
         expert_bytes += b.nbytes
         schemes[b.scheme] = schemes.get(b.scheme, 0) + 1
         per = _PARAMS_PER_CODE_BYTE.get(b.scheme, 0)
-        one = sum((c.nbytes * per if per else _numel(c.shape)) for c in b.components if not _is_scale(c.name))
+        one = sum((c.nbytes * per if per and c.dtype == "U8" else _numel(c.shape))  # codes: 2 per byte; biases
+                  for c in b.components if not _is_scale(c.name))
         expert_params += one * b.num_experts
     asset_bytes = sum(a.nbytes for a in m.assets.values())
     active_experts = expert_params * cfg.num_experts_per_tok // cfg.num_experts if cfg.num_experts else 0
@@ -46,7 +47,8 @@ def summarize(r: FtwReader) -> dict[str, Any]:
                        "active_per_token": dense_params + active_experts},
         "layers": {"total": cfg.num_layers, "moe": cfg.num_moe_layers,
                    "linear_attention": cfg.layer_types.count("linear_attention"),
-                   "full_attention": cfg.layer_types.count("full_attention")},
+                   "full_attention": cfg.layer_types.count("full_attention"),
+                   "sliding_attention": cfg.layer_types.count("sliding_attention")},
         "experts": {"per_layer": cfg.num_experts, "per_token": cfg.num_experts_per_tok,
                     "shared_expert_intermediate": cfg.shared_expert_intermediate_size,
                     "bytes_per_expert": {b.name: b.stride for b in list(m.banks.values())[:1]}},

@@ -2,9 +2,10 @@
 
 Implements the experts interface `experts(layer, x [T, H], topk_ids [T, k] int64, topk_weights [T, k] f32) -> [T, H]`.
 Tokens are grouped by expert; for each routed expert e, its components are read from the bank record (zero-copy
-views), a quantized expert is dequantized on its own into the compute dtype (never the whole bank), and
-`y = down · (silu(g) ⊙ u)` with `[g; u] = gate_up · x` is accumulated with the router weights, experts in increasing
-index order.
+views), a quantized expert (nvfp4, mxfp4) is dequantized on its own into the compute dtype (never the whole bank), and
+`y = down · act(g, u)` with `[g; u] = gate_up · x` is accumulated with the router weights, experts in increasing
+index order. `act` is `silu(g) ⊙ u`, or for gpt_oss (`expert_act = clamped_swiglu`, with the expert biases added to
+both projections) `(clamp(u, -l, l) + 1) ⊙ g' ⊙ sigmoid(alpha · g')` with `g' = min(g, l)`, as transformers computes it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch.nn.functional as F
 
 from ft.formats import ExpertBankView, FtwReader, ModelConfig
 from ft.formats.dtypes import torch_dtype
-from ft.formats.quant import nvfp4
+from ft.formats.quant import mxfp4, nvfp4
 
 PLAIN = ("bf16", "fp16", "fp32")
 
@@ -23,15 +24,32 @@ def bank_name(layer: int) -> str:
     return f"layers.{layer}.mlp.experts"
 
 
-def expected_components(scheme: str, hidden: int, inter: int) -> dict[str, tuple[int, ...]]:
-    """Component shapes of one expert record (specs/families.md, "Expert banks")."""
+def expected_components(scheme: str, hidden: int, inter: int, bias: bool = False) -> dict[str, tuple[int, ...]]:
+    """Component shapes of one expert record (specs/families.md, "Expert banks"); `bias`: the config's expert_bias."""
     if scheme in PLAIN:
+        if bias:
+            return {"gate_up": (2 * inter, hidden), "gate_up_bias": (2 * inter,), "down": (hidden, inter),
+                    "down_bias": (hidden,)}
         return {"gate_up": (2 * inter, hidden), "down": (hidden, inter)}
-    if scheme == "nvfp4":
+    if scheme == "nvfp4" and not bias:
         return {"gate_up": (2 * inter, hidden // 2), "gate_up_scale": (2 * inter, hidden // 16),
                 "gate_up_scale_2": (2 * inter,), "down": (hidden, inter // 2),
                 "down_scale": (hidden, inter // 16), "down_scale_2": (hidden,)}
-    raise ValueError(f"unsupported expert scheme {scheme!r}; supported: {', '.join(PLAIN)}, nvfp4")
+    if scheme == "mxfp4" and bias:
+        return {"gate_up": (2 * inter, hidden // 2), "gate_up_scale": (2 * inter, hidden // 32),
+                "gate_up_bias": (2 * inter,), "down": (hidden, inter // 2), "down_scale": (hidden, inter // 32),
+                "down_bias": (hidden,)}
+    if scheme in ("nvfp4", "mxfp4"):
+        raise ValueError(f"expert scheme {scheme} {'has no' if bias else 'needs'} expert biases; the config says "
+                         f"expert_bias={bias}")
+    raise ValueError(f"unsupported expert scheme {scheme!r}; supported: {', '.join(PLAIN)}, nvfp4, mxfp4")
+
+
+def clamped_swiglu(g: torch.Tensor, u: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt_oss's expert activation, in transformers' order of operations (GptOssExperts._apply_gate)."""
+    g = g.clamp(max=limit)
+    u = u.clamp(min=-limit, max=limit)
+    return (u + 1) * (g * torch.sigmoid(g * alpha))
 
 
 class CpuExperts:
@@ -39,6 +57,9 @@ class CpuExperts:
 
     def __init__(self, reader: FtwReader, config: ModelConfig, *, dtype: torch.dtype) -> None:
         self.dtype = dtype
+        self._bias = config.expert_bias
+        self._act = config.expert_act
+        self._alpha, self._limit = config.swiglu_alpha, config.swiglu_limit
         self.banks: dict[int, ExpertBankView] = {}
         self._views: dict[tuple[int, int, str], torch.Tensor] = {}
         for layer, kind in enumerate(config.mlp_types):
@@ -60,10 +81,23 @@ class CpuExperts:
 
     def weight(self, layer: int, e: int, comp: str) -> torch.Tensor:
         """Expert e's `gate_up` or `down` as a [out, in] tensor in the compute dtype (dequantized if needed)."""
-        if self.banks[layer].scheme == "nvfp4":
+        scheme = self.banks[layer].scheme
+        if scheme == "nvfp4":
             return nvfp4.dequantize(self.view(layer, e, comp), self.view(layer, e, f"{comp}_scale"),
                                     self.view(layer, e, f"{comp}_scale_2")).to(self.dtype)
+        if scheme == "mxfp4":
+            return mxfp4.dequantize(self.view(layer, e, comp), self.view(layer, e, f"{comp}_scale")).to(self.dtype)
         return self.view(layer, e, comp).to(self.dtype)
+
+    def expert(self, layer: int, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e of `layer` on x [n, H] (compute dtype) -> [n, H]."""
+        b = self._bias
+        gate_up = F.linear(x, self.weight(layer, e, "gate_up"),
+                           self.view(layer, e, "gate_up_bias").to(self.dtype) if b else None)     # [n, 2I]
+        g, u = gate_up.chunk(2, dim=-1)
+        h = F.silu(g) * u if self._act == "silu" else clamped_swiglu(g, u, self._alpha, self._limit)
+        down_bias = self.view(layer, e, "down_bias").to(self.dtype) if b else None
+        return F.linear(h, self.weight(layer, e, "down"), down_bias)
 
     def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
                  topk_weights: torch.Tensor) -> torch.Tensor:
@@ -82,21 +116,27 @@ class CpuExperts:
             slots = order[start:start + n]
             start += n
             tokens = slots // k
-            g, u = F.linear(x[tokens], self.weight(layer, e, "gate_up")).chunk(2, dim=-1)
-            y = F.linear(F.silu(g) * u, self.weight(layer, e, "down"))
-            out[tokens] += y * flat_w[slots, None]     # a token routes to an expert at most once: no duplicates
+            # a token routes to an expert at most once: no duplicate rows in `tokens`
+            out[tokens] += self.expert(layer, e, x[tokens]) * flat_w[slots, None]
         return out.to(device)
 
 
 def check_bank(bank: ExpertBankView, config: ModelConfig) -> None:
     """Refuse a bank whose scheme, expert count or component shapes disagree with the config."""
-    want = expected_components(bank.scheme, config.hidden_size, config.moe_intermediate_size)
+    want = expected_components(bank.scheme, config.hidden_size, config.moe_intermediate_size, config.expert_bias)
     got = {name: tuple(c.shape) for name, c in bank.components.items()}
     if bank.num_experts != config.num_experts:
         raise ValueError(f"bank {bank.name}: {bank.num_experts} experts, config says {config.num_experts}")
     if got != want:
         raise ValueError(f"bank {bank.name} ({bank.scheme}): components {got}, expected {want}")
     if bank.scheme in PLAIN:
-        dt = torch_dtype(bank.components["gate_up"].dtype)
-        if dt != {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[bank.scheme]:
-            raise ValueError(f"bank {bank.name}: scheme {bank.scheme} but components are {dt}")
+        want_dt = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[bank.scheme]
+        for name, c in bank.components.items():
+            if torch_dtype(c.dtype) != want_dt:
+                raise ValueError(f"bank {bank.name}: scheme {bank.scheme} but component {name} is {c.dtype}")
+    elif bank.scheme == "mxfp4":
+        dts = {name: c.dtype for name, c in bank.components.items()}
+        want = {"gate_up": "U8", "gate_up_scale": "U8", "gate_up_bias": "F32", "down": "U8", "down_scale": "U8",
+                "down_bias": "F32"}
+        if dts != want:
+            raise ValueError(f"bank {bank.name} (mxfp4): component dtypes {dts}, expected {want}")

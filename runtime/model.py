@@ -85,7 +85,7 @@ class CausalLM(Op):
         self.norm = RMSNorm(config.rms_norm_eps)
         if not config.tie_word_embeddings:
             self.lm_head = Linear()
-        self._rotary = Rotary(config.rotary_dim, config.rope_theta) if config.rotary_dim else None
+        self._rotary = Rotary.for_config(config)
         self._dtype = torch.float32
         self._device = torch.device("cpu")
         self.graphs = None  # CUDA: a `DecodeGraphs` (ft.runtime.gpu.graphs) that replays decode steps

@@ -1,7 +1,8 @@
 """Per-sequence state and the segments of a batched forward (re-exported by `ft.runtime.model`).
 
 A `SequenceState` holds, for one sequence of at most `max_tokens` tokens:
-* full-attention layer i: `kv[i] = (k, v)`, each `[capacity, nkv, hd]` in the compute dtype;
+* attention layer i (full or sliding window, which keeps every row too): `kv[i] = (k, v)`, each
+  `[capacity, nkv, hd]` in the compute dtype;
 * linear-attention layer i: `conv[i]` `[conv_dim, K-1]` (the last K-1 conv inputs, compute dtype) and
   `recurrent[i]` `[Hv, dk, dv]` fp32 (the DeltaNet state), fixed size.
 `length` is the number of tokens already consumed; `forward` appends after it and advances it, and the layers write
@@ -43,7 +44,7 @@ class SequenceState:
             config.linear_num_value_heads * config.linear_value_head_dim
         rec_shape = (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
         for i, kind in enumerate(config.layer_types):
-            if kind == "full_attention":  # rows past `length` are never read: no initialisation
+            if config.is_attention(i):  # rows past `length` are never read: no initialisation
                 self.kv[i] = (torch.empty(kv_shape, dtype=dtype, device=device),
                               torch.empty(kv_shape, dtype=dtype, device=device))
             else:

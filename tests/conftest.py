@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-QUANTS = ("none", "nvfp4")
+QUANTS = ("none", "nvfp4", "mxfp4")
 
 torch.set_num_threads(1)
 
@@ -45,9 +45,9 @@ class TinyCheckpoints:
             self._hf[key] = Path(synth(arch, "tiny", out, dtype=synth_dtype, quant=quant, seed=0))
         return self._hf[key]
 
-    def twin(self, arch: str, synth_dtype: str | None = None) -> Path:
-        """The exact-dequantized twin written next to the NVFP4 checkpoint."""
-        hf = self.hf(arch, "nvfp4", synth_dtype)
+    def twin(self, arch: str, synth_dtype: str | None = None, quant: str = "nvfp4") -> Path:
+        """The exact-dequantized twin written next to the NVFP4 (gpt_oss: MXFP4) checkpoint."""
+        hf = self.hf(arch, quant, synth_dtype)
         twin = hf.parent / f"{hf.name}-twin"
         if not twin.is_dir():
             raise FileNotFoundError(f"synth wrote no twin at {twin}")
@@ -82,5 +82,5 @@ def hf_for(tiny_checkpoints):
 
 @pytest.fixture(scope="session")
 def twin_for(tiny_checkpoints):
-    """`twin_for(arch, synth_dtype=None) -> Path` of the exact twin of the NVFP4 tiny checkpoint."""
+    """`twin_for(arch, synth_dtype=None, quant="nvfp4") -> Path` of the exact twin of the quantized tiny checkpoint."""
     return tiny_checkpoints.twin

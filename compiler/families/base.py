@@ -2,9 +2,9 @@
 (embeddings, GQA attention, MoE block, dense MLP) that families compose.
 
 A family module subclasses `Family`, says which architectures it serves, maps its config (`normalize`) and lists its
-tensors (`plan`). Adding gpt_oss / deepseek_v3 / glm4_moe means: new ModelConfig keys and families.md names for what
-they add (attention sinks and biases, MLA projections, sigmoid group-limited routers with a correction bias), a new
-`ExpertSource` (ft.compiler.experts) for MXFP4 blocks / FP8 block scales with their bank schemes, an encoding in
+tensors (`plan`). Adding deepseek_v3 / glm4_moe means: new ModelConfig keys and families.md names for what they add
+(MLA projections, sigmoid group-limited routers with a correction bias; gpt_oss added sinks, biases, sliding windows
+and YaRN), a new `ExpertSource` (ft.compiler.experts) for FP8 block scales with its bank scheme, an encoding in
 `linear.sniff` for FP8 block-scaled linears, and one module each built from these blocks (deepseek_v3 / glm4_moe: the
 router bias is a `TensorItem`, `first_k_dense_replace` gives `mlp_types`); the executor, source reading, quant
 declaration, metadata and verification stay as they are.
@@ -13,6 +13,7 @@ declaration, metadata and verification stay as they are.
 from __future__ import annotations
 
 import dataclasses
+import math
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
@@ -64,24 +65,49 @@ class HFConfig:
 
 
 def rope(c: HFConfig, *, default_theta: float, default_partial: float = 1.0,
-         allow_mrope: bool = False) -> tuple[float, float]:
-    """(rope_theta, partial_rotary_factor) from `rope_parameters` or legacy `rope_theta` + `rope_scaling`.
-    Only plain RoPE is implemented; scaled variants (yarn, linear, dynamic, longrope, llama3) are refused.
-    mrope on text-only input is plain RoPE (three identical position streams)."""
+         allow_mrope: bool = False, allow_yarn: bool = False) -> tuple[float, float, dict[str, Any]]:
+    """(rope_theta, partial_rotary_factor, scaling fields) from `rope_parameters` or legacy `rope_theta` +
+    `rope_scaling`. Plain RoPE everywhere; YaRN where the family allows it (gpt_oss), returned as the ModelConfig
+    `rope_*` fields; other scaled variants (linear, dynamic, longrope, llama3) are refused. mrope on text-only input
+    is plain RoPE (three identical position streams)."""
     params = c.d.get("rope_scaling") or c.d.get("rope_parameters") or {}
     if not isinstance(params, dict):
         raise CheckpointError(f"{c.where}: rope_parameters must be an object, got {params!r}")
     if any(isinstance(v, dict) for v in params.values()):
         raise CheckpointError(f"{c.where}: per-layer-type rope_parameters are not supported")
     kind = params.get("rope_type", params.get("type", "default"))
-    kinds = ("default", "mrope") if allow_mrope else ("default",)
+    kinds = ("default",) + (("mrope",) if allow_mrope else ()) + (("yarn",) if allow_yarn else ())
     if kind not in kinds:
         raise CheckpointError(f"{c.where}: rope type {kind!r} is not supported; supported: {supported(kinds)}")
     if "mrope_section" in params and not allow_mrope:
         raise CheckpointError(f"{c.where}: mrope_section is not supported for this architecture")
     theta = params.get("rope_theta", c.d.get("rope_theta", default_theta))
     partial = params.get("partial_rotary_factor", c.d.get("partial_rotary_factor", default_partial))
-    return float(theta), float(partial)
+    return float(theta), float(partial), yarn_fields(c, params) if kind == "yarn" else {}
+
+
+def yarn_fields(c: HFConfig, p: dict) -> dict[str, Any]:
+    """YaRN `rope_scaling` -> the ModelConfig rope_* fields, with transformers' defaults (`_compute_yarn_parameters`):
+    factor from max_position_embeddings / original when absent, attention_factor 0.1·ln(factor) + 1 (or the
+    mscale / mscale_all_dim ratio) when absent, beta_fast 32, beta_slow 1, truncate true."""
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    orig = p.get("original_max_position_embeddings")
+    if isinstance(orig, bool) or not isinstance(orig, int) or orig <= 0:
+        raise CheckpointError(f"{c.where}: yarn rope needs a positive integer original_max_position_embeddings, "
+                              f"got {orig!r}")
+    factor = p.get("factor") or c.int("max_position_embeddings") / orig
+    attention = p.get("attention_factor")
+    if attention is None:
+        m, m_all = p.get("mscale"), p.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    truncate = p.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise CheckpointError(f"{c.where}: rope truncate must be true or false, got {truncate!r}")
+    return dict(rope_type="yarn", rope_factor=float(factor), rope_attention_factor=float(attention),
+                rope_beta_fast=float(p.get("beta_fast") or 32), rope_beta_slow=float(p.get("beta_slow") or 1),
+                rope_original_max_position_embeddings=orig, rope_truncate=truncate)
 
 
 def eos_ids(*sources: dict | None) -> tuple[int, ...]:
@@ -132,16 +158,19 @@ def check_act(c: HFConfig) -> None:
 
 
 def common_fields(c: HFConfig, gen: dict | None, *, family: str, default_theta: float, default_partial: float = 1.0,
-                  allow_mrope: bool = False) -> dict[str, Any]:
-    """ModelConfig fields every family reads the same way (a family fills in the rest)."""
+                  allow_mrope: bool = False, allow_yarn: bool = False, sliding: bool = False) -> dict[str, Any]:
+    """ModelConfig fields every family reads the same way (a family fills in the rest). `sliding`: the family
+    implements sliding_attention layers (else layer_types naming them are refused)."""
     check_act(c)
-    c.refuse("layer_types", "only full_attention and linear_attention layers are implemented (no sliding window)",
-             ok=lambda v: v is None or all(t in ("full_attention", "linear_attention") for t in v))
+    kinds = ("full_attention", "linear_attention") + (("sliding_attention",) if sliding else ())
+    c.refuse("layer_types", f"implemented layer types: {', '.join(kinds)}",
+             ok=lambda v: v is None or all(t in kinds for t in v))
     heads = c.int("num_attention_heads")
     hidden = c.int("hidden_size")
     head_dim = c.int("head_dim", hidden // heads)
-    theta, partial = rope(c, default_theta=default_theta, default_partial=default_partial, allow_mrope=allow_mrope)
-    return dict(
+    theta, partial, scaling = rope(c, default_theta=default_theta, default_partial=default_partial,
+                                   allow_mrope=allow_mrope, allow_yarn=allow_yarn)
+    return scaling | dict(
         family=family, vocab_size=c.int("vocab_size"), hidden_size=hidden, num_layers=c.int("num_hidden_layers"),
         num_heads=heads, num_kv_heads=c.int("num_key_value_heads", heads), head_dim=head_dim,
         rms_norm_eps=float(c.get("rms_norm_eps")), rope_theta=theta, rotary_dim=int(head_dim * partial),
@@ -197,8 +226,7 @@ class Family(ABC):
         items = list(pre)
         for i in range(cfg.num_layers):
             items += self.layer_norms(cfg, i)
-            full = cfg.layer_types[i] == "full_attention"
-            items += self.attention(cfg, i) if full else self.linear_attention(cfg, i)
+            items += self.attention(cfg, i) if cfg.is_attention(i) else self.linear_attention(cfg, i)
             items += self.mlp(cfg, i, self.experts(cfg, i, ck))
         return items + post
 
@@ -242,7 +270,7 @@ class Family(ABC):
             LinearItem(f"{o}qkv_proj",
                        ((f"{p}q_proj", nq * g * hd), (f"{p}k_proj", nkv * hd), (f"{p}v_proj", nkv * hd)),
                        H, perm=perm, bias=cfg.attn_qkv_bias),
-            LinearItem(f"{o}o_proj", ((f"{p}o_proj", H),), nq * hd),
+            LinearItem(f"{o}o_proj", ((f"{p}o_proj", H),), nq * hd, bias=cfg.attn_o_bias),
         ]
         if cfg.attn_qk_norm:
             items += [TensorItem(f"{o}{n}.weight", f"{p}{n}.weight", (hd,), self.norm_kind)
@@ -254,7 +282,7 @@ class Family(ABC):
         """Router, expert bank and (if the family has one) the sigmoid-gated shared expert."""
         p, o, H = f"{self.prefix}layers.{i}.{block}.", f"layers.{i}.mlp.", cfg.hidden_size
         items: list[Item] = [
-            LinearItem(f"{o}gate", ((f"{p}{router}", cfg.num_experts),), H, router=True),
+            LinearItem(f"{o}gate", ((f"{p}{router}", cfg.num_experts),), H, router=True, bias=cfg.router_bias),
             BankItem(f"{o}experts", cfg.num_experts, cfg.moe_intermediate_size, H, experts),
         ]
         if cfg.has_shared_expert:

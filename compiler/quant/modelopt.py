@@ -1,9 +1,10 @@
 """Which quantization a checkpoint declares, and which scheme each linear is expected to carry.
 
-Supported: unquantized checkpoints, and NVIDIA ModelOpt exports (`config.json` → `quantization_config` with
-`quant_method: "modelopt"`, and/or the legacy `hf_quant_config.json`) whose algorithms are NVFP4 / W4A16_NVFP4
-(E2M1 codes + e4m3 block-16 scales + fp32 global), FP8 per-tensor, or MIXED_PRECISION of those. Everything else is
-refused here, before any tensor is read, with one message listing what is supported.
+Supported: unquantized checkpoints, gpt-oss MXFP4 (`quant_method: "mxfp4"`: the expert bank's blocks and scales,
+read by `ft.compiler.experts.GptOssExperts`; every linear stays plain), and NVIDIA ModelOpt exports (`config.json` →
+`quantization_config` with `quant_method: "modelopt"`, and/or the legacy `hf_quant_config.json`) whose algorithms are
+NVFP4 / W4A16_NVFP4 (E2M1 codes + e4m3 block-16 scales + fp32 global), FP8 per-tensor, or MIXED_PRECISION of those.
+Everything else is refused here, before any tensor is read, with one message listing what is supported.
 
 Per-module schemes are still read off the tensors themselves (`linear.sniff`); this module only says which schemes
 the declaration allows for a module, so a checkpoint that contradicts its own config is refused by name.
@@ -18,8 +19,8 @@ from ft.compiler.errors import CheckpointError
 
 # ModelOpt quant_algo -> the scheme of the stored weights ("nvfp4": packed E2M1; "fp8": e4m3 per-tensor scale)
 ALGOS = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "FP8": "fp8"}
-SUPPORTED = ("unquantized bf16/fp16/fp32, or quant_method 'modelopt' with quant_algo NVFP4, W4A16_NVFP4, "
-             "FP8 (per-tensor) or MIXED_PRECISION of these")
+SUPPORTED = ("unquantized bf16/fp16/fp32, quant_method 'modelopt' with quant_algo NVFP4, W4A16_NVFP4, "
+             "FP8 (per-tensor) or MIXED_PRECISION of these, or quant_method 'mxfp4' (gpt-oss experts)")
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,11 @@ def parse_quant(config: dict, hf_quant: dict | None) -> QuantDecl:
         if not isinstance(qc, dict):
             raise CheckpointError(f"{where}: expected an object")
         method = qc.get("quant_method")
+        if method == "mxfp4":  # gpt-oss: only the experts' *_blocks/*_scales are quantized; every linear is plain
+            if config.get("model_type") != "gpt_oss":
+                raise CheckpointError(f"{where}: quant_method 'mxfp4' is supported for gpt_oss checkpoints only, "
+                                      f"not model_type {config.get('model_type')!r}")
+            return QuantDecl(qc, "plain", {}, ())
         if method != "modelopt":
             raise CheckpointError(f"{where}: quant_method {method!r} is not supported; supported: {SUPPORTED}")
         source, algo = qc, qc.get("quant_algo")

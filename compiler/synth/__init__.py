@@ -7,7 +7,8 @@
 
 Writes sharded safetensors + index, a config.json / generation_config.json in the style of the real release, the real
 Qwen tokenizer files, the fake extra tensors real checkpoints carry (mtp.*, model.visual.*), and with
-`quant="nvfp4"` the ModelOpt NVFP4 layout plus its exact BF16 twin in `<out_dir>-twin` (`twin=False` writes the
+`quant="nvfp4"` the ModelOpt NVFP4 layout (`quant="mxfp4"`: gpt_oss's MXFP4 experts, `synth.gpt_oss`) plus its exact
+BF16 twin in `<out_dir>-twin` (`twin=False` writes the
 quantized checkpoint alone: the qwen3.6-35b-a3b twin is 72 GB). Both directories are written into temporary siblings
 and renamed into place when complete. How values are chosen: `weights`; expert
 popularity (uniform / Zipf-skewed): `routing`; NVFP4 choices: `nvfp4_checkpoint`; big presets: `full_size`.
@@ -27,7 +28,8 @@ from ft.compiler.synth.routing import ROUTINGS
 __all__ = ["ARCHS", "PRESETS", "FULL_SIZE", "QUANTS", "LAYOUTS", "SynthError", "synth", "tensor_table",
            "resolve_layout"]
 
-QUANTS = ("none", "nvfp4")
+QUANTS = ("none", "nvfp4", "mxfp4")
+_QUANTS_OF = {"gpt_oss": ("none", "mxfp4")}  # every other arch: none, nvfp4
 LAYOUTS = ("auto", "fused", "per_expert")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
 
@@ -106,6 +108,12 @@ def _resolve(arch: str, preset: str, dtype: str | None, quant: str, routing: str
         raise SynthError(str(e)) from None
     if quant not in QUANTS:
         raise SynthError(f"unknown quant {quant!r}; supported: {', '.join(QUANTS)}")
+    if arch == "gpt_oss" and (routing != "uniform" or expert_layout != "auto"):
+        raise SynthError("gpt_oss checkpoints have uniform routing only and their experts are always fused 3-D on "
+                         "disk (routing 'uniform', expert_layout 'auto')")
+    allowed = _QUANTS_OF.get(arch, ("none", "nvfp4"))
+    if quant not in allowed:
+        raise SynthError(f"quant {quant!r} does not exist for {arch}; supported: {', '.join(allowed)}")
     if routing not in ROUTINGS:
         raise SynthError(f"unknown routing {routing!r}; supported: {', '.join(ROUTINGS)}")
     dtype = dtype or p.dtype
@@ -125,6 +133,11 @@ def tensor_table(arch: str, preset: str, *, dtype: str | None = None, quant: str
     from ft.compiler.synth.build import plan_table
 
     p, keys, torch_dtype, fused = _resolve(arch, preset, dtype, quant, "uniform", expert_layout, overrides, num_layers)
+    if arch == "gpt_oss":
+        from ft.compiler.synth.gpt_oss_stream import gpt_oss_table
+
+        with tempfile.TemporaryDirectory(prefix="ft-synth-table-") as tmp:
+            return gpt_oss_table(p, keys, torch_dtype, quant, Path(tmp))
     with tempfile.TemporaryDirectory(prefix="ft-synth-table-") as tmp:
         return plan_table(arch=arch, preset=p, keys=keys, dtype=torch_dtype, quant=quant, fused=fused,
                           tok_dir=Path(tmp))
@@ -139,7 +152,7 @@ def synth(arch: str, preset: str, out_dir: Path, *, dtype: str | None = None, qu
     p, keys, torch_dtype, fused = _resolve(arch, preset, dtype, quant, routing, expert_layout, overrides, num_layers)
     out_dir = Path(out_dir).absolute()
     twin_dir = out_dir.with_name(out_dir.name + "-twin")
-    write_twin = quant == "nvfp4" and twin
+    write_twin = quant in ("nvfp4", "mxfp4") and twin
     _check_out(out_dir, force)
     if write_twin:
         _check_out(twin_dir, force)
@@ -154,8 +167,14 @@ def synth(arch: str, preset: str, out_dir: Path, *, dtype: str | None = None, qu
             if d is not None:
                 shutil.rmtree(d, ignore_errors=True)
                 d.mkdir(parents=True)
-        build_checkpoint(arch=arch, preset=p, keys=keys, dtype=torch_dtype, quant=quant, routing=routing,
-                         seed=seed, fused=fused, shard=shard, out=tmp, twin=tmp_twin)
+        if arch == "gpt_oss":
+            from ft.compiler.synth.gpt_oss import build_gpt_oss
+
+            build_gpt_oss(preset=p, keys=keys, dtype=torch_dtype, quant=quant, seed=seed, shard=shard, out=tmp,
+                          twin=tmp_twin)
+        else:
+            build_checkpoint(arch=arch, preset=p, keys=keys, dtype=torch_dtype, quant=quant, routing=routing,
+                             seed=seed, fused=fused, shard=shard, out=tmp, twin=tmp_twin)
         _commit(tmp, out_dir)
         if tmp_twin is not None:
             _commit(tmp_twin, twin_dir)

@@ -20,6 +20,7 @@ FAMILIES = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
     "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),  # built by synth.gpt_oss
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}

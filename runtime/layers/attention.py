@@ -4,6 +4,9 @@ Fused projection rows `[q (nq·hd) | k (nkv·hd) | v (nkv·hd) | gate (nq·hd), 
 Per head: optional RMSNorm of q and k over head_dim (before RoPE), then (partial) RoPE. Each segment writes its k/v
 rows into its cache at positions `[past, past + T)` and its queries attend to cache rows `[0, past + T)`, query i
 seeing keys up to `past + i`. Gated attention multiplies the attention output by `sigmoid(gate)` before `o_proj`.
+gpt_oss adds two things (`sink_attention`): per-head sinks (`sinks [nq]`, one more logit in each softmax row whose
+probability is dropped) and, on `sliding_attention` layers, a window: query i sees keys `(past + i - window, past + i]`.
+The cache still keeps every row (the window only masks); such layers always take the eager path below.
 
 Decode batches (`batch.decode`, one token per segment, `past` taken from `batch.positions`): with `_fused` set, one
 Triton kernel (`ft.runtime.gpu.decode_attention`) does norm + RoPE + the KV write and split-K attention over each
@@ -18,7 +21,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ft.formats.config import ModelConfig
-from ft.runtime.layers.base import Op
+from ft.runtime.layers.base import REQUIRED, Op
 from ft.runtime.layers.batch import ForwardBatch
 from ft.runtime.layers.linear import Linear
 from ft.runtime.layers.norm import RMSNorm
@@ -33,6 +36,10 @@ class Attention(Op):
         if cfg.attn_qk_norm:
             self.q_norm = RMSNorm(cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.rms_norm_eps)
+        if cfg.attn_sinks:
+            self.sinks: torch.Tensor = REQUIRED            # [nq], compute dtype
+        self._window = cfg.sliding_window if cfg.layer_types[layer] == "sliding_attention" else 0
+        self._eager = cfg.attn_sinks or self._window > 0  # no fused kernel for sinks / windows
         self._layer = layer
         self._eps = cfg.rms_norm_eps
         self._nq, self._nkv, self._hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -47,7 +54,7 @@ class Attention(Op):
     def __call__(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         n = x.shape[0]                                              # x [N, H]
         qkv = self.qkv_proj(x)                                      # [N, rows]
-        if batch.decode and self._fused:
+        if batch.decode and self._fused and not self._eager:
             return self.o_proj(self._fused_decode(qkv, batch))
         parts = qkv.split(self._split, dim=-1)
         q = parts[0].reshape(n, self._nq, self._hd)
@@ -66,7 +73,11 @@ class Attention(Op):
             end = past + seg.num_tokens
             k_cache[past:end] = k[seg.rows]
             v_cache[past:end] = v[seg.rows]
-            out[seg.rows] = causal_attention(q[seg.rows], k_cache[:end], v_cache[:end], past)
+            if self._eager:
+                out[seg.rows] = sink_attention(q[seg.rows], k_cache[:end], v_cache[:end], past,
+                                               getattr(self, "sinks", None), self._window)
+            else:
+                out[seg.rows] = causal_attention(q[seg.rows], k_cache[:end], v_cache[:end], past)
         out = out.reshape(n, self._nq * self._hd)
         if self._gated:
             out = out * torch.sigmoid(parts[3])
@@ -98,6 +109,34 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: in
         with sdpa_kernel(_BACKENDS):
             return _sdpa(q, k, v, past)
     return _sdpa(q, k, v, past)
+
+
+SINK_QUERY_BLOCK = 256  # query rows per block of `sink_attention` (bounds its [nq, rows, keys] score matrix)
+
+
+def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, sinks: torch.Tensor | None,
+                   window: int) -> torch.Tensor:
+    """q [T, nq, hd]; k, v [past + T, nkv, hd]; sinks [nq] or None; window 0 (none) or w -> [T, nq, hd].
+    Query i (position p = past + i) attends keys j with p - w < j <= p; with sinks, each head's softmax row gets the
+    extra logit `sinks[h]`, whose probability is dropped (transformers' eager_attention_forward for gpt_oss)."""
+    t, nq, hd = q.shape
+    r = nq // k.shape[1]
+    out = torch.empty_like(q)
+    for a in range(0, t, SINK_QUERY_BLOCK):
+        b = min(t, a + SINK_QUERY_BLOCK)
+        lo = max(0, past + a - window + 1) if window else 0          # first key any query of the block sees
+        kb, vb = (x[lo:past + b].repeat_interleave(r, dim=1).transpose(0, 1) for x in (k, v))  # [nq, S, hd]
+        scores = torch.matmul(q[a:b].transpose(0, 1), kb.transpose(1, 2)) * hd ** -0.5        # [nq, rows, S]
+        qpos = torch.arange(past + a, past + b, device=q.device)[:, None]
+        kpos = torch.arange(lo, past + b, device=q.device)[None, :]
+        visible = (kpos <= qpos) & ((kpos > qpos - window) if window else True)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.to(scores.dtype).view(nq, 1, 1).expand(nq, b - a, 1)], dim=-1)
+        scores = scores - scores.amax(-1, keepdim=True)
+        probs = torch.softmax(scores, dim=-1)[..., :kb.shape[1]]       # the sink's column dropped
+        out[a:b] = torch.matmul(probs.to(vb.dtype), vb).transpose(0, 1)
+    return out
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "mixtral": ("ft.runtime.models.mixtral", "MixtralForCausalLM"),
     "qwen3_next": ("ft.runtime.models.qwen3_next", "Qwen3NextForCausalLM"),
     "qwen3_5_moe": ("ft.runtime.models.qwen3_5_moe", "Qwen3_5MoeForCausalLM"),
+    "gpt_oss": ("ft.runtime.models.gpt_oss", "GptOssForCausalLM"),
 }
 
 SUPPORTED_FAMILIES = tuple(_REGISTRY)

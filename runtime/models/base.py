@@ -1,7 +1,7 @@
 """The decoder layer every first-wave family is built from, and the family rules checked at load.
 
 Layer i (pre-norm residual):
-    h = x + mixer(input_layernorm(x))            mixer = self_attn (full_attention) | linear_attn (linear_attention)
+    h = x + mixer(input_layernorm(x))            mixer = self_attn (full_ / sliding_attention) | linear_attn
     y = h + mlp(post_attention_layernorm(h))     mlp = SparseMoe (moe) | GatedMLP (dense)
 A layer call leaves the final add pending: it takes the previous layer's pair (x, delta) and returns (h, mlp_out), whose
 sum is y, so each residual add runs inside the norm that follows it (`RMSNorm.add`: one fused launch per layer
@@ -31,7 +31,7 @@ class DecoderLayer(Op):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.rms_norm_eps)
-        if cfg.layer_types[layer] == "full_attention":
+        if cfg.is_attention(layer):
             self.self_attn = Attention(cfg, layer)
         else:
             self.linear_attn = GatedDeltaNet(cfg, layer)
@@ -62,10 +62,14 @@ class Family:
     mlp_types: tuple[str, ...] = ("moe", "dense")
     full_rotary: bool = True            # rotary_dim == head_dim
     needs_linear_attention: bool = False
+    rope_types: tuple[str, ...] = ("default",)
 
     def check(self, cfg: ModelConfig) -> None:
+        rules = _GPT_OSS_DEFAULTS | self.rules  # a family that does not name these keys has none of their features
         problems = [f"{key} is {getattr(cfg, key)!r}, {self.name} requires {want!r}"
-                    for key, want in self.rules.items() if getattr(cfg, key) != want]
+                    for key, want in rules.items() if getattr(cfg, key) != want]
+        if cfg.rope_type not in self.rope_types:
+            problems.append(f"rope_type is {cfg.rope_type!r}; {self.name} allows {list(self.rope_types)}")
         problems += [f"{key} must be > 0 for {self.name}" for key in self.positive if getattr(cfg, key) <= 0]
         for key, allowed in (("layer_types", self.layer_types), ("mlp_types", self.mlp_types)):
             bad = sorted(set(getattr(cfg, key)) - set(allowed))
@@ -85,16 +89,24 @@ class Family:
             raise ValueError(f"config of family {cfg.family!r} is not supported: " + "; ".join(problems))
 
 
+_GPT_OSS_DEFAULTS = {"attn_o_bias": False, "attn_sinks": False, "router_bias": False, "expert_bias": False,
+                     "expert_act": "silu"}
+
+
 def expected_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
     """Shapes of layer `layer`'s weights after dequantization (names relative to `layers.{layer}.`)."""
     h = cfg.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
-    if cfg.layer_types[layer] == "full_attention":
+    if cfg.is_attention(layer):
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         rows = q + 2 * kv + (q if cfg.attn_output_gate else 0)
         shapes |= {"self_attn.qkv_proj.weight": (rows, h), "self_attn.o_proj.weight": (h, q)}
         if cfg.attn_qkv_bias:
             shapes["self_attn.qkv_proj.bias"] = (rows,)
+        if cfg.attn_o_bias:
+            shapes["self_attn.o_proj.bias"] = (h,)
+        if cfg.attn_sinks:
+            shapes["self_attn.sinks"] = (cfg.num_heads,)
         if cfg.attn_qk_norm:
             shapes |= {"self_attn.q_norm.weight": (cfg.head_dim,), "self_attn.k_norm.weight": (cfg.head_dim,)}
     else:
@@ -108,6 +120,8 @@ def expected_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
             "linear_attn.norm.weight": (cfg.linear_value_head_dim,), "linear_attn.out_proj.weight": (h, vd)}
     if cfg.mlp_types[layer] == "moe":
         shapes["mlp.gate.weight"] = (cfg.num_experts, h)
+        if cfg.router_bias:
+            shapes["mlp.gate.bias"] = (cfg.num_experts,)
         if cfg.shared_expert_intermediate_size > 0:
             si = cfg.shared_expert_intermediate_size
             shapes |= {"mlp.shared_expert.gate_up_proj.weight": (2 * si, h),

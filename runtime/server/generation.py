@@ -21,7 +21,7 @@ from ft.runtime.engine import ContextOverflowError, QueueFullError, SamplingPara
 from ft.runtime.server import shield
 from ft.runtime.server.errors import ApiError, invalid
 from ft.runtime.server.loop import EngineFailure, RequestStream
-from ft.runtime.server.parsers import OutputParser, ParsedOutput, ParseEvent, ParserSpec, new_call_id
+from ft.runtime.server.parsers import ParsedOutput, ParseEvent, ParserSpec, make_parser, new_call_id
 from ft.runtime.server.state import ServerState
 
 _RESERVED_TEMPLATE_KEYS = {"messages", "tools", "add_generation_prompt", "documents"}
@@ -97,6 +97,9 @@ def forced_prefix(spec: ParserSpec, choice: Any, prompt: str) -> str:
     needed). An open or pending reasoning block is closed empty first."""
     if choice != "required" and not isinstance(choice, tuple):
         return ""
+    if spec.harmony:  # a commentary message to the function: the model writes the (rest of the) header and args
+        name = f"{choice[1]} <|constrain|>json<|message|>" if isinstance(choice, tuple) else ""
+        return "<|channel|>commentary to=functions." + name
     think = ""
     if spec.starts_in_reasoning:
         think = "</think>\n\n"
@@ -229,7 +232,7 @@ class ChatRun:
     """Engine text -> ParseEvents for one chat request (the forced prefix is parsed first)."""
 
     def __init__(self, prompt: ChatPrompt, id_prefix: str = "call_") -> None:
-        self.parser = OutputParser(prompt.spec, prompt.tools, lambda: new_call_id(id_prefix))
+        self.parser = make_parser(prompt.spec, prompt.tools, lambda: new_call_id(id_prefix))
         self.parsed = ParsedOutput()
         self._pending = self.parser.feed(prompt.forced)
 

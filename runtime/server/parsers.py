@@ -11,6 +11,8 @@ States: probe (is there a leading `<think>`?) -> reasoning -> content <-> tool b
     `<tool_call>` followed by `<function=` also ends it (Qwen3.5 may skip `</think>`).
   * Each text run (reasoning, content before / between tool calls) is stripped of surrounding whitespace, which the
     templates add around tags (`</think>\\n\\n`, `\\n<tool_call>`).
+gpt-oss's harmony format (a template with `<|channel|>`) has its own parser, `harmony.HarmonyParser`; `make_parser`
+picks the parser a spec calls for.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ from dataclasses import dataclass, field
 
 from ft.runtime.server.tool_parsers import ParseEvent, ToolBlock, partial_suffix
 
-__all__ = ["ParseEvent", "ParserSpec", "OutputParser", "ParsedOutput", "ToolCall", "new_call_id", "parse_all"]
+__all__ = ["ParseEvent", "ParserSpec", "OutputParser", "ParsedOutput", "ToolCall", "make_parser", "new_call_id",
+           "parse_all"]
 
 THINK_OPEN, THINK_CLOSE, CALL_OPEN = "<think>", "</think>", "<tool_call>"
+HARMONY_CHANNEL = "<|channel|>"
 
 
 def new_call_id(prefix: str = "call_") -> str:
@@ -32,15 +36,20 @@ def new_call_id(prefix: str = "call_") -> str:
 
 @dataclass(frozen=True)
 class ParserSpec:
-    reasoning: bool  # the template knows <think>
+    reasoning: bool  # the template knows <think> (harmony: an analysis channel)
     starts_in_reasoning: bool  # the rendered prompt opened <think>
-    tool_format: str | None  # "xml" | "hermes" | None (no tools in this request: tool tags stay text)
+    tool_format: str | None  # "xml" | "hermes" | "harmony" | None (no tools in this request: tool tags stay text)
+    harmony: bool = False  # gpt-oss channels (`harmony.HarmonyParser`)
 
     @classmethod
     def detect(cls, chat_template: str | None, prompt: str, *, tools: bool) -> ParserSpec:
-        """XML tool calls if the template contains `<function=`, Hermes JSON otherwise; reasoning if it mentions
-        `<think>`; inside reasoning from the start when the rendered prompt ends with `<think>\\n`."""
+        """Harmony if the template contains `<|channel|>`; else XML tool calls if it contains `<function=`, Hermes
+        JSON otherwise; reasoning if it mentions `<think>`; inside reasoning from the start when the rendered prompt
+        ends with `<think>\\n`."""
         template = chat_template or ""
+        if HARMONY_CHANNEL in template:
+            return cls(reasoning=True, starts_in_reasoning=False, tool_format="harmony" if tools else None,
+                       harmony=True)
         reasoning = THINK_OPEN in template
         return cls(reasoning=reasoning, starts_in_reasoning=reasoning and prompt.endswith(THINK_OPEN + "\n"),
                    tool_format=("xml" if "<function=" in template else "hermes") if tools else None)
@@ -215,9 +224,19 @@ class ParsedOutput:
                 self.tool_calls[ev.index].arguments += ev.text
 
 
+def make_parser(spec: ParserSpec, tools: Iterable[dict] | None = None,
+                id_factory: Callable[[], str] = new_call_id):
+    """The parser `spec` calls for: `OutputParser`, or for harmony `harmony.HarmonyParser` (same interface)."""
+    if spec.harmony:
+        from ft.runtime.server.harmony import HarmonyParser
+
+        return HarmonyParser(spec.tool_format is not None, id_factory)
+    return OutputParser(spec, tools, id_factory)
+
+
 def parse_all(text: str, spec: ParserSpec, tools: Iterable[dict] | None = None) -> ParsedOutput:
     """One-shot parse of a complete output."""
-    parser = OutputParser(spec, tools)
+    parser = make_parser(spec, tools)
     result = ParsedOutput()
     result.add(parser.feed(text))
     result.add(parser.finish())

@@ -61,8 +61,9 @@ def test_corrupt_safetensors_header_is_named(copy, tmp_path: Path, damage, match
 
 
 @pytest.mark.parametrize("arch, model_type, match", [
-    ("GptOssForCausalLM", "gpt_oss", "gpt_oss is not supported yet; supported: .*Qwen3MoeForCausalLM"),
-    ("LlamaForCausalLM", "llama", r"\['LlamaForCausalLM'\].* is not supported; supported: MixtralForCausalLM"),
+    ("DeepseekV3ForCausalLM", "deepseek_v3", "deepseek_v3 is not supported yet; supported: .*GptOssForCausalLM"),
+    ("LlamaForCausalLM", "llama",
+     r"\['LlamaForCausalLM'\].* is not supported; supported: GptOssForCausalLM, MixtralForCausalLM"),
 ])
 def test_unsupported_architecture(copy, tmp_path: Path, arch: str, model_type: str, match: str) -> None:
     d = edit_config(copy(), lambda c: c.update(architectures=[arch], model_type=model_type))
@@ -71,13 +72,19 @@ def test_unsupported_architecture(copy, tmp_path: Path, arch: str, model_type: s
 
 @pytest.mark.parametrize("qc", [
     {"quant_method": "gptq", "bits": 4}, {"quant_method": "awq"}, {"quant_method": "compressed-tensors"},
-    {"quant_method": "fp8", "weight_block_size": [128, 128]}, {"quant_method": "mxfp4"},
+    {"quant_method": "fp8", "weight_block_size": [128, 128]},
     {"quant_method": "modelopt", "quant_algo": "W4A8_AWQ"},
 ])
 def test_unsupported_quant_method(copy, tmp_path: Path, qc: dict) -> None:
     d = edit_config(copy(), lambda c: c.update(quantization_config=qc))
     refused(d, tmp_path / "o.ftw", r"config\.json quantization_config: .* is not supported; supported: .*modelopt.*"
                                    r"NVFP4, W4A16_NVFP4, FP8")
+
+
+def test_mxfp4_declared_outside_gpt_oss_is_refused(copy, tmp_path: Path) -> None:
+    d = edit_config(copy(), lambda c: c.update(quantization_config={"quant_method": "mxfp4"}))
+    refused(d, tmp_path / "o.ftw", r"quant_method 'mxfp4' is supported for gpt_oss checkpoints only, not model_type "
+                                   r"'qwen3_moe'")
 
 
 @pytest.mark.parametrize("change, match", [
@@ -159,4 +166,5 @@ def test_quantization_contradicting_its_config_is_refused(tmp_path: Path) -> Non
 
 def test_sliding_window_layer_types_refused(copy, tmp_path: Path) -> None:
     d = edit_config(copy(), lambda c: c.update(layer_types=["sliding_attention", "full_attention"]))
-    refused(d, tmp_path / "o.ftw", "layer_types=.* is not supported .*no sliding window")
+    refused(d, tmp_path / "o.ftw", "layer_types=.* is not supported .*implemented layer types: full_attention, "
+                                   "linear_attention\\)")

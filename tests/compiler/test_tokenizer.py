@@ -127,7 +127,11 @@ def test_truncated_vocab(tmp_path, flavor):
         assert ids == _ref_encode(ref, text), text
         assert all(0 <= i < info["vocab_size"] for i in ids)
         assert tok.decode(ids, skip_special_tokens=False) == unicodedata.normalize("NFC", text)
-    assert tok.encode("<|im_start|>user\nhi<|im_end|>").ids[0] == n + 1
+    if flavor == "harmony":  # o200k_harmony's order: <|start|> is 200006 - 199998 = 8 after the first special
+        assert tok.encode("<|start|>user<|message|>hi<|end|>").ids[0] == n + 8
+        assert (info["eos_token_id"], info["bos_token_id"], info["pad_token_id"]) == (n + 4, n, n + 1)
+    else:
+        assert tok.encode("<|im_start|>user\nhi<|im_end|>").ids[0] == n + 1
 
 
 def test_transformers_loads_the_written_files(tmp_path, full):
@@ -203,7 +207,7 @@ def chat_tok(tmp_path_factory):
         write_tokenizer_files(d, flavor, num_ranks=512)
         return Tokenizer.from_files(d / "tokenizer.json", (d / "chat_template.jinja").read_text(),
                                     {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
-    return {flavor: make(flavor) for flavor in FLAVORS}
+    return {flavor: make(flavor) for flavor in ("qwen3", "qwen3_5")}
 
 
 def _tools_json(*tools) -> str:

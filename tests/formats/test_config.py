@@ -28,8 +28,25 @@ def test_round_trips_through_json_for_every_family() -> None:
         cfg = hybrid(family=family) if family in ("qwen3_next", "qwen3_5_moe") else moe_config(family=family)
         d = json.loads(json.dumps(cfg.to_dict()))
         assert ModelConfig.from_dict(d) == cfg
-        assert list(d) == [f.name for f in dataclasses.fields(ModelConfig)]
+        # keys added after FTW 1.0 are written only when they differ from their defaults
+        assert list(d) == [f.name for f in dataclasses.fields(ModelConfig) if f.default is dataclasses.MISSING]
     assert hybrid().num_moe_layers == 4 and hybrid().has_shared_expert and not moe_config().has_shared_expert
+
+
+def test_gpt_oss_keys_round_trip_and_default_when_absent() -> None:
+    cfg = moe_config(family="gpt_oss", layer_types=("sliding_attention",), sliding_window=128, attn_sinks=True,
+                     attn_o_bias=True, router_bias=True, expert_bias=True, expert_act="clamped_swiglu",
+                     swiglu_alpha=1.702, swiglu_limit=7.0, rope_type="yarn", rope_factor=32.0,
+                     rope_attention_factor=1.3465735902799727, rope_original_max_position_embeddings=4096,
+                     rope_truncate=False)
+    d = json.loads(json.dumps(cfg.to_dict()))
+    assert ModelConfig.from_dict(d) == cfg
+    assert {"sliding_window", "attn_sinks", "rope_truncate", "swiglu_limit"} <= set(d)
+    assert "rope_beta_fast" not in d  # equal to its default
+    old = moe_config().to_dict()  # a manifest written before the keys existed
+    assert ModelConfig.from_dict(old).expert_act == "silu" and ModelConfig.from_dict(old).sliding_window == 0
+    with pytest.raises(ValueError, match="config key attn_sinks has the wrong type"):
+        ModelConfig.from_dict({**old, "attn_sinks": 1})
 
 
 def test_is_frozen() -> None:
@@ -39,8 +56,8 @@ def test_is_frozen() -> None:
 
 def test_refuses_unknown_and_missing_keys() -> None:
     d = tiny_config().to_dict()
-    with pytest.raises(ValueError, match=r"unknown config keys \['sliding_window'\]"):
-        ModelConfig.from_dict({**d, "sliding_window": 128})
+    with pytest.raises(ValueError, match=r"unknown config keys \['use_sliding_window'\]"):
+        ModelConfig.from_dict({**d, "use_sliding_window": True})
     del d["head_dim"]
     with pytest.raises(ValueError, match=r"missing config keys \['head_dim'\]"):
         ModelConfig.from_dict(d)
@@ -67,7 +84,12 @@ def test_refuses_wrong_types(key: str, value: Any) -> None:
 @pytest.mark.parametrize("over,message", [
     (dict(hidden_size=0), "hidden_size must be positive"),
     (dict(num_layers=2), "layer_types must list 2 entries"),
-    (dict(layer_types=("sliding_attention",)), "layer_types must list 1 entries"),
+    (dict(layer_types=("sliding_attention", "full_attention")), "layer_types must list 1 entries"),
+    (dict(layer_types=("sliding_attention",)), "sliding_attention layers need sliding_window > 0"),
+    (dict(expert_act="gelu"), "expert_act 'gelu' not in"),
+    (dict(expert_act="clamped_swiglu"), "clamped_swiglu needs swiglu_alpha > 0 and swiglu_limit > 0"),
+    (dict(rope_type="yarn"), "yarn rope needs rope_factor >= 1, rope_original_max_position_embeddings > 0"),
+    (dict(rope_type="longrope"), "rope_type 'longrope' not in"),
     (dict(mlp_types=("moe", "moe")), "mlp_types must list 1 entries"),
     (dict(num_heads=4, num_kv_heads=3), "num_heads 4 is not a multiple of num_kv_heads 3"),
     (dict(rotary_dim=3), "rotary_dim 3 must be even"),

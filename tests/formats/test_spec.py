@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import re
-from dataclasses import fields
+from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any, Callable
 
@@ -82,7 +82,8 @@ def _tensor0(m: dict) -> dict:
     lambda m: m["expert_banks"][0]["components"][0].update(offset=128),
     lambda m: m["quant"].update(experts="int4"),
     lambda m: m["config"].update(family="llama"),
-    lambda m: m["config"].update(sliding_window=1),
+    lambda m: m["config"].update(use_sliding_window=True),
+    lambda m: m["config"].update(sliding_window=-1),
     lambda m: m["config"].update(hidden_size=True),
 ])
 def test_schema_refuses_what_the_reader_refuses(tmp_path: Path, edit: Callable[[dict], Any]) -> None:
@@ -95,7 +96,11 @@ def test_schema_tables_match_the_code() -> None:
     assert SCHEMA["required"] == list(REQUIRED_KEYS)
     defs = SCHEMA["$defs"]
     assert defs["dtype"]["enum"] == list(DTYPES) and defs["scheme"]["enum"] == list(SCHEMES)
-    assert defs["config"]["required"] == [f.name for f in fields(ModelConfig)]
+    assert defs["config"]["required"] == [f.name for f in fields(ModelConfig) if f.default is MISSING]
+    assert list(defs["config"]["properties"]) == [f.name for f in fields(ModelConfig)]
+    for f in fields(ModelConfig):
+        if f.default is not MISSING:
+            assert defs["config"]["properties"][f.name]["default"] == f.default, f.name
     assert defs["config"]["properties"]["family"]["enum"] == list(FAMILIES)
     assert defs["aligned"]["multipleOf"] == ALIGN
     assert defs["component"]["properties"]["offset"]["multipleOf"] == COMPONENT_ALIGN

@@ -303,7 +303,7 @@ def test_V18_file_size(ftw: Path, victim: str, new_size: int) -> None:
 
 @pytest.mark.parametrize("edit,word", [
     (set_key(("config", "family"), "llama"), "unknown family 'llama'"),
-    (set_key(("config", "sliding_window"), 4096), "unknown config keys ['sliding_window']"),
+    (set_key(("config", "use_sliding_window"), True), "unknown config keys ['use_sliding_window']"),
     (lambda m: m["config"].pop("rope_theta"), "missing config keys ['rope_theta']"),
     (set_key(("config", "num_kv_heads"), 3), "num_heads 4 is not a multiple of num_kv_heads 3"),
     (set_key(("config", "hidden_size"), True), "config key hidden_size has the wrong type"),
