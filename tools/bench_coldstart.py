@@ -74,7 +74,8 @@ def serve_once(ftw: Path, budget: str, env: dict, log_path: Path, deadline_s: fl
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
-    return {"ready_s": round(ready, 3), "first_token_s": round(first, 3), "kernels": stats.get("kernels")}
+    return {"ready_s": round(ready, 3), "first_token_s": round(first, 3),
+            "kernels": (stats.get("engine") or {}).get("kernels")}  # /v1/stats: the engine's stats under "engine"
 
 
 def main() -> None:

@@ -191,7 +191,7 @@ def moe(g: Geometry, lengths: list[int]) -> None:
 
     H, I, E, k = g.H, g.I, g.E, g.k
     layout = RecordLayout.packed(H, I)
-    pool = torch.zeros(E + 64, layout.stride, dtype=torch.uint8)
+    pool = torch.zeros(E + 65, layout.stride, dtype=torch.uint8)  # staging rows from E + 1 for 64 pairs
     row = torch.arange(E, dtype=torch.int32)
     table = torch.zeros(max(g.moe_layers) + 1, E, dtype=torch.int32)
     state, split = torch.zeros(2, dtype=torch.int32), torch.zeros(4)

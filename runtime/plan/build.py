@@ -24,7 +24,7 @@ from ft.runtime.settings import EngineSettings
 
 from . import speed
 from .machine import lane_available, rates, this_machine
-from .routing import RoutingProfile, hit_rates, preload_order, shares
+from .routing import RoutingProfile, held_out_hit_rates, preload_order, shares
 
 CURVE_POINTS = 24
 
@@ -97,7 +97,7 @@ def make_plan(reader: FtwReader, settings: EngineSettings, routing: RoutingProfi
 
     def predict(slots: int):
         offloaded = slots < geom.max_slots
-        hits = hit_rates(share, order, slots) if offloaded else [1.0] * len(moe)
+        hits = held_out_hit_rates(routing.counts, slots, E, len(moe)) if offloaded else [1.0] * len(moe)
         lane_only = frozenset(range(len(moe))) - frozenset(pinned) if offloaded else frozenset()
         chunk = settings.max_prefill_length or (OFFLOADED_PREFILL_CHUNK if offloaded else PREFILL_CHUNK)
         d = speed.decode(geom, r, hits, offloaded=offloaded, lane=lane, lane_only=lane_only)

@@ -4,7 +4,9 @@ A profile comes from calibration (`calibrate.py`), from a routing-count file a s
 (`--save-routing FILE`, format below), or is the uniform prior. The resident set of S slots is the S experts with
 the largest routing share (an expert's share of its layer's routed pairs), across all layers: each layer sees k pairs
 per token, so this maximises the expected hits per token. Ties (the uniform prior) go round-robin over layers, so a
-truncated list stays balanced. A layer's expected hit rate is the share of its resident experts.
+truncated list stays balanced. A layer's expected hit rate is the share of its resident experts, measured on counts
+the choice did not see (`held_out_hit_rates`): the share of a set picked from the same counts overstates it (with
+uniform routing and 512 calibration tokens, 0.41 predicted where 0.23 was measured on the H200).
 
 Routing-count file (JSON, UTF-8; written to a temporary name, fsynced, renamed):
 
@@ -67,6 +69,21 @@ def hit_rates(share: np.ndarray, order: np.ndarray, slots: int) -> list[float]:
     hits = np.zeros(share.shape[0])
     np.add.at(hits, chosen[:, 0], share[chosen[:, 0], chosen[:, 1]])
     return [float(min(1.0, h)) for h in hits]
+
+
+def held_out_hit_rates(counts: np.ndarray | None, slots: int, num_experts: int, moe_layers: int,
+                       seed: int = 0) -> list[float]:
+    """Expected hit rate per MoE layer of the `slots` experts with the largest counts, estimated out of sample: each
+    count is split in two by binomial thinning (for multinomial or Poisson counts, two independent samples of half
+    the tokens), the resident set is chosen on one half and its share measured on the other. Deterministic (seeded);
+    a slight underestimate for the set chosen on all counts. The uniform prior needs no split."""
+    if counts is None:
+        share = shares(None, moe_layers, num_experts)
+        return hit_rates(share, preload_order(share), slots)
+    c = np.asarray(counts, np.int64)
+    pick = np.random.default_rng(seed).binomial(c, 0.5)
+    return hit_rates(shares(c - pick, moe_layers, num_experts),
+                     preload_order(shares(pick, moe_layers, num_experts)), slots)
 
 
 # ---- the routing-count file ----------------------------------------------------------------------------------------

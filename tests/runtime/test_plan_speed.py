@@ -121,3 +121,24 @@ def test_resident_set_takes_the_largest_shares_over_all_layers():
     assert hit_rates(share, order, 3) == pytest.approx([0.8, 0.6])
     assert hit_rates(share, order, 8) == pytest.approx([1.0, 1.0]) and hit_rates(share, order, 0) == [0.0, 0.0]
     assert shares(np.zeros((2, 4)), 2, 4).tolist() == [[0.25] * 4] * 2  # a layer that counted nothing: uniform
+
+
+def test_hit_rate_is_estimated_on_counts_the_choice_did_not_see():
+    """Calibration counts from few tokens: the set with the largest counts holds far more of those same counts than
+    of the routing to come. Uniform routing (512 tokens, top-8 of 256, 40 layers, 22 % of the experts cached): the
+    in-sample share is ~0.30, what decode then sees ~0.22 (H200, bench_plan: 0.41 predicted, 0.23 measured); the
+    held-out estimate says ~0.22. A skewed profile keeps its advantage."""
+    from ft.runtime.plan.routing import held_out_hit_rates
+
+    rng = np.random.default_rng(5)
+    L, E, slots = 40, 256, 2266
+    uniform = np.stack([rng.multinomial(512 * 8, np.full(E, 1 / E)) for _ in range(L)])
+    share = shares(uniform, L, E)
+    in_sample = float(np.mean(hit_rates(share, preload_order(share), slots)))
+    held_out = float(np.mean(held_out_hit_rates(uniform, slots, E, L)))
+    assert in_sample > 0.27 and abs(held_out - slots / (L * E)) < 0.02
+    zipf = 1 / np.arange(1, E + 1) ** 1.1
+    p = zipf / zipf.sum()
+    skewed = np.stack([rng.multinomial(512 * 8, p) for _ in range(L)])
+    truth = float(np.sort(p)[::-1][:slots // L].sum())  # the top experts' real mass, per layer
+    assert abs(float(np.mean(held_out_hit_rates(skewed, slots, E, L))) - truth) < 0.05
