@@ -39,7 +39,7 @@ def put_entry(ftw: str | Path, slot: str, name: str, data: bytes) -> Path:
         _write_index(ftw, manifest)
     _clean_stale(ftw)
     (ftw / slot).mkdir(exist_ok=True)
-    _write_file(ftw / full, data)
+    write_atomic(ftw / full, data)
     _fsync_dir(ftw)
     manifest[slot] = sorted([*manifest[slot], {"name": full, "nbytes": len(data), "xxh3": xxh3_hex(data)}],
                             key=lambda e: e["name"])
@@ -72,7 +72,7 @@ def update_slot(ftw: str | Path, slot: str, add: dict[str, bytes], remove: set[s
         _clean_stale(ftw)
         (ftw / slot).mkdir(exist_ok=True)
         for full in new:
-            _write_file(ftw / full, add[full.split("/", 1)[1]])
+            write_atomic(ftw / full, add[full.split("/", 1)[1]])
     _write_index(ftw, manifest)
     for full in set(listed) & set(remove):
         (ftw / full).unlink(missing_ok=True)
@@ -109,7 +109,9 @@ def _tmp(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
 
-def _write_file(path: Path, data: bytes) -> None:
+def write_atomic(path: Path, data: bytes) -> None:
+    """`data` into `path` through a temporary name in the same directory (the writer's pid in it, so a dead writer's
+    leftovers are recognised), fsynced, renamed, the directory fsynced: a crash leaves the old file or the new one."""
     tmp = _tmp(path)
     try:
         with open(tmp, "wb") as f:
@@ -129,7 +131,7 @@ def _write_index(ftw: Path, manifest: dict) -> None:
     if len(body) > MAX_MANIFEST_BYTES:
         raise ValueError(f"manifest would be {len(body)} bytes, over the {MAX_MANIFEST_BYTES}-byte limit")
     parse_manifest(json.loads(body), str(ftw / INDEX_NAME))
-    _write_file(ftw / INDEX_NAME, Header.for_manifest(body).pack() + body)
+    write_atomic(ftw / INDEX_NAME, Header.for_manifest(body).pack() + body)
 
 
 def _clean_stale(ftw: Path) -> None:

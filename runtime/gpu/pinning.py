@@ -61,16 +61,20 @@ def device_pointer(host_ptr: int) -> int | None:
     return None
 
 
-def mem_available() -> int:
-    """MemAvailable from /proc/meminfo in bytes (0 when unknown)."""
+def meminfo(field: str = "MemAvailable") -> int:
+    """A /proc/meminfo field (MemAvailable, MemTotal, ...) in bytes (0 when unknown)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError):
         pass
     return 0
+
+
+def mem_available() -> int:
+    return meminfo("MemAvailable")
 
 
 def bank_range(bank) -> tuple[int, int]:

@@ -33,14 +33,9 @@ class Machine:
 
 def host_memory() -> int:
     """MemTotal in bytes (0 when /proc/meminfo cannot be read)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemTotal:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return 0
+    from ft.runtime.gpu.pinning import meminfo
+
+    return meminfo("MemTotal")
 
 
 def this_machine(device: torch.device) -> Machine:

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from ft.formats.slots import write_atomic
 
 log = logging.getLogger("ft.plan")
 ROUTING_FORMAT = "ft-routing"
@@ -95,16 +96,7 @@ def save_counts(path: str | Path, *, key: str, moe_layers: list[int], counts: np
            "num_experts": int(counts.shape[1]), "moe_layers": [int(x) for x in moe_layers],
            "tokens": [int(round(t)) for t in tokens], "counts": np.rint(counts).astype(np.int64).tolist()}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(json.dumps(obj, separators=(",", ":")) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_atomic(path, (json.dumps(obj, separators=(",", ":")) + "\n").encode())
     return path
 
 
