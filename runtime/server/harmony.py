@@ -22,6 +22,7 @@ import re
 from collections.abc import Callable
 
 from ft.runtime.server.json_close import json_closer
+from ft.runtime.server.parsers import StreamParser, _Run
 from ft.runtime.server.tool_parsers import ParseEvent, partial_suffix
 
 START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
@@ -38,12 +39,10 @@ def parse_header(header: str) -> tuple[str | None, str | None]:
     return (channel.group(1) if channel else None), (recipient.group(1) if recipient else None)
 
 
-class HarmonyParser:
+class HarmonyParser(StreamParser):
     """Same interface as `parsers.OutputParser`: feed(text) / finish() -> ParseEvents."""
 
     def __init__(self, tools: bool, id_factory: Callable[[], str]) -> None:
-        from ft.runtime.server.parsers import _Run
-
         self.tools, self.id_factory = tools, id_factory
         self.buf = ""
         self.kind: str | None = None  # None: in a header; else the open body's "reasoning" | "content" | "tool"
@@ -52,23 +51,8 @@ class HarmonyParser:
         self.num_calls = 0
         self.finished = False
 
-    def feed(self, text: str) -> list[ParseEvent]:
-        if self.finished:
-            raise RuntimeError("feed() after finish()")
-        self.buf += text
-        return self._run(final=False)
-
-    def finish(self) -> list[ParseEvent]:
-        """End of output: flush held-back text, close an open tool call (best effort for truncated output)."""
-        out = self._run(final=True)
-        self.finished = True
-        return out
-
-    def _run(self, final: bool) -> list[ParseEvent]:
-        out: list[ParseEvent] = []
-        while self._header(out, final) if self.kind is None else self._body(out, final):
-            pass
-        return out
+    def _step(self, out: list[ParseEvent], final: bool) -> bool:
+        return self._header(out, final) if self.kind is None else self._body(out, final)
 
     def _header(self, out: list[ParseEvent], final: bool) -> bool:
         at = self.buf.find(MESSAGE)

@@ -77,19 +77,13 @@ class _Run:
         self.started, self.pending = False, ""
 
 
-class OutputParser:
-    def __init__(self, spec: ParserSpec, tools: Iterable[dict] | None = None,
-                 id_factory: Callable[[], str] = new_call_id) -> None:
-        self.spec = spec
-        self.schemas = _parameter_schemas(tools or ())
-        self.id_factory = id_factory
-        self.buf = ""
-        self.state = "probe" if spec.reasoning else "content"
-        self.reasoning = _Run("reasoning")
-        self.content = _Run("content")
-        self.block: ToolBlock | None = None
-        self.num_calls = 0
-        self.finished = False
+class StreamParser:
+    """Text in as it is generated, events out: `feed` each piece, then `finish` once. A subclass keeps `buf` (text
+    not consumed yet) and `finished`, and implements `_step(out, final)`: consume what it can of `buf`, appending
+    events to `out`, and return whether another step may make progress."""
+
+    buf: str
+    finished: bool
 
     def feed(self, text: str) -> list[ParseEvent]:
         if self.finished:
@@ -105,9 +99,30 @@ class OutputParser:
 
     def _run(self, final: bool) -> list[ParseEvent]:
         out: list[ParseEvent] = []
-        while getattr(self, "_" + self.state)(out, final):
+        while self._step(out, final):
             pass
         return out
+
+    def _step(self, out: list[ParseEvent], final: bool) -> bool:
+        raise NotImplementedError
+
+
+class OutputParser(StreamParser):
+    def __init__(self, spec: ParserSpec, tools: Iterable[dict] | None = None,
+                 id_factory: Callable[[], str] = new_call_id) -> None:
+        self.spec = spec
+        self.schemas = _parameter_schemas(tools or ())
+        self.id_factory = id_factory
+        self.buf = ""
+        self.state = "probe" if spec.reasoning else "content"
+        self.reasoning = _Run("reasoning")
+        self.content = _Run("content")
+        self.block: ToolBlock | None = None
+        self.num_calls = 0
+        self.finished = False
+
+    def _step(self, out: list[ParseEvent], final: bool) -> bool:
+        return getattr(self, "_" + self.state)(out, final)
 
     # Each state handler consumes what it can decide and returns True when another handler should run now.
 
