@@ -12,12 +12,7 @@ KV reservation at once, a finished one hands them to the prefix cache (`ft.runti
 and prefills only the rest (`num_cached_tokens` on its events). Kept states give way first whenever an admission or
 a running request's growth needs their KV.
 
-Growth and preemption (recompute, as vLLM): before the forward, each scheduled request, oldest first, makes its
-reservation and KV buffers cover the tokens it adds. When the budget cannot, the most recently admitted running
-request is preempted: its state and reservation are freed and it goes back to the HEAD of the waiting queue.
-Re-admitted, it prefills its prompt + the output it already has, then samples its next token; nothing already sent is
-emitted again and its sampler state is untouched. The oldest running request is never preempted, so it always
-advances. One alone that still cannot grow ends with "length" (unreachable while the engine owns the whole budget).
+Admission, growth and preemption: `ft.runtime.engine_schedule`.
 
 Invariants: `_running` is in admission order and `_running + _waiting` in arrival order, preempted requests included;
 `kv.used == sum of the running reservations + what the prefix cache holds <= kv.total`; a running state's KV
@@ -38,10 +33,12 @@ from typing import Any
 import torch
 
 from ft.formats import FtwReader
+from ft.runtime.engine_load import load_for_engine
+from ft.runtime.engine_schedule import Scheduling
 from ft.runtime.engine_stats import EngineCounters
 from ft.runtime.generate import GenerationResult, generate
 from ft.runtime.kv import ContextOverflowError, KvBudget, QueueFullError
-from ft.runtime.model import Segment, load_model
+from ft.runtime.model import Segment
 from ft.runtime import prefix_store
 from ft.runtime.prefix_cache import PrefixCache
 from ft.runtime.request import Request, StopStringFilter, TokenEvent
@@ -68,7 +65,7 @@ class _Inflight:
     seconds: float
 
 
-class Engine:
+class Engine(Scheduling):
     """Serves one FTW with `settings` (`ft.runtime.settings.EngineSettings`: device, KV budget, batch and queue bounds,
     and on CUDA the VRAM budget, dense weights, offload mode, CUDA graphs). `experts` replaces the default CPU experts;
     on CUDA the engine builds the GPU expert scheduler itself, sized from `settings.vram_budget` bytes (dense weights,
@@ -83,29 +80,7 @@ class Engine:
                  experts: Any = None, offload: Any = None) -> None:
         s = self.settings = settings or EngineSettings()
         reader = ftw_dir if isinstance(ftw_dir, FtwReader) else FtwReader(Path(ftw_dir))
-        self.kernels = None  # on CUDA: what start-up did with the FTW's prebuilt kernels (before any kernel compiles)
-        if s.cuda:
-            from ft.runtime.gpu.prebuilt import use_prebuilt
-
-            dev = torch.device(s.device)
-            major, minor = torch.cuda.get_device_capability(dev.index if dev.index is not None else None)
-            self.kernels = use_prebuilt(reader, 10 * major + minor)
-        model = None
-        if experts is None and (s.cuda or offload is not None):
-            from ft.runtime.gpu.engine_setup import load_offloaded, unsupported_reason
-
-            why = unsupported_reason(reader)
-            if why is not None and offload is not None:
-                raise ValueError(f"{reader.path}: the GPU expert scheduler cannot serve this model: {why}")
-            if why is None:
-                model, experts = load_offloaded(
-                    reader, device=s.device, vram_budget=s.vram_budget, memory_ratio=s.memory_ratio, offload=offload,
-                    kv_reserve_tokens=s.kv_reserve_tokens, max_running_requests=s.max_running_requests,
-                    dense_weights=s.dense_weights, mode=s.offload_mode,
-                    cuda_graphs=s.cuda_graphs, pin_host_bytes=s.pinned_memory, plan_name=s.plan)
-            else:
-                log.warning("%s; routed experts run on the CPU", why)
-        self.model = model if model is not None else load_model(reader, device=s.device, experts=experts)
+        self.model, experts, self.kernels = load_for_engine(reader, s, experts=experts, offload=offload)
         self._experts = experts  # None = the model's CPU experts
         self.config = self.model.config
         self.tokenizer = Tokenizer.from_reader(reader)
@@ -315,108 +290,6 @@ class Engine:
             if req.finish_reason is not None:
                 self._finish(req)
         return events
-
-    def _admit(self) -> None:
-        while self._waiting and len(self._running) < self.max_running_requests:
-            req = self._waiting[0]
-            hit = self.prefix.take(req.prefill_ids) if self.prefix is not None else None
-            size = self.kv.rounded(req.prefill_length + 1, req.max_length)  # prefill + the first decode
-            # A block of headroom for the running requests' growth: a request just preempted is not re-admitted (and
-            # recomputed) straight away. Kept prefixes give way first.
-            while not self.kv.try_reserve(req.request_id, size, headroom=self.kv.block if self._running else 0):
-                if self.prefix is None or not self.prefix.evict():
-                    if hit is not None:
-                        hit.state.free()
-                    return  # strict FIFO: later requests wait behind the head
-            self._waiting.popleft()
-            if hit is None:
-                req.state = self.model.new_state(req.max_length, capacity=size)
-            else:
-                req.state, req.num_prefilled = hit.state, hit.length
-                req.snapshots.update(hit.snapshots)  # the conversation's earlier chunk ends stay reusable
-                req.state.max_tokens = max(req.state.max_tokens, req.max_length)
-                if req.state.capacity > size:  # KV buffers within the reservation (and max_length)
-                    req.state.resize(size)
-                if not req.output_ids:  # what usage reports: the first admission's reuse (not a recompute's)
-                    req.num_cached = hit.length
-            self._running.append(req)
-
-    def _schedule(self, events: list[TokenEvent]) -> tuple[list[Request], Request | None]:
-        """This step's work (every decode, one chunk of the oldest prefilling request), each with its KV grown to
-        cover it, oldest first; may preempt (module docstring) or end a request (its event goes to `events`)."""
-        prefill = next((r for r in self._running if r.is_prefilling), None)
-        for req in list(self._running):
-            if req.state is None:  # preempted by an older request's growth in this loop
-                continue
-            if req is prefill:
-                self._secure(req, self._chunk_length(req), events)
-            elif not req.is_prefilling:
-                self._secure(req, 1, events)
-        decodes = [r for r in self._running if not r.is_prefilling]
-        return decodes, (prefill if prefill is not None and prefill.state is not None else None)
-
-    def _secure(self, req: Request, num_tokens: int, events: list[TokenEvent]) -> None:
-        """Make `req`'s reservation and KV buffers hold `num_tokens` more tokens, preempting the most recently
-        admitted running requests (`req` itself last) until they do."""
-        need = req.state.length + num_tokens
-        while not self.kv.try_grow(req.request_id, need, req.max_length):
-            if self.prefix is not None and self.prefix.evict():  # kept prefixes give way to running requests
-                continue
-            victim = self._running[-1]
-            if victim is req and len(self._running) == 1:
-                events.append(req.finish_event("length"))  # alone and still too long: capped by the budget
-                self._finish(req)
-                return
-            self._preempt(victim)
-            if victim is req:
-                return
-        req.state.ensure_capacity(need, at_most=self.kv.reserved(req.request_id))
-
-    def _preempt(self, req: Request) -> None:
-        assert self._running[-1] is req
-        self._release(self._running.pop())
-        req.preempt()
-        self._waiting.appendleft(req)
-        self._counters.add("preemptions")
-
-    def _chunk_length(self, req: Request) -> int:
-        """Tokens of `req`'s next prefill chunk: up to max_prefill_length, ending at its snapshot position if the
-        chunk would cross it (hybrid models with the prefix cache on: the snapshot is taken at each chunk end)."""
-        n = min(self.max_prefill_length, req.prefill_length - req.num_prefilled)
-        at = req.snapshot_at
-        if at is not None and self.prefix is not None and req.state.recurrent and req.num_prefilled < at:
-            n = min(n, at - req.num_prefilled)
-        return n
-
-    def _prepare_inputs(self, decodes: list[Request], prefill: Request | None) -> tuple[list[int], list]:
-        """Concatenated input ids and one Segment per request: decodes first, then the prefill chunk."""
-        input_ids: list[int] = []
-        segments = []
-        for req in decodes:
-            input_ids.append(req.output_ids[-1])
-            segments.append(Segment(req.state, 1, logits="last"))
-        if prefill is not None:
-            chunk = prefill.next_prefill_chunk(self._chunk_length(prefill))
-            input_ids.extend(chunk)
-            segments.append(Segment(prefill.state, len(chunk), logits="last"))
-        return input_ids, segments
-
-    def _finish(self, req: Request) -> None:
-        self._running.remove(req)
-        if self.prefix is not None and req.state is not None:  # kept for a later prompt that starts the same way
-            state, req.state = req.state, None
-            self.kv.release(req.request_id)
-            self.prefix.put((req.prompt_ids + req.output_ids)[:state.length], state, req.snapshots)
-        self._release(req)
-        self._ids.discard(req.request_id)
-        self._counters.add("requests_finished")
-
-    def _release(self, req: Request) -> None:
-        """Free the state and the KV reservation (the request id stays in use)."""
-        if req.state is not None:
-            req.state.free()
-            req.state = None
-        self.kv.release(req.request_id)
 
     # ---- observability --------------------------------------------------------------------------------------
 
