@@ -115,7 +115,7 @@ def make_plan(reader: FtwReader, settings: EngineSettings, routing: RoutingProfi
     offloaded = vram.num_slots < geom.max_slots
     mean_hit = sum(hits) / len(hits)
     lines = (f"hit rate {mean_hit:.3f}: the routing mass of {vram.num_slots} resident experts "
-             f"({routing.source} routing)", *d.lines, pf_line)
+             f"({routing.source} routing, held-out estimate)", *d.lines, pf_line)
     plan = Plan(
         format=PLAN_FORMAT, version=PLAN_VERSION, name=name or default_name(machine.gpu, budget),
         model=PlanModel(model_key(reader.records), cfg.family, tuple(moe), E, cfg.num_experts_per_tok, stride),
