@@ -1,12 +1,15 @@
 """Bundle benchmark: `ft bundle pack` and `unpack` of a compiled FTW against the disk bound.
 
-    python tools/bench_bundle.py [--ftw DIR | --layers 40] [--work DIR] [--keep]
+    python tools/bench_bundle.py [--ftw DIR | --layers 40] [--work DIR] [--keep] [--serve]
 
 Without --ftw, synthesizes qwen3.6-35b-a3b NVFP4 (all 40 layers, or cut to --layers) and compiles it. Then, each
 with the page cache dropped first: pack (reads the FTW, writes the bundle), unpack (reads the bundle, writes a new
 FTW, fsynced; every chunk's xxh3 and every file's sha256 checked). The bound of each is its bytes read / the disk's
 cold read speed + bytes written / its write speed, each the faster of a buffered and an O_DIRECT probe
-(bench_compile_lib.py). Reports compressed size by kind. Writes benchmarks/bundle.md and benchmarks/bundle.json.
+(bench_compile_lib.py). Reports compressed size by kind. With --serve, the unpacked FTW is then placed in a local
+Hugging Face cache as the snapshot of a repo (as a pull leaves it) and `ft serve --ftw org/name --device cpu` runs
+from it offline (HF_HUB_OFFLINE=1): seconds to ready (GET /health) and to the first token; "pull + unpack +
+serve-ready" is unpack + that. Writes benchmarks/bundle.md and benchmarks/bundle.json.
 """
 
 from __future__ import annotations
@@ -34,6 +37,34 @@ def timed(fn, files: list[Path]) -> tuple[object, float, str]:
     return out, time.perf_counter() - t, cache
 
 
+def serve_from_cache(ftw: Path, work: Path, res: dict) -> Path:
+    """Move the unpacked FTW into a local Hub cache as a repo snapshot, serve it by repo id offline on the CPU and
+    record the seconds (module docstring); returns where the FTW now is."""
+    from bench_coldstart import serve_once
+
+    hub = work / "hub"
+    repo = hub / "models--bench--unpacked-ftw"
+    snap = repo / "snapshots" / ("0" * 40)
+    shutil.rmtree(repo, ignore_errors=True)
+    snap.parent.mkdir(parents=True)
+    os.replace(ftw, snap)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    env = {**os.environ, "HF_HUB_CACHE": str(hub), "HF_HUB_OFFLINE": "1"}
+    run = serve_once("bench/unpacked-ftw", ["--device", "cpu"], env, work / "serve.log", deadline_s=1800)
+    res["serve_from_cache"] = {**run, "pull_unpack_ready_s": res["unpack"]["seconds"] + run["ready_s"]}
+    return snap
+
+
+def _serve_text(res: dict) -> str:
+    s = res.get("serve_from_cache")
+    if s is None:
+        return ""
+    return (f"\nServing it from a local Hub cache (`ft serve --ftw org/name --device cpu`, HF_HUB_OFFLINE=1, the "
+            f"unpacked FTW as the repo's snapshot): ready after **{s['ready_s']:.1f} s**, first token after "
+            f"{s['first_token_s']:.1f} s; unpack + serve-ready = **{s['pull_unpack_ready_s']:.1f} s**.\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ftw", type=Path)
@@ -41,6 +72,7 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=REPO / ".cache" / "bench_bundle")
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--threads", type=int)
+    ap.add_argument("--serve", action="store_true", help="then serve the unpacked FTW from a local Hub cache")
     args = ap.parse_args()
     from ft.formats import bundle
 
@@ -78,6 +110,8 @@ def main() -> None:
     }
     for k in ("pack", "unpack"):
         res[k]["of_bound"] = res[k]["seconds"] / res[k]["bound_s"]
+    if args.serve:
+        dest = serve_from_cache(dest, args.work, res)
     (REPO / "benchmarks" / "bundle.json").write_text(json.dumps(res, indent=1) + "\n")
     rows = "\n".join(f"| {k} | {v['plain'] / G:.2f} GB | {v['packed'] / G:.2f} GB | {v['packed'] / v['plain']:.3f} |"
                      for k, v in sorted(res["by_kind"].items()))
@@ -98,7 +132,7 @@ def main() -> None:
 | kind | plain | packed | ratio |
 |---|---|---|---|
 {rows}
-
+{_serve_text(res)}
 Reading the result: unpack reads each compressed chunk once (O_DIRECT), checks the SHA-256 of its stored bytes and
 decompresses it on a worker thread, and writes the plain bytes once (O_DIRECT), so with enough cores it runs at the
 disk's speed; on {os.cpu_count()} cores the hashing and decompression take about as long as the disk. Pack is bound by

@@ -47,13 +47,14 @@ def _get(url: str, timeout: float = 5.0) -> tuple[int, dict]:
         return 0, {}
 
 
-def serve_once(ftw: Path, budget: str, env: dict, log_path: Path, deadline_s: float) -> dict:
-    """One `ft serve` process: seconds to ready and to the first token of a 16-token completion, kernel stats."""
+def serve_once(ftw: Path | str, serve_args: list[str], env: dict, log_path: Path, deadline_s: float) -> dict:
+    """One `ft serve --ftw FTW *serve_args` process (an FTW directory or a Hub repo id): seconds to ready and to the
+    first token of a 16-token completion, and the engine's kernel stats."""
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([*FT, "serve", "--ftw", str(ftw), "--vram-budget", budget, "--port", str(port)],
+        proc = subprocess.Popen([*FT, "serve", "--ftw", str(ftw), *serve_args, "--port", str(port)],
                                 env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         while _get(f"{base}/health")[0] != 200:
@@ -110,7 +111,8 @@ def main() -> None:
                 env = {**base_env, "TRITON_CACHE_DIR": str(cache)}
                 if mode == "jit":
                     env["FT_HOME"] = str(Path(tmp) / "no-trust")  # nothing trusted: every kernel compiles
-                run = serve_once(args.ftw, args.vram_budget, env, args.out / f"serve-{mode}-{i}.log", args.deadline)
+                run = serve_once(args.ftw, ["--vram-budget", args.vram_budget], env,
+                                 args.out / f"serve-{mode}-{i}.log", args.deadline)
                 run.update(mode=mode, rep=i)
                 result["runs"].append(run)
                 k = run["kernels"] or {}
