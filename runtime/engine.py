@@ -101,6 +101,7 @@ class Engine(Scheduling):
             self._prefix_key = prefix_store.model_key(Path(self._reader.path), self.model.dtype)
             n = prefix_store.load(self.prefix, self._prefix_dir, self._prefix_key, self.model.new_state)
             log.info("prefix cache: %d kept states loaded from %s", n, self._prefix_dir)
+        self._persisted = None  # the prefix cache's version last written (`persist_prefixes`)
         offloaded = plan is not None and plan.num_slots < plan.max_slots
         self.max_prefill_length = s.max_prefill_length or getattr(self.placement, "prefill_chunk", None) or (
             OFFLOADED_PREFILL_CHUNK if offloaded else PREFILL_CHUNK)
@@ -116,7 +117,8 @@ class Engine(Scheduling):
 
     def close(self) -> None:
         """Stop the experts implementation's worker threads (GPU scheduler) and release pinned host memory; with
-        --prefix-cache-dir, write the kept states there first, with --save-routing the expert cache's counts."""
+        --prefix-cache-dir, bring the kept states' files up to date first, with --save-routing write the expert
+        cache's counts."""
         if getattr(self, "_prefix_dir", None) is not None:
             n = prefix_store.save(self.prefix, self._prefix_dir, self._prefix_key)
             log.info("prefix cache: %d kept states written to %s", n, self._prefix_dir)
@@ -131,6 +133,20 @@ class Engine(Scheduling):
             self._save_routing = None
         if callable(getattr(self._experts, "close", None)):
             self._experts.close()
+
+    def persist_prefixes(self) -> int:
+        """With --prefix-cache-dir: bring the directory up to date with the kept states if they changed since the
+        last call (`prefix_store.save`); the server calls this while idle, so a process killed mid-session loses at
+        most what changed since it was last idle. Returns the number of states written."""
+        if getattr(self, "_prefix_dir", None) is None:
+            return 0
+        c = self.prefix.counters
+        version = (c["stored"], c["hits"], c["evicted"])  # every change to the entries bumps one of these
+        if version == self._persisted:
+            return 0
+        n = prefix_store.save(self.prefix, self._prefix_dir, self._prefix_key)
+        self._persisted = version
+        return n
 
     def check_storage(self) -> None:
         """Raise OSError if a data file of the FTW was truncated, replaced or removed since the engine opened it:

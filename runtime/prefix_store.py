@@ -1,7 +1,7 @@
 """The prefix cache on disk (`--prefix-cache-dir`): a restarted server resumes its agents' conversations without
 prefilling them again.
 
-    save(cache, directory, model_key)         # at shutdown: each kept state as one safetensors file
+    save(cache, directory, model_key)         # the directory brought up to date with the kept states
     load(cache, directory, model_key, new_state)   # at start: the newest ones that fit the KV budget, kept again
 
 One file per kept state, `prefix-<sha256 of its tokens>.safetensors` (written to a temporary name, fsynced, renamed):
@@ -10,8 +10,11 @@ per linear-attention layer, `conv.i` / `rec.i` (the state at n) and `snap.L.conv
 snapshot length L. Metadata: `model` (the FTW's manifest hash, the compute dtype: states of another model or dtype
 are never loaded), `format` ("ft-prefix-1"). safetensors holds tensors and strings only (no code runs on load); a
 file that is malformed or too large for the budget is skipped, named in the log and removed; another model's files
-are skipped and left for it. Loaded files are removed (what the server keeps is written again at its next
-shutdown), so the directory holds each model's states of its last shutdown.
+are skipped and left for it. `save` runs while the server is idle (after the kept states changed) and at shutdown:
+it writes the states that have no file yet and removes this model's files of states no longer kept (taken by a
+request, evicted), so the directory follows the cache and a server killed mid-session loses at most what changed
+since it was last idle. A file's name is its tokens' digest, and a state's content is fixed by its tokens, so an
+existing file is never rewritten.
 """
 
 from __future__ import annotations
@@ -36,16 +39,24 @@ def model_key(ftw_path: Path, dtype: torch.dtype) -> str:
         "torch.", "")
 
 
+def _name(tokens: np.ndarray) -> str:
+    return f"prefix-{hashlib.sha256(tokens.astype(np.int64).tobytes()).hexdigest()[:32]}.safetensors"
+
+
 def save(cache, directory: Path, key: str) -> int:
-    """Write every kept state of `cache` (a PrefixCache) to `directory` (its previous files replaced); returns the
-    number written."""
+    """Bring `directory` up to date with the kept states of `cache` (a PrefixCache): write those without a file,
+    remove this model's files of states no longer kept (other models' stay); returns the number written."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    for old in directory.glob("prefix-*.safetensors"):  # this model's earlier states (others' stay)
-        if _model_of(old) == key:
+    keep = {_name(e.tokens): e for e in cache.entries}
+    for old in directory.glob("prefix-*.safetensors"):
+        if old.name not in keep and _model_of(old) == key:
             old.unlink()
     written = 0
-    for e in cache.entries:
+    for name, e in keep.items():
+        final = directory / name
+        if final.exists():
+            continue
         st, n = e.state, len(e.tokens)
         tensors = {"tokens": torch.from_numpy(e.tokens.astype(np.int64))}
         for i, (k, v) in st.kv.items():
@@ -57,8 +68,6 @@ def save(cache, directory: Path, key: str) -> int:
             for name, states in (("conv", conv), ("rec", rec)):
                 for i, t in states.items():
                     tensors[f"snap.{length}.{name}.{i}"] = t.cpu()
-        digest = hashlib.sha256(e.tokens.astype(np.int64).tobytes()).hexdigest()[:32]
-        final = directory / f"prefix-{digest}.safetensors"
         tmp = final.with_name(final.name + ".tmp")
         save_file({k: t.contiguous() for k, t in tensors.items()}, str(tmp), metadata={"model": key, "format": FORMAT})
         with open(tmp, "rb") as f:
@@ -82,9 +91,9 @@ def load(cache, directory: Path, key: str, new_state) -> int:
             continue
         except (SafetensorError, OSError, ValueError, KeyError, RuntimeError) as e:
             log.warning("prefix cache: skipped %s (%s)", path.name, e)
-            entry = None
-        path.unlink(missing_ok=True)
-        if entry is not None and cache.put(*entry):
+            path.unlink(missing_ok=True)
+            continue
+        if cache.put(*entry):  # its file stays: `save` keeps the files of kept states
             loaded += 1
     return loaded
 

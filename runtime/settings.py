@@ -51,9 +51,10 @@ class EngineSettings:
                                      "the same tokens prefills only the rest (agents resend the conversation every "
                                      "turn); kept states give way to running requests. 0 = off.")
     prefix_cache_dir: str | None = _opt(None, "--prefix-cache-dir",
-                                        "Keep the prefix cache's states here across restarts: written at shutdown, "
-                                        "loaded at start (this model's only), so agents' conversations resume "
-                                        "without prefilling them again.", cli_type=str)
+                                        "Keep the prefix cache's states here across restarts: written while the "
+                                        "server is idle and at shutdown (a killed server loses at most what changed "
+                                        "since it was last idle), loaded at start (this model's only), so agents' "
+                                        "conversations resume without prefilling them again.", cli_type=str)
     memory_ratio: float = _opt(0.9, "--memory-ratio",
                                "CUDA only: share of free GPU memory for weights + expert cache + KV when "
                                "--vram-budget is not given, in (0, 1].")

@@ -53,6 +53,7 @@ class EngineLoop:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._main, name="ft-engine-loop", daemon=True)
         self.engine_stats: dict = {}  # snapshot of engine.stats(), refreshed by the loop thread
+        self._persist_error: str | None = None  # the last failure of the idle prefix-state write (logged once)
 
     # ---- called from the event loop -------------------------------------------------------------------------
 
@@ -115,6 +116,7 @@ class EngineLoop:
                     self._step()
                     self._snapshot()
                 else:
+                    self._persist()
                     self._wake.wait(0.5)
         except BaseException as e:  # noqa: BLE001 - a bug in the loop itself: say so on /health, fail requests
             self.status, self.error = "error", f"the engine loop stopped: {type(e).__name__}: {e}"
@@ -124,6 +126,20 @@ class EngineLoop:
             self._refuse_pending()
             if callable(getattr(self.engine, "close", None)):  # GPU scheduler threads, page-locked banks
                 self.engine.close()
+
+    def _persist(self) -> None:
+        """While idle: the kept prefix states to disk (--prefix-cache-dir), if they changed. A failure (a full disk)
+        is logged, never fatal: serving goes on and the next idle moment tries again."""
+        persist = getattr(self.engine, "persist_prefixes", None)
+        if callable(persist):
+            try:
+                persist()
+                self._persist_error = None
+            except Exception as e:  # noqa: BLE001 - e.g. a full disk: the states stay in memory
+                why = f"{type(e).__name__}: {e}"
+                if why != self._persist_error:  # once per distinct failure, not at every idle tick
+                    log.warning("prefix cache: could not write the kept states (%s)", why)
+                self._persist_error = why
 
     def _apply_commands(self) -> bool:
         changed = False

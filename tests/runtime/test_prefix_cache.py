@@ -141,3 +141,26 @@ def test_kept_states_survive_a_restart(ftw_for, arch, tmp_path, caplog):
     assert third_run.stats()["prefix_cache"]["entries"] == 0 and "another model" in caplog.text
     assert len(list(tmp_path.glob("prefix-*.safetensors"))) == 1  # ... and the first model's state stays
     assert not (tmp_path / "prefix-damaged.safetensors").exists()
+
+
+def test_kept_states_are_written_while_serving(ftw_for, tmp_path):
+    """The server persists the kept states while idle: a process killed after that (no shutdown) still leaves them
+    for the next one; a state taken by a request loses its file at the next call, unchanged states are not
+    rewritten."""
+    ftw = ftw_for("qwen3_5_moe", "none")
+    run = _engine(ftw, 4, prefix_cache_dir=str(tmp_path))
+    first, _ = _turn(run, FIRST, "t1")
+    assert run.persist_prefixes() == 1 and run.persist_prefixes() == 0  # nothing changed since
+    (saved,) = tmp_path.glob("prefix-*.safetensors")
+    second = FIRST + first + [17, 23, 29, 31]
+    _turn(run, second, "t2")  # takes the kept state, keeps a longer one
+    assert run.persist_prefixes() == 1
+    (now,) = tmp_path.glob("prefix-*.safetensors")
+    assert now != saved and not saved.exists()
+    # killed here: no close(), so no shutdown save; the next process finds the state written while idle
+    written = now.stat().st_mtime_ns
+    later, plain = _engine(ftw, 4, prefix_cache_dir=str(tmp_path)), _engine(ftw, 0)
+    assert later.persist_prefixes() == 0 and now.stat().st_mtime_ns == written  # loaded, its file kept as it is
+    third = second + [5, 7, 9]
+    got, hit = _turn(later, third, "t3")
+    assert hit >= len(second) and got == _turn(plain, third, "t3")[0]
