@@ -120,7 +120,13 @@ def realistic_config(arch: str, saved: dict, dtype: torch.dtype) -> dict:
 
 
 def generation_config(arch: str, tok: dict) -> dict:
-    """generation_config.json in the style of the Qwen releases (stop on <|im_end|> and <|endoftext|>)."""
+    """generation_config.json in the style of the Qwen releases (stop on <|im_end|> and <|endoftext|>); GLM's stops on
+    <|endoftext|>, <|user|> and <|observation|>."""
+    import transformers
+
+    if arch == "glm4_moe":
+        return {"eos_token_id": [tok["endoftext_token_id"], tok["user_token_id"], tok["observation_token_id"]],
+                "pad_token_id": tok["pad_token_id"], "transformers_version": transformers.__version__}
     base = {"bos_token_id": tok["bos_token_id"], "pad_token_id": tok["pad_token_id"],
             "eos_token_id": [tok["im_end_token_id"], tok["endoftext_token_id"]]}
     sampling = {
@@ -129,8 +135,5 @@ def generation_config(arch: str, tok: dict) -> dict:
         "qwen3_next": {"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.8},
         "qwen2_moe": {"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.05},
         "mixtral": {},
-        "glm4_moe": {},
     }[arch]
-    import transformers
-
     return dict(sorted({**base, **sampling, "transformers_version": transformers.__version__}.items()))

@@ -9,8 +9,9 @@ glm4_moe presets keep the releases' structure (q/k/v biases, partial rotary over
 layers, sigmoid router with correction bias, ungated shared expert, one MTP layer after the decoder); tiny is
 GLM-4.5-like (q/k-norm, routed_scaling_factor 2.5) with 2 expert groups of which 1 is eligible, small is
 GLM-4.5-Air-like.
-GLM-4.5 / GLM-4.5-Air copy the published configs. Their tokenizer is not available offline: the Qwen3 one stands in,
-truncated so that every id stays below the real 151552-row embedding (like mixtral).
+GLM-4.5 / GLM-4.5-Air copy the published configs. Their BPE ranks are not available offline: Qwen3's stand in, with
+GLM's special tokens and chat format (tokenizer flavor `glm`), truncated so that every id stays below the real
+151552-row embedding (like mixtral).
 
 gpt_oss presets keep the release's structure (biased attention with sinks, alternating sliding / full layers, YaRN,
 biased router and experts; hidden and intermediate sizes multiples of 32 for MXFP4); gpt-oss-20b / gpt-oss-120b copy
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 
 ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "qwen3_5_moe", "gpt_oss", "glm4_moe")
 TOKENIZER_FLAVOR = {"qwen3_moe": "qwen3", "qwen2_moe": "qwen3", "mixtral": "qwen3", "qwen3_next": "qwen3",
-                    "qwen3_5_moe": "qwen3_5", "gpt_oss": "harmony", "glm4_moe": "qwen3"}
+                    "qwen3_5_moe": "qwen3_5", "gpt_oss": "harmony", "glm4_moe": "glm"}
 TINY_RANKS = 512  # BPE ranks kept by tiny presets (the 256 single bytes + 256 merges)
 MIXTRAL_VOCAB = 32000
 GLM_VOCAB = 151552

@@ -78,3 +78,34 @@ def test_forced_prefix_opens_a_glm_call():
     out = parse_all("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n</tool_call>",
                     SPEC, TOOLS)
     assert json.loads(out.tool_calls[0].arguments) == {"city": "Oslo"}
+
+
+def test_synthetic_glm_template_renders_the_glm_format(hf_for):
+    """The synthetic checkpoint's template (transformers renders it): GLM's turn markers, tool instructions, calls in
+    history as <arg_key>/<arg_value> pairs, tool results as <|observation|>; its parser spec is GLM's."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(hf_for("glm4_moe"))
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": "", "reasoning_content": "Need the tool.",
+             "tool_calls": [{"id": "c1", "type": "function",
+                             "function": {"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}}]},
+            {"role": "tool", "tool_call_id": "c1", "content": '{"temp": 3}'},
+            {"role": "assistant", "content": "<think>ok</think>It is 3 C."}]
+    text = tok.apply_chat_template(msgs, tools=TOOLS[:1], tokenize=False, add_generation_prompt=True)
+    assert text.startswith("[gMASK]<sop><|system|>\n# Tools\n") and "<arg_key>{arg-key-1}</arg_key>" in text
+    assert text.endswith(
+        "<|system|>\nBe brief.<|user|>\nWeather in Oslo?<|assistant|>\n<think>Need the tool.</think>\n"
+        "<tool_call>get_weather\n"
+        "<arg_key>city</arg_key>\n<arg_value>Oslo</arg_value>\n<arg_key>days</arg_key>\n<arg_value>2</arg_value>\n"
+        "</tool_call><|observation|>\n<tool_response>\n{\"temp\": 3}\n</tool_response><|assistant|>\n"
+        "<think>ok</think>\nIt is 3 C.<|assistant|>")
+    older = tok.apply_chat_template(msgs + [{"role": "user", "content": "Thanks"}], tokenize=False)
+    assert "<think></think>\n<tool_call>get_weather" in older  # reasoning before the last user turn is dropped
+    no_think = tok.apply_chat_template(msgs[1:2], tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    assert no_think == "[gMASK]<sop><|user|>\nWeather in Oslo?/nothink<|assistant|>\n<think></think>"
+    ids = tok.apply_chat_template(msgs[1:2], tokenize=True, add_generation_prompt=True)["input_ids"]
+    assert ids[:2] == tok.convert_tokens_to_ids(["[gMASK]", "<sop>"]) and ids[-1] == tok.convert_tokens_to_ids(
+        "<|assistant|>")
+    spec = ParserSpec.detect(tok.chat_template, text, tools=True)
+    assert (spec.tool_format, spec.reasoning, spec.starts_in_reasoning) == ("glm", True, False)
