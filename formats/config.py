@@ -10,11 +10,12 @@ import math
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
 
-FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "qwen3_5_moe", "gpt_oss")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "qwen3_5_moe", "gpt_oss", "glm4_moe")
 LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
 ATTENTION_TYPES = ("full_attention", "sliding_attention")  # layers with a softmax attention and a KV cache
 EXPERT_ACTS = ("silu", "clamped_swiglu")
 ROPE_TYPES = ("default", "yarn")
+ROUTER_SCORINGS = ("softmax", "sigmoid")
 MLP_TYPES = ("moe", "dense")
 
 
@@ -67,6 +68,13 @@ class ModelConfig:
     rope_beta_slow: float = 1.0
     rope_original_max_position_embeddings: int = 0
     rope_truncate: bool = True
+    # Keys added with glm4_moe (absent = default = the earlier families' softmax router and gated shared expert).
+    router_scoring: str = "softmax"     # softmax: softmax → top-k; sigmoid: σ → group-limited top-k (families.md)
+    router_correction_bias: bool = False  # `mlp.e_score_correction_bias [E]` fp32, added to σ for selection only
+    router_n_group: int = 1             # sigmoid: experts split in n_group equal groups ...
+    router_topk_group: int = 1          # ... of which the topk_group best (sum of each group's top-2) stay eligible
+    routed_scaling_factor: float = 1.0  # multiplies the routed experts' weights (after any renormalisation)
+    shared_expert_gate: bool = True     # the shared expert is scaled by σ(shared_expert_gate · x); false: added as is
 
     def __post_init__(self) -> None:
         problems = list(self._problems())
@@ -107,6 +115,7 @@ class ModelConfig:
                                                 and self.rope_beta_slow > 0):
             yield ("yarn rope needs rope_factor >= 1, rope_original_max_position_embeddings > 0 and positive "
                    "rope_attention_factor, rope_beta_fast, rope_beta_slow")
+        yield from self._router_problems()
         if len(self.mlp_types) != self.num_layers or any(t not in MLP_TYPES for t in self.mlp_types):
             yield f"mlp_types must list {self.num_layers} entries from {MLP_TYPES}"
         if self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads:
@@ -121,6 +130,24 @@ class ModelConfig:
                 yield "linear_attention layers need positive linear_* geometry"
             elif self.linear_num_value_heads % self.linear_num_key_heads:
                 yield "linear_num_value_heads must be a multiple of linear_num_key_heads"
+
+    def _router_problems(self):
+        if self.router_scoring not in ROUTER_SCORINGS:
+            yield f"router_scoring {self.router_scoring!r} not in {ROUTER_SCORINGS}"
+        if not (self.routed_scaling_factor > 0 and math.isfinite(self.routed_scaling_factor)):
+            yield f"routed_scaling_factor must be a positive finite number, got {self.routed_scaling_factor}"
+        g, tg = self.router_n_group, self.router_topk_group
+        if g < 1 or not 1 <= tg <= g:
+            yield f"router groups need 1 <= router_topk_group ({tg}) <= router_n_group ({g})"
+        elif self.router_scoring == "softmax" and (g, tg, self.router_correction_bias) != (1, 1, False):
+            yield "router groups and the correction bias belong to the sigmoid router"
+        elif "moe" in self.mlp_types and g > 1:
+            per = self.num_experts // g
+            if self.num_experts % g or per < 2:
+                yield f"num_experts {self.num_experts} must split into router_n_group {g} groups of >= 2 experts"
+            elif self.num_experts_per_tok > tg * per:
+                yield (f"num_experts_per_tok {self.num_experts_per_tok} exceeds the {tg} eligible groups' "
+                       f"{tg * per} experts")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":

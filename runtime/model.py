@@ -32,7 +32,8 @@ from ft.runtime.state import Segment, SequenceState
 
 __all__ = ["CausalLM", "Segment", "SequenceState", "load_model"]
 
-FP32_WEIGHTS = ("norm.weight", ".dt_bias", ".A_log")  # name suffixes kept in fp32 (every RMSNorm weight: norm.weight)
+FP32_WEIGHTS = ("norm.weight", ".dt_bias", ".A_log", ".e_score_correction_bias")  # name suffixes kept in fp32 (every
+# RMSNorm weight: norm.weight; the sigmoid router's correction bias)
 
 
 class Embedding(Op):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ft.compiler.errors import CheckpointError, supported
 from ft.compiler.families.base import Family
+from ft.compiler.families.glm4_moe import Glm4Moe
 from ft.compiler.families.gpt_oss import GptOss
 from ft.compiler.families.mixtral import Mixtral
 from ft.compiler.families.qwen2_moe import Qwen2Moe
@@ -11,9 +12,9 @@ from ft.compiler.families.qwen3_5_moe import Qwen35Moe
 from ft.compiler.families.qwen3_moe import Qwen3Moe
 from ft.compiler.families.qwen3_next import Qwen3Next
 
-FAMILY_CLASSES: tuple[type[Family], ...] = (Qwen3Moe, Qwen2Moe, Mixtral, Qwen3Next, Qwen35Moe, GptOss)
+FAMILY_CLASSES: tuple[type[Family], ...] = (Qwen3Moe, Qwen2Moe, Mixtral, Qwen3Next, Qwen35Moe, GptOss, Glm4Moe)
 # known MoE architectures whose FTW layout (families.md) is not defined yet
-PLANNED = ("deepseek_v3", "glm4_moe")
+PLANNED = ("deepseek_v3",)
 
 
 def family_for(hf: dict, where: str = "config.json") -> Family:

@@ -2,11 +2,11 @@
 (embeddings, GQA attention, MoE block, dense MLP) that families compose.
 
 A family module subclasses `Family`, says which architectures it serves, maps its config (`normalize`) and lists its
-tensors (`plan`). Adding deepseek_v3 / glm4_moe means: new ModelConfig keys and families.md names for what they add
-(MLA projections, sigmoid group-limited routers with a correction bias; gpt_oss added sinks, biases, sliding windows
-and YaRN), a new `ExpertSource` (ft.compiler.experts) for FP8 block scales with its bank scheme, an encoding in
-`linear.sniff` for FP8 block-scaled linears, and one module each built from these blocks (deepseek_v3 / glm4_moe: the
-router bias is a `TensorItem`, `first_k_dense_replace` gives `mlp_types`); the executor, source reading, quant
+tensors (`plan`). Adding deepseek_v3 means: new ModelConfig keys and families.md names for what it adds (MLA
+projections; gpt_oss added sinks, biases, sliding windows and YaRN, glm4_moe the sigmoid group-limited router with its
+correction bias as a `TensorItem`), a new `ExpertSource` (ft.compiler.experts) for FP8 block scales with its bank
+scheme (GLM's FP8 releases need the same), an encoding in `linear.sniff` for FP8 block-scaled linears, and one module
+built from these blocks (`first_k_dense_replace` gives `mlp_types`, as in glm4_moe); the executor, source reading, quant
 declaration, metadata and verification stay as they are.
 """
 

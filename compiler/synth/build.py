@@ -12,7 +12,7 @@ import torch
 from ft.compiler.synth import hf_config
 from ft.compiler.synth import routing as routing_mod
 from ft.compiler.synth.nvfp4_checkpoint import quant_configs, scheme_of
-from ft.compiler.synth.presets import MIXTRAL_VOCAB, TINY_RANKS, TOKENIZER_FLAVOR, Preset
+from ft.compiler.synth.presets import GLM_VOCAB, MIXTRAL_VOCAB, TINY_RANKS, TOKENIZER_FLAVOR, Preset
 from ft.compiler.synth.shards import Entry, tensor_entry, total_bytes, write_checkpoint
 from ft.compiler.synth.tables import TensorSpec, meta_table, mtp_table
 from ft.compiler.synth.weights import ValueContext
@@ -21,11 +21,13 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 
 def tokenizer_ranks(arch: str, preset: str, vocab_size: int | None) -> int | None:
-    """BPE ranks to keep: TINY_RANKS for tiny presets; mixtral keeps its 32000-row embedding; else all ranks."""
+    """BPE ranks to keep: TINY_RANKS for tiny presets; mixtral and glm4_moe keep their real embedding size (32000,
+    151552); else all ranks."""
     if preset == "tiny":
         return TINY_RANKS
-    if arch == "mixtral":
-        return (vocab_size or MIXTRAL_VOCAB) - 64  # leaves room for the Qwen3 specials below the embedding size
+    if arch in ("mixtral", "glm4_moe"):
+        default = MIXTRAL_VOCAB if arch == "mixtral" else GLM_VOCAB
+        return (vocab_size or default) - 64  # leaves room for the Qwen3 specials below the embedding size
     return None
 
 

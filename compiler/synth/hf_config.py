@@ -2,7 +2,8 @@
 
 transformers 5 saves `rope_parameters`, `layer_types`, `dtype` and (qwen3_moe) `num_local_experts`; the real releases
 say `rope_theta` (+ `rope_scaling`, top-level `partial_rotary_factor` for Qwen3-Next), `full_attention_interval`,
-`torch_dtype` and `num_experts`. Qwen3.5/3.6 configs are newer: `dtype`, `rope_parameters` with mrope inside
+`torch_dtype` and `num_experts` (GLM: top-level `rope_theta` and `partial_rotary_factor`). Qwen3.5/3.6 configs are
+newer: `dtype`, `rope_parameters` with mrope inside
 `text_config`, and both `layer_types` and `full_attention_interval`. `realistic_config` rewrites accordingly; every
 form it writes is also read correctly by transformers (the tests load each one).
 """
@@ -21,10 +22,11 @@ FAMILIES = {
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
     "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration"),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),  # built by synth.gpt_oss
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
-_LEGACY_ROPE = ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next")
+_LEGACY_ROPE = ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "glm4_moe")
 
 
 def layer_types_for(num_layers: int, interval: int) -> list[str]:
@@ -88,8 +90,8 @@ def realistic_config(arch: str, saved: dict, dtype: torch.dtype) -> dict:
     if arch in _LEGACY_ROPE:
         t["rope_theta"] = rope.get("rope_theta", 1e6)
         t["rope_scaling"] = None
-        if arch == "qwen3_next":
-            t["partial_rotary_factor"] = rope.get("partial_rotary_factor", 0.25)
+        if arch in ("qwen3_next", "glm4_moe"):
+            t["partial_rotary_factor"] = rope.get("partial_rotary_factor", 0.25 if arch == "qwen3_next" else 0.5)
     else:
         t["rope_parameters"] = rope
         t["partial_rotary_factor"] = rope.get("partial_rotary_factor", 0.25)
@@ -118,7 +120,13 @@ def realistic_config(arch: str, saved: dict, dtype: torch.dtype) -> dict:
 
 
 def generation_config(arch: str, tok: dict) -> dict:
-    """generation_config.json in the style of the Qwen releases (stop on <|im_end|> and <|endoftext|>)."""
+    """generation_config.json in the style of the Qwen releases (stop on <|im_end|> and <|endoftext|>); GLM's stops on
+    <|endoftext|>, <|user|> and <|observation|>."""
+    import transformers
+
+    if arch == "glm4_moe":
+        return {"eos_token_id": [tok["endoftext_token_id"], tok["user_token_id"], tok["observation_token_id"]],
+                "pad_token_id": tok["pad_token_id"], "transformers_version": transformers.__version__}
     base = {"bos_token_id": tok["bos_token_id"], "pad_token_id": tok["pad_token_id"],
             "eos_token_id": [tok["im_end_token_id"], tok["endoftext_token_id"]]}
     sampling = {
@@ -128,6 +136,4 @@ def generation_config(arch: str, tok: dict) -> dict:
         "qwen2_moe": {"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.05},
         "mixtral": {},
     }[arch]
-    import transformers
-
     return dict(sorted({**base, **sampling, "transformers_version": transformers.__version__}.items()))

@@ -38,7 +38,7 @@ def load_reference(model_dir: Path, arch: str, dtype: torch.dtype = torch.float3
 def measure_coverage(model, vocab_size: int, *, num_tokens: int = 1024, seed: int = 0,
                      input_ids: torch.Tensor | None = None) -> list[Coverage]:
     """Run `model` on random tokens (4 sequences) and count, per MoE layer, how often each expert is chosen."""
-    routers = [m for name, m in model.named_modules() if type(m).__name__.endswith("TopKRouter")]
+    routers = [m for name, m in model.named_modules() if type(m).__name__.lower().endswith("topkrouter")]
     if not routers:
         raise ValueError(f"{type(model).__name__} has no TopKRouter modules")
     chosen: dict[int, torch.Tensor] = {}

@@ -37,7 +37,7 @@ PRODUCER = {"name": "modelopt", "version": "0.37.0"}
 INPUT_AMAX = 8.0  # synthetic activation amax behind input_scale (no calibration data exists)
 _EXPERT = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$")
 _ATTN = re.compile(r"\.self_attn\.(q_proj|k_proj|v_proj|o_proj)\.weight$")
-_SHARED = re.compile(r"\.shared_expert\.(gate_proj|up_proj|down_proj)\.weight$")
+_SHARED = re.compile(r"\.shared_experts?\.(gate_proj|up_proj|down_proj)\.weight$")
 _DENSE = re.compile(r"\.mlp\.(gate_proj|up_proj|down_proj)\.weight$")
 _PARTNER = {"gate_proj": "up_proj", "up_proj": "gate_proj", "w1": "w3", "w3": "w1"}
 

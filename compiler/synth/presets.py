@@ -5,6 +5,14 @@ Every preset is a dict of the architecture's own transformers config keys (for q
 reference, §1); tiny/small/demo presets keep each family's structure (GQA, shared expert, qkv bias, hybrid layers,
 gated attention, partial/mrope rotary) at sizes that run on a laptop CPU.
 
+glm4_moe presets keep the releases' structure (q/k/v biases, partial rotary over half of head_dim, leading dense
+layers, sigmoid router with correction bias, ungated shared expert, one MTP layer after the decoder); tiny is
+GLM-4.5-like (q/k-norm, routed_scaling_factor 2.5) with 2 expert groups of which 1 is eligible, small is
+GLM-4.5-Air-like.
+GLM-4.5 / GLM-4.5-Air copy the published configs. Their BPE ranks are not available offline: Qwen3's stand in, with
+GLM's special tokens and chat format (tokenizer flavor `glm`), truncated so that every id stays below the real
+151552-row embedding (like mixtral).
+
 gpt_oss presets keep the release's structure (biased attention with sinks, alternating sliding / full layers, YaRN,
 biased router and experts; hidden and intermediate sizes multiples of 32 for MXFP4); gpt-oss-20b / gpt-oss-120b copy
 the published configs (tensors written by `synth.gpt_oss_stream`).
@@ -20,11 +28,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "qwen3_5_moe", "gpt_oss")
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "qwen3_5_moe", "gpt_oss", "glm4_moe")
 TOKENIZER_FLAVOR = {"qwen3_moe": "qwen3", "qwen2_moe": "qwen3", "mixtral": "qwen3", "qwen3_next": "qwen3",
-                    "qwen3_5_moe": "qwen3_5", "gpt_oss": "harmony"}
+                    "qwen3_5_moe": "qwen3_5", "gpt_oss": "harmony", "glm4_moe": "glm"}
 TINY_RANKS = 512  # BPE ranks kept by tiny presets (the 256 single bytes + 256 merges)
 MIXTRAL_VOCAB = 32000
+GLM_VOCAB = 151552
 
 
 @dataclass(frozen=True)
@@ -72,6 +81,12 @@ def _tiny() -> dict[str, dict]:
                         num_experts_per_tok=2, sliding_window=8, rms_norm_eps=1e-5, rope_theta=150000.0,
                         max_position_embeddings=8192,
                         rope_scaling=dict(_GPT_OSS_YARN, original_max_position_embeddings=256)),
+        # 3 layers: dense, MoE, MoE (+ the MTP layer); 2 groups of 4 experts, the best group only
+        "glm4_moe": dict(attn, num_hidden_layers=3, head_dim=16, intermediate_size=128, moe_intermediate_size=32,
+                         n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+                         first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True,
+                         attention_bias=True, partial_rotary_factor=0.5, rope_theta=1e6, rms_norm_eps=1e-5,
+                         num_nextn_predict_layers=1),
     }
 
 
@@ -102,6 +117,12 @@ def _small() -> dict[str, dict]:
                         intermediate_size=256, num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
                         rms_norm_eps=1e-5, rope_theta=150000.0, max_position_embeddings=131072,
                         rope_scaling=_GPT_OSS_YARN, vocab_size=201088),
+        "glm4_moe": dict(base, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                         intermediate_size=768, moe_intermediate_size=128, n_routed_experts=64, n_shared_experts=1,
+                         num_experts_per_tok=8, n_group=1, topk_group=1, first_k_dense_replace=1,
+                         routed_scaling_factor=1.0, norm_topk_prob=True, use_qk_norm=False, attention_bias=True,
+                         partial_rotary_factor=0.5, rope_theta=1e6, rms_norm_eps=1e-5, vocab_size=GLM_VOCAB,
+                         max_position_embeddings=131072, num_nextn_predict_layers=1),
     }
 
 
@@ -116,6 +137,14 @@ _QWEN36_35B = dict(
     vision=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, num_position_embeddings=2304,
                 patch_size=16),
 )
+
+# GLM-4.5-Air config.json as published (zai-org/GLM-4.5-Air); GLM-4.5 differs as below (checkpoint-formats §1.7)
+_GLM45_AIR = dict(vocab_size=GLM_VOCAB, hidden_size=4096, num_hidden_layers=46, num_attention_heads=96,
+                  num_key_value_heads=8, head_dim=128, intermediate_size=10944, moe_intermediate_size=1408,
+                  n_routed_experts=128, n_shared_experts=1, num_experts_per_tok=8, n_group=1, topk_group=1,
+                  first_k_dense_replace=1, routed_scaling_factor=1.0, norm_topk_prob=True, use_qk_norm=False,
+                  attention_bias=True, partial_rotary_factor=0.5, rope_theta=1e6, max_position_embeddings=131072,
+                  rms_norm_eps=1e-5, num_nextn_predict_layers=1, tie_word_embeddings=False)
 
 PRESETS: dict[str, Preset] = {
     "tiny": Preset("tiny", ARCHS, "hf", "fp32", 256 << 10, _tiny()),
@@ -162,6 +191,10 @@ PRESETS: dict[str, Preset] = {
     "gpt-oss-20b": Preset("gpt-oss-20b", ("gpt_oss",), "stream", "bf16", 4 << 30, {"gpt_oss": _GPT_OSS_20B}),
     "gpt-oss-120b": Preset("gpt-oss-120b", ("gpt_oss",), "stream", "bf16", 4 << 30, {"gpt_oss": dict(
         _GPT_OSS_20B, num_hidden_layers=36, num_local_experts=128)}),
+    "glm-4.5-air": Preset("glm-4.5-air", ("glm4_moe",), "stream", "bf16", 4 << 30, {"glm4_moe": _GLM45_AIR}),
+    "glm-4.5": Preset("glm-4.5", ("glm4_moe",), "stream", "bf16", 4 << 30, {"glm4_moe": dict(
+        _GLM45_AIR, hidden_size=5120, num_hidden_layers=92, intermediate_size=12288, moe_intermediate_size=1536,
+        n_routed_experts=160, first_k_dense_replace=3, routed_scaling_factor=2.5, use_qk_norm=True)}),
 }
 FULL_SIZE = tuple(name for name, p in PRESETS.items() if p.kind == "stream")
 

@@ -24,6 +24,7 @@ from ft.compiler.synth.hf_config import FAMILIES, text_config
 
 _ST_TO_TORCH = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F8_E4M3": torch.float8_e4m3fn,
                 "U8": torch.uint8}
+_FP32 = (".e_score_correction_bias",)
 _TEXT_ONLY = {"qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
               "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM")}
 
@@ -96,7 +97,9 @@ def meta_table(arch: str, cfg, dtype: torch.dtype, fused: bool) -> list[TensorSp
 
 
 def mtp_table(arch: str, cfg, dtype: torch.dtype, fused: bool) -> list[TensorSpec]:
-    """Fake MTP head of Qwen3-Next / Qwen3.5-family checkpoints (empty for other families)."""
+    """Fake MTP head of Qwen3-Next / Qwen3.5-family / GLM checkpoints (empty for other families)."""
+    if arch == "glm4_moe":
+        return _glm_mtp_table(cfg, dtype, fused)
     if arch not in _TEXT_ONLY:
         return []
     import transformers
@@ -121,11 +124,39 @@ def mtp_table(arch: str, cfg, dtype: torch.dtype, fused: bool) -> list[TensorSpe
     return _natural_order(out)
 
 
+def _glm_mtp_table(cfg, dtype: torch.dtype, fused: bool) -> list[TensorSpec]:
+    """GLM-4.5's MTP layers `model.layers.{L + j}.*`: an MoE decoder layer plus eh_proj, enorm, hnorm and
+    shared_head.norm (transformers ignores them on load)."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    n = getattr(cfg, "num_nextn_predict_layers", 0) or 0
+    if not n:
+        return []
+    one = copy.deepcopy(cfg)
+    one.num_hidden_layers, one.first_k_dense_replace = 1, 0
+    model = _meta_model(model_class("glm4_moe"), one, dtype)
+    state = model.state_dict()
+    if not fused:
+        state = revert_weight_conversion(model, state)
+    L, hidden = cfg.num_hidden_layers, cfg.hidden_size
+    out: list[TensorSpec] = []
+    for j in range(n):
+        p = f"model.layers.{L + j}."
+        out += [TensorSpec(p + "eh_proj.weight", (hidden, 2 * hidden), dtype),
+                TensorSpec(p + "enorm.weight", (hidden,), dtype), TensorSpec(p + "hnorm.weight", (hidden,), dtype),
+                TensorSpec(p + "shared_head.norm.weight", (hidden,), dtype)]
+        out += [TensorSpec(p + k[len("model.layers.0."):], tuple(v.shape), v.dtype)
+                for k, v in state.items() if k.startswith("model.layers.0.")]
+    return _natural_order(out)
+
+
 def _natural_key(name: str) -> list:
     return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in name.split(".")]
 
 
 def _natural_order(specs: list[TensorSpec]) -> list[TensorSpec]:
+    """Sorted by layer; sigmoid routers' `e_score_correction_bias` in F32 whatever the model dtype (as released)."""
+    specs = [TensorSpec(s.name, s.shape, torch.float32) if s.name.endswith(_FP32) else s for s in specs]
     return sorted(specs, key=lambda s: _natural_key(s.name))
 
 

@@ -66,6 +66,15 @@ _HARMONY_SPECIALS: tuple[tuple[str, bool], ...] = tuple((t, True) for t in (
     "<|startoftext|>", "<|endoftext|>", "<|reserved_200000|>", "<|reserved_200001|>", "<|return|>", "<|constrain|>",
     "<|reserved_200004|>", "<|channel|>", "<|start|>", "<|end|>", "<|message|>", "<|reserved_200009|>",
     "<|reserved_200010|>", "<|reserved_200011|>", "<|call|>"))
+# GLM-4.5's chat and tool markers in the releases' id order (151329 ...; their multimodal and code markers left out).
+# Synthetic glm4_moe tokenizers put them right after the Qwen ranks.
+_GLM_SPECIALS: tuple[tuple[str, bool], ...] = (
+    ("<|endoftext|>", True), ("[MASK]", True), ("[gMASK]", True), ("[sMASK]", True), ("<sop>", True), ("<eop>", True),
+    ("<|system|>", True), ("<|user|>", True), ("<|assistant|>", True), ("<|observation|>", True),
+    ("/nothink", False), ("<think>", False), ("</think>", False), ("<tool_call>", False), ("</tool_call>", False),
+    ("<tool_response>", False), ("</tool_response>", False), ("<arg_key>", False), ("</arg_key>", False),
+    ("<arg_value>", False), ("</arg_value>", False),
+)
 _QWEN3_5_SPECIALS = _QWEN3_SPECIALS + (
     ("<|audio_start|>", True), ("<|audio_end|>", True), ("<tts_pad>", True), ("<tts_text_bos>", True),
     ("<tts_text_eod>", True), ("<tts_text_bos_single>", True), ("<|audio_pad|>", True),
@@ -98,6 +107,10 @@ FLAVORS: dict[str, QwenFlavor] = {
                           "gpt_oss_chat_template.jinja", 131_072, eos_token="<|return|>",
                           pad_token="<|endoftext|>", bos_token="<|startoftext|>",
                           tokenizer_class="PreTrainedTokenizerFast"),
+    # GLM-4.5 family: its own BPE ranks are not available offline; Qwen3's stand in, with GLM's special tokens
+    "glm": QwenFlavor("glm", "qwen.tiktoken", 151_643, _QWEN3_PATTERN, _GLM_SPECIALS, "glm4_moe_chat_template.jinja",
+                      131_072, eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                      tokenizer_class="PreTrainedTokenizerFast"),
 }
 
 _MIN_RANKS = 256  # ranks 0..255 are the 256 single bytes: fewer could not encode arbitrary text
@@ -276,7 +289,8 @@ def write_tokenizer_files(out_dir: Path, flavor: str, num_ranks: int | None = No
     qwen = {f"{key}_token_id": ids[token] for key, token in (
         ("endoftext", "<|endoftext|>"), ("im_start", "<|im_start|>"), ("im_end", "<|im_end|>"),
         ("think_start", "<think>"), ("think_end", "</think>"), ("tool_call_start", "<tool_call>"),
-        ("tool_call_end", "</tool_call>")) if token in ids}
+        ("tool_call_end", "</tool_call>"), ("user", "<|user|>"), ("observation", "<|observation|>"))
+        if token in ids}
     return {
         "flavor": flavor,
         "num_ranks": base,

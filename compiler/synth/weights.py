@@ -77,6 +77,8 @@ def spec_for(name: str, shape: tuple[int, ...], ctx: ValueContext) -> Spec:
         return Spec("normal", std=LOGIT_STD / math.sqrt(fan_in))
     if name.endswith(_ROUTER):
         return Spec("router", layer=layer_of(name, ctx.num_layers))
+    if name.endswith("e_score_correction_bias"):  # of the order of the sigmoid scores' spread: changes selections
+        return Spec("normal", std=0.1)
     if name.endswith("A_log"):
         return Spec("alog")
     if name.endswith("dt_bias"):

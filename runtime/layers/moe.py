@@ -1,10 +1,16 @@
-"""Sparse MoE block: softmax router, routed experts through the experts interface, optional shared expert.
+"""Sparse MoE block: softmax or sigmoid router, routed experts through the experts interface, optional shared expert.
 
-Router (all first-wave families): `p = softmax(x · gateᵀ)` in fp32, top-k over p, divided by the top-k sum iff
-`norm_topk_prob` (the compiler sets it true for mixtral and qwen3_5_moe). Routed experts are computed by whatever
+Softmax router (`router_scoring = softmax`, every family but glm4_moe): `p = softmax(x · gateᵀ)` in fp32, top-k over p,
+divided by the top-k sum iff `norm_topk_prob` (the compiler sets it true for mixtral and qwen3_5_moe).
+Sigmoid router (glm4_moe; `route_sigmoid`, transformers' Glm4MoeTopkRouter): `s = σ(fp32(x) · fp32(gate)ᵀ)`; the
+choice uses `c = s + e_score_correction_bias`, restricted to the `topk_group` best of `n_group` equal expert groups
+(a group's score: the sum of its two largest c); the weights are `s` at the chosen ids (never the bias), divided by
+their sum + 1e-20 iff `norm_topk_prob`, times `routed_scaling_factor`. It has no fused kernel: the layer picks the
+torch path at construction, on every device. Routed experts are computed by whatever
 implements `experts(layer, x [T, H], topk_ids [T, k] int64, topk_weights [T, k] f32) -> [T, H]`
 (CPU from the mmapped bank by default, a GPU cache/offload scheduler otherwise). Shared expert (qwen2_moe, qwen3_next,
-qwen3_5_moe): `y += sigmoid(shared_expert_gate · x) · shared_expert(x)`.
+qwen3_5_moe): `y += sigmoid(shared_expert_gate · x) · shared_expert(x)`; ungated (glm4_moe, `shared_expert_gate`
+false): `y += shared_expert(x)`.
 
 With `_fused` set (CUDA) the routing (softmax, top-k, renorm) and the shared expert's gated add are one Triton launch
 each (`ft.runtime.gpu.fused_ops.route_topk`, `sigmoid_gate_add`); at decode sizes (T <= `router.MAX_TOKENS`, plain
@@ -18,6 +24,7 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 
 from ft.formats.config import ModelConfig
 from ft.runtime.layers.base import REQUIRED, Op
@@ -49,6 +56,24 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     return ids, weights
 
 
+def route_sigmoid(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, n_group: int, topk_group: int,
+                  renormalize: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 logits [T, E], bias [E] fp32 or None -> (topk_ids [T, k] int64, topk_weights [T, k] f32)."""
+    scores = logits.float().sigmoid()
+    choice = scores if bias is None else scores + bias
+    if n_group > 1:
+        t, e = choice.shape
+        group_scores = choice.view(t, n_group, e // n_group).topk(2, dim=-1)[0].sum(dim=-1)       # [T, n_group]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(topk_group, dim=-1, sorted=False)[1], True)
+        choice = choice.masked_fill(~keep.repeat_interleave(e // n_group, dim=1), float("-inf"))
+    ids = choice.topk(top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, weights * scale
+
+
 class SparseMoe(Op):
     banks = ("experts",)
 
@@ -58,12 +83,22 @@ class SparseMoe(Op):
         self.experts: BoundExperts = REQUIRED      # bound to the expert bank `layers.{i}.mlp.experts` at load
         if cfg.shared_expert_intermediate_size > 0:
             self.shared_expert = GatedMLP()
-            self.shared_expert_gate = Linear()     # [1, H]
+            if cfg.shared_expert_gate:
+                self.shared_expert_gate = Linear()     # [1, H]
+        if cfg.router_correction_bias:
+            self.e_score_correction_bias: torch.Tensor = REQUIRED  # [E] fp32
         self._top_k, self._renorm = cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self._sigmoid = cfg.router_scoring == "sigmoid"
+        self._groups = (cfg.router_n_group, cfg.router_topk_group)
+        self._scale = cfg.routed_scaling_factor
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shared_gate = None                                 # [T, 1] when the fused router computed it
-        if self._fused:
+        if self._sigmoid:                                  # torch on every device (no fused sigmoid router)
+            logits = F.linear(x.float(), self.gate.weight.float())
+            ids, weights = route_sigmoid(logits, getattr(self, "e_score_correction_bias", None), self._top_k,
+                                         *self._groups, self._renorm, self._scale)
+        elif self._fused:
             from ft.runtime.gpu import fused_ops, router
             if x.shape[0] <= router.MAX_TOKENS and _plain(self.gate, x):                   # decode: one launch
                 sg = getattr(self, "shared_expert_gate", None)
@@ -74,10 +109,13 @@ class SparseMoe(Op):
         else:
             ids, weights = route(self.gate(x), self._top_k, self._renorm)
         y = self.experts(x, ids, weights)
+        if hasattr(self, "shared_expert") and not hasattr(self, "shared_expert_gate"):
+            return y + self.shared_expert(x)
         if hasattr(self, "shared_expert"):
             gate = self.shared_expert_gate(x) if shared_gate is None else shared_gate     # [T, 1]
             shared = self.shared_expert(x)                                                 # [T, H]
             if self._fused:
+                from ft.runtime.gpu import fused_ops
                 return fused_ops.sigmoid_gate_add(y, gate, shared)
             y = y + torch.sigmoid(gate) * shared
         return y

@@ -16,6 +16,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "qwen3_next": ("ft.runtime.models.qwen3_next", "Qwen3NextForCausalLM"),
     "qwen3_5_moe": ("ft.runtime.models.qwen3_5_moe", "Qwen3_5MoeForCausalLM"),
     "gpt_oss": ("ft.runtime.models.gpt_oss", "GptOssForCausalLM"),
+    "glm4_moe": ("ft.runtime.models.glm4_moe", "Glm4MoeForCausalLM"),
 }
 
 SUPPORTED_FAMILIES = tuple(_REGISTRY)

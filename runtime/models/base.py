@@ -63,9 +63,11 @@ class Family:
     full_rotary: bool = True            # rotary_dim == head_dim
     needs_linear_attention: bool = False
     rope_types: tuple[str, ...] = ("default",)
+    free: tuple[str, ...] = ()          # feature keys (below) whose value the config chooses (ModelConfig checks them)
 
     def check(self, cfg: ModelConfig) -> None:
-        rules = _GPT_OSS_DEFAULTS | self.rules  # a family that does not name these keys has none of their features
+        # a family that does not name these keys has none of their features; `free` keys take any valid value
+        rules = {k: v for k, v in (_FEATURE_DEFAULTS | self.rules).items() if k not in self.free}
         problems = [f"{key} is {getattr(cfg, key)!r}, {self.name} requires {want!r}"
                     for key, want in rules.items() if getattr(cfg, key) != want]
         if cfg.rope_type not in self.rope_types:
@@ -89,8 +91,10 @@ class Family:
             raise ValueError(f"config of family {cfg.family!r} is not supported: " + "; ".join(problems))
 
 
-_GPT_OSS_DEFAULTS = {"attn_o_bias": False, "attn_sinks": False, "router_bias": False, "expert_bias": False,
-                     "expert_act": "silu"}
+_FEATURE_DEFAULTS = {"attn_o_bias": False, "attn_sinks": False, "router_bias": False, "expert_bias": False,
+                     "expert_act": "silu", "router_scoring": "softmax", "router_correction_bias": False,
+                     "router_n_group": 1, "router_topk_group": 1, "routed_scaling_factor": 1.0,
+                     "shared_expert_gate": True}
 
 
 def expected_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
@@ -122,10 +126,14 @@ def expected_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
         shapes["mlp.gate.weight"] = (cfg.num_experts, h)
         if cfg.router_bias:
             shapes["mlp.gate.bias"] = (cfg.num_experts,)
+        if cfg.router_correction_bias:
+            shapes["mlp.e_score_correction_bias"] = (cfg.num_experts,)
         if cfg.shared_expert_intermediate_size > 0:
             si = cfg.shared_expert_intermediate_size
             shapes |= {"mlp.shared_expert.gate_up_proj.weight": (2 * si, h),
-                       "mlp.shared_expert.down_proj.weight": (h, si), "mlp.shared_expert_gate.weight": (1, h)}
+                       "mlp.shared_expert.down_proj.weight": (h, si)}
+            if cfg.shared_expert_gate:
+                shapes["mlp.shared_expert_gate.weight"] = (1, h)
     else:
         shapes |= {"mlp.gate_up_proj.weight": (2 * cfg.intermediate_size, h),
                    "mlp.down_proj.weight": (h, cfg.intermediate_size)}

@@ -105,6 +105,8 @@ def forced_prefix(spec: ParserSpec, choice: Any, prompt: str) -> str:
         think = "</think>\n\n"
     elif spec.reasoning and not prompt.rstrip().endswith("</think>"):
         think = "<think>\n\n</think>\n\n"
+    if spec.tool_format == "glm":  # GLM: `<tool_call>NAME\n<arg_key>…`
+        return think + "<tool_call>" + (choice[1] + "\n" if isinstance(choice, tuple) else "")
     call = "<tool_call>\n"
     if isinstance(choice, tuple):
         name = choice[1]

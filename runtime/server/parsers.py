@@ -38,21 +38,21 @@ def new_call_id(prefix: str = "call_") -> str:
 class ParserSpec:
     reasoning: bool  # the template knows <think> (harmony: an analysis channel)
     starts_in_reasoning: bool  # the rendered prompt opened <think>
-    tool_format: str | None  # "xml" | "hermes" | "harmony" | None (no tools in this request: tool tags stay text)
+    tool_format: str | None  # "xml" | "hermes" | "glm" | "harmony" | None (no tools in this request: tags stay text)
     harmony: bool = False  # gpt-oss channels (`harmony.HarmonyParser`)
 
     @classmethod
     def detect(cls, chat_template: str | None, prompt: str, *, tools: bool) -> ParserSpec:
-        """Harmony if the template contains `<|channel|>`; else XML tool calls if it contains `<function=`, Hermes
-        JSON otherwise; reasoning if it mentions `<think>`; inside reasoning from the start when the rendered prompt
-        ends with `<think>\\n`."""
+        """Harmony if the template contains `<|channel|>`; else GLM tool calls if it contains `<arg_key>`, XML if it
+        contains `<function=`, Hermes JSON otherwise; reasoning if it mentions `<think>`; inside reasoning from the
+        start when the rendered prompt ends with `<think>\\n`."""
         template = chat_template or ""
         if HARMONY_CHANNEL in template:
             return cls(reasoning=True, starts_in_reasoning=False, tool_format="harmony" if tools else None,
                        harmony=True)
         reasoning = THINK_OPEN in template
         return cls(reasoning=reasoning, starts_in_reasoning=reasoning and prompt.endswith(THINK_OPEN + "\n"),
-                   tool_format=("xml" if "<function=" in template else "hermes") if tools else None)
+                   tool_format=_tool_format(template) if tools else None)
 
 
 class _Run:
@@ -173,7 +173,7 @@ class OutputParser(StreamParser):
             if i >= 0:  # the run stays open: a block that is not a call continues it as text
                 self.content.push(buf[:i], out)
                 self.buf, self.state = buf[i + len(CALL_OPEN):], "tool"
-                self.block = ToolBlock(self.schemas)
+                self.block = ToolBlock(self.schemas, glm=self.spec.tool_format == "glm")
                 return True
             keep = 0 if final else partial_suffix(buf, (CALL_OPEN,))
         else:
@@ -199,6 +199,12 @@ class OutputParser(StreamParser):
             return False
         self.block, self.buf, self.state = None, rest, "content"
         return True
+
+
+def _tool_format(template: str) -> str:
+    if "<arg_key>" in template:
+        return "glm"
+    return "xml" if "<function=" in template else "hermes"
 
 
 def _parameter_schemas(tools: Iterable[dict]) -> dict[str, dict]:

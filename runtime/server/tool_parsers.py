@@ -5,7 +5,8 @@ Two dialects (checkpoint-formats §9.2, §9.3):
   XML          `<tool_call>\\n<function=f>\\n<parameter=p>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>`
                (Qwen3-Coder, Qwen3.5, Qwen3.6)
 A block picks its dialect from its first non-blank character ("<" -> XML, otherwise JSON), so a model that mixes
-dialects still parses. Block parsers are fed text pieces and return `(events, rest)`: events are ParseEvents with kind
+dialects still parses; GLM's `NAME` + `<arg_key>`/`<arg_value>` pairs (`glm_tool.GlmBlock`) when the template is
+GLM's. Block parsers are fed text pieces and return `(events, rest)`: events are ParseEvents with kind
 "tool_start" (name), "tool_args" (a fragment of the arguments JSON string), "tool_end", or "content" (a block that is
 not a tool call after all); `rest` is None while the block is open, else the text after `</tool_call>`.
 XML arguments are JSON built by the parser, valid whenever a call is closed; JSON-dialect arguments stream as the model
@@ -55,12 +56,15 @@ def _undecided(text: str, tags: tuple[str, ...]) -> bool:
 
 
 class ToolBlock:
-    """Dispatches a block to the XML or the JSON parser by its first non-blank character."""
+    """Dispatches a block to the XML or the JSON parser by its first non-blank character (`glm`: always GLM's)."""
 
-    def __init__(self, tools: dict[str, dict]) -> None:
+    def __init__(self, tools: dict[str, dict], glm: bool = False) -> None:
         self.tools = tools  # function name -> JSON schema of its parameters
         self.buf = ""
-        self.impl: XmlBlock | HermesBlock | None = None
+        self.impl = None  # XmlBlock | HermesBlock | GlmBlock, once chosen
+        if glm:
+            from ft.runtime.server.glm_tool import GlmBlock
+            self.impl = GlmBlock(tools)
 
     def run(self, text: str, final: bool) -> tuple[list[ParseEvent], str | None]:
         if self.impl is None:

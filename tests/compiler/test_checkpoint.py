@@ -15,7 +15,7 @@ from ft.compiler.synth import synth
 from ft.formats import FtwReader
 from ft.formats.summary import summarize
 
-ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "qwen3_5_moe")
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "qwen3_5_moe", "glm4_moe")
 ZERO_CENTRED = ("qwen3_next", "qwen3_5_moe")
 SKIPPED = ("mtp.", "model.visual.")
 
@@ -87,7 +87,7 @@ def expected(d: Path, arch: str) -> tuple[dict[str, torch.Tensor], dict[str, lis
     norm("norm.weight", f"{p}norm.weight")
     if "lm_head.weight" in S and not json.loads((d / "config.json").read_text()).get("tie_word_embeddings"):
         put("lm_head", linear(S, "lm_head"))
-    for i in range(L):
+    for i in range(L):  # (glm4_moe's MTP layer `model.layers.{L}.` is not compiled)
         s, o = f"{p}layers.{i}.", f"layers.{i}."
         norm(o + "input_layernorm.weight", s + "input_layernorm.weight")
         norm(o + "post_attention_layernorm.weight", s + "post_attention_layernorm.weight")
@@ -99,10 +99,10 @@ def expected(d: Path, arch: str) -> tuple[dict[str, torch.Tensor], dict[str, lis
             else:
                 qkv = rowcat(q, k, v)
             put(o + "self_attn.qkv_proj", qkv)
-            if arch == "qwen2_moe":
+            if arch in ("qwen2_moe", "glm4_moe") and f"{s}self_attn.q_proj.bias" in S:
                 T[o + "self_attn.qkv_proj.bias"] = torch.cat([S[f"{s}self_attn.{n}_proj.bias"] for n in "qkv"])
             put(o + "self_attn.o_proj", linear(S, f"{s}self_attn.o_proj"))
-            if arch != "qwen2_moe" and arch != "mixtral":
+            if arch not in ("qwen2_moe", "mixtral") and f"{s}self_attn.q_norm.weight" in S:
                 norm(o + "self_attn.q_norm.weight", s + "self_attn.q_norm.weight")
                 norm(o + "self_attn.k_norm.weight", s + "self_attn.k_norm.weight")
         else:
@@ -130,7 +130,9 @@ def expected(d: Path, arch: str) -> tuple[dict[str, torch.Tensor], dict[str, lis
             put(o + "mlp.down_proj", linear(S, m + "down_proj"))
             continue
         T[o + "mlp.gate.weight"] = S[m + "gate.weight"]
-        E = c.get("num_experts") or c.get("num_local_experts")
+        if f"{m}gate.e_score_correction_bias" in S:
+            T[o + "mlp.e_score_correction_bias"] = S[m + "gate.e_score_correction_bias"].float()
+        E = c.get("num_experts") or c.get("num_local_experts") or c.get("n_routed_experts")
         g, u, dn = ("w1", "w3", "w2") if arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
         recs = []
         for e in range(E):
@@ -150,6 +152,10 @@ def expected(d: Path, arch: str) -> tuple[dict[str, torch.Tensor], dict[str, lis
                                                             linear(S, m + "shared_expert.up_proj")))
             put(o + "mlp.shared_expert.down_proj", linear(S, m + "shared_expert.down_proj"))
             T[o + "mlp.shared_expert_gate.weight"] = S[m + "shared_expert_gate.weight"]
+        if f"{m}shared_experts.gate_proj.weight" in S:  # glm4_moe: plural, no gate
+            put(o + "mlp.shared_expert.gate_up_proj", rowcat(linear(S, m + "shared_experts.gate_proj"),
+                                                            linear(S, m + "shared_experts.up_proj")))
+            put(o + "mlp.shared_expert.down_proj", linear(S, m + "shared_experts.down_proj"))
     return T, B
 
 
@@ -162,8 +168,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def source_params(d: Path) -> int:
     """Parameters of the source as `ft inspect` counts them: NVFP4 bytes hold 2, scales and skipped parts hold 0."""
     n = 0
+    L = text_cfg(d)["num_hidden_layers"]
     for name, t in source_tensors(d).items():
-        if name.startswith(SKIPPED) or "_scale" in name:
+        if name.startswith(SKIPPED + (f"model.layers.{L}.",)) or "_scale" in name:
             continue
         n += t.numel() * (2 if t.dtype == torch.uint8 else 1)
     return n
@@ -220,6 +227,8 @@ def test_family_compiles_to_documented_layout(work: Path, arch: str, quant: str)
         assert r.quant == {"linears": {}, "experts": "fp32", "source": None}
     if arch in ("qwen3_next", "qwen3_5_moe"):
         assert r.metadata["skipped"].get("mtp.", 0) > 0
+    if arch == "glm4_moe":
+        assert r.metadata["skipped"].get(f"model.layers.{cfg.num_layers}.", 0) > 0
     if arch == "qwen3_5_moe":
         assert r.metadata["skipped"].get("model.visual.", 0) > 0
 

@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from ft.compiler.synth import synth
 
-ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "qwen3_5_moe")
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "qwen3_5_moe", "glm4_moe")
 LUT = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 
 
@@ -56,9 +56,9 @@ def expected_shapes(arch: str, cfg: dict, fused: bool) -> dict[str, tuple[int, .
     H, L, V = t["hidden_size"], t["num_hidden_layers"], t["vocab_size"]
     nq, nkv = t["num_attention_heads"], t["num_key_value_heads"]
     hd = t.get("head_dim") or H // nq
-    E = t.get("num_experts") or t["num_local_experts"]
+    E = t.get("num_experts") or t.get("num_local_experts") or t["n_routed_experts"]
     I = t["intermediate_size"] if arch == "mixtral" else t["moe_intermediate_size"]
-    Is = t.get("shared_expert_intermediate_size", 0)
+    Is = t.get("shared_expert_intermediate_size", 0) or I * t.get("n_shared_experts", 0)  # glm4_moe: shared_experts
     P = "model.language_model." if arch == "qwen3_5_moe" else "model."
     out = {P + "embed_tokens.weight": (V, H), P + "norm.weight": (H,), "lm_head.weight": (V, H)}
     if arch == "qwen3_next":
@@ -72,9 +72,9 @@ def expected_shapes(arch: str, cfg: dict, fused: bool) -> dict[str, tuple[int, .
         out.update({p + "self_attn.q_proj.weight": (nq * hd * (2 if gated else 1), H),
                     p + "self_attn.k_proj.weight": (nkv * hd, H), p + "self_attn.v_proj.weight": (nkv * hd, H),
                     p + "self_attn.o_proj.weight": (H, nq * hd)})
-        if arch != "qwen2_moe" and arch != "mixtral":
+        if arch not in ("qwen2_moe", "mixtral", "glm4_moe") or t.get("use_qk_norm"):
             out.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
-        if arch == "qwen2_moe":
+        if arch == "qwen2_moe" or t.get("attention_bias"):
             out.update({p + "self_attn.q_proj.bias": (nq * hd,), p + "self_attn.k_proj.bias": (nkv * hd,),
                         p + "self_attn.v_proj.bias": (nkv * hd,)})
 
@@ -99,6 +99,8 @@ def expected_shapes(arch: str, cfg: dict, fused: bool) -> dict[str, tuple[int, .
                 out.update({x + "w1.weight": (I, H), x + "w3.weight": (I, H), x + "w2.weight": (H, I)})
             return
         out[p + "mlp.gate.weight"] = (E, H)
+        if arch == "glm4_moe":
+            out[p + "mlp.gate.e_score_correction_bias"] = (E,)
         if fused:
             out.update({p + "mlp.experts.gate_up_proj": (E, 2 * I, H), p + "mlp.experts.down_proj": (E, H, I)})
         else:
@@ -106,18 +108,32 @@ def expected_shapes(arch: str, cfg: dict, fused: bool) -> dict[str, tuple[int, .
                 x = f"{p}mlp.experts.{e}."
                 out.update({x + "gate_proj.weight": (I, H), x + "up_proj.weight": (I, H),
                             x + "down_proj.weight": (H, I)})
-        if Is:
+        if Is and arch == "glm4_moe":  # plural, no gate
+            s = p + "mlp.shared_experts."
+            out.update({s + "gate_proj.weight": (Is, H), s + "up_proj.weight": (Is, H),
+                        s + "down_proj.weight": (H, Is)})
+        elif Is:
             s = p + "mlp.shared_expert."
             out.update({s + "gate_proj.weight": (Is, H), s + "up_proj.weight": (Is, H), s + "down_proj.weight": (H, Is),
                         p + "mlp.shared_expert_gate.weight": (1, H)})
 
-    def layer(p: str, kind: str) -> None:
+    def layer(p: str, kind: str, dense: bool = False) -> None:
         out.update({p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,)})
         attention(p) if kind == "full_attention" else deltanet(p)
-        moe(p)
+        if dense:  # glm4_moe's first_k_dense_replace layers
+            Id = t["intermediate_size"]
+            out.update({p + "mlp.gate_proj.weight": (Id, H), p + "mlp.up_proj.weight": (Id, H),
+                        p + "mlp.down_proj.weight": (H, Id)})
+        else:
+            moe(p)
 
     for i, kind in enumerate(kinds):
-        layer(f"{P}layers.{i}.", kind)
+        layer(f"{P}layers.{i}.", kind, dense=i < t.get("first_k_dense_replace", 0))
+    if arch == "glm4_moe":  # the MTP layer after the decoder
+        x = f"model.layers.{L}."
+        out.update({x + "eh_proj.weight": (H, 2 * H), x + "enorm.weight": (H,), x + "hnorm.weight": (H,),
+                    x + "shared_head.norm.weight": (H,)})
+        layer(x, "full_attention")
     if arch in ("qwen3_next", "qwen3_5_moe"):
         out.update({"mtp.fc.weight": (H, 2 * H), "mtp.pre_fc_norm_embedding.weight": (H,),
                     "mtp.pre_fc_norm_hidden.weight": (H,), "mtp.norm.weight": (H,)})
@@ -131,7 +147,7 @@ FP8_35 = re.compile(r"^model\.language_model\.layers\.\d+\.(linear_attn\.(in_pro
 FP4_35 = re.compile(r"^(lm_head|model\.language_model\.layers\.\d+\.mlp\.(experts\.\d+|shared_expert)\."
                     r"(gate|up|down)_proj)\.weight$")
 FP4_OTHER = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.experts\.\d+\.(gate|up|down)_proj|"
-                       r"mlp\.shared_expert\.(gate|up|down)_proj|block_sparse_moe\.experts\.\d+\.w[123]|"
+                       r"mlp\.shared_experts?\.(gate|up|down)_proj|mlp\.(gate|up|down)_proj|block_sparse_moe\.experts\.\d+\.w[123]|"
                        r"linear_attn\.(in_proj_qkvz|out_proj))\.weight$")
 
 
@@ -233,7 +249,7 @@ def test_nvfp4_checkpoint_and_exact_twin(made, arch):
         assert qc["quant_algo"] == legacy["quantization"]["quant_algo"] == "NVFP4"
         assert legacy["quantization"]["group_size"] == 16 and "lm_head" in legacy["quantization"]["exclude_modules"]
         router = "block_sparse_moe.gate" if arch == "mixtral" else "mlp.gate"
-        assert f"model.layers.0.{router}" in qc["ignore"]
+        assert f"model.layers.{cfg.get('first_k_dense_replace', 0)}.{router}" in qc["ignore"]  # first MoE layer
     assert "quantization_config" not in json.loads((d.with_name(d.name + "-twin") / "config.json").read_text())
 
 

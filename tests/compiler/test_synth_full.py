@@ -75,7 +75,8 @@ def ref_nvfp4(w, s, s2):
 
 @pytest.mark.parametrize("arch,quant,layout,routing", [("qwen3_5_moe", "nvfp4", "per_expert", "uniform"),
                                                        ("qwen3_5_moe", "none", "fused", "skewed"),
-                                                       ("qwen3_next", "nvfp4", "per_expert", "uniform")])
+                                                       ("qwen3_next", "nvfp4", "per_expert", "uniform"),
+                                                       ("glm4_moe", "nvfp4", "per_expert", "uniform")])
 def test_streaming_writer_matches_save_pretrained(tmp_path, monkeypatch, arch, quant, layout, routing):
     """The pool writer (every tensor pool-backed here) writes save_pretrained's exact table; transformers runs it."""
     from ft.compiler.synth.hf_small import load_reference

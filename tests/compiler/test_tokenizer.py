@@ -130,6 +130,9 @@ def test_truncated_vocab(tmp_path, flavor):
     if flavor == "harmony":  # o200k_harmony's order: <|start|> is 200006 - 199998 = 8 after the first special
         assert tok.encode("<|start|>user<|message|>hi<|end|>").ids[0] == n + 8
         assert (info["eos_token_id"], info["bos_token_id"], info["pad_token_id"]) == (n + 4, n, n + 1)
+    elif flavor == "glm":  # GLM-4.5's order: <|endoftext|> first (151329), <|user|> 7 after it (151336)
+        assert tok.encode("[gMASK]<sop><|user|>\nhi<|assistant|>").ids[:3] == [n + 2, n + 4, n + 7]
+        assert (info["eos_token_id"], info["user_token_id"], info["observation_token_id"]) == (n, n + 7, n + 9)
     else:
         assert tok.encode("<|im_start|>user\nhi<|im_end|>").ids[0] == n + 1
 
