@@ -1,14 +1,8 @@
 """`GpuExperts`: the experts interface on a GPU with a VRAM slot cache and hybrid CPU/GPU miss handling.
 
-Per MoE layer call (decode: few tokens):
- 1. routing comes to the host; the slot table splits the routed experts into hits and misses;
- 2. of the M misses, F (min-wait under fixed + per-expert cost lines of both paths, see `split`) are admitted
-    into slots (evicting by the cache policy) and uploaded on the copy stream; the other M - F are handed first
-    to the CPU kernel's native worker thread (`CpuMoe.submit`), which reads the mmapped records in place;
- 3. the GPU kernel runs over hits + fetched experts after the copy fence; the CPU partial sum is added on arrival.
-    Both partial sums cover disjoint (token, expert) pairs, so their sum is the full mixture;
- 4. layer l+1's router applied to this layer's input predicts its experts; up to `prefetch_max` missing ones are
-    fetched now, overlapping the next attention block.
+Each MoE layer call takes one of the paths below, chosen from the call's size and the layer's state; a call that
+brings its routing to the host is `host_call.py` (hits, misses split between PCIe fetches and the CPU kernel, the
+next layer's prefetch).
 Prefill calls (many tokens) compute hits from the cache and stream each miss once through two prefill buffers
 (double-buffered: group g+1 uploads while group g computes), never admitting them, so decode-hot slots survive. In
 mode mapped, a forward large enough to route to nearly every expert streams all experts without a slot ahead of their
@@ -40,18 +34,18 @@ import torch
 from ft.formats import FtwReader
 
 from .cpu_nvfp4 import CpuMoe
-from .device_path import (device_call, device_kernel, device_prefill_call, uses_device_kernel, uses_device_plan,
+from .device_path import (device_call, device_prefill_call, uses_device_plan,
                           uses_device_prefill)
 from .expert_cache import ExpertCache, plan_num_slots
 from .graphs import graph_call
+from .host_call import host_call
 from .mapped_path import MappedDecode, uses_mapped
 from .hybrid_stats import experts_stats, reset_experts_stats
 from .moe_reference import moe_ref
 from .offload_config import OffloadConfig
 from .pinning import BackgroundPinner
-from .prefetch import NextLayerPredictor, prefetch_next
+from .prefetch import NextLayerPredictor
 from .prefill_pipeline import PrefillPipeline, uses_pipeline
-from .prefill_stream import prefill_call
 from .record_layout import RecordLayout
 from .split import SplitEstimator, split_from_profile
 from .transfer import CudaUploader, HostUploader
@@ -188,89 +182,13 @@ class GpuExperts:
             return self.mapped(layer, x, topk_ids, topk_weights).to(x.dtype)
         if self.mapped is not None:
             self.mapped.release()
-        o = self.opts
-        pred = None  # next layer's predicted experts ride along with this layer's routing: one host sync
-        if (self.predictor is not None and self.num_slots and T < o.prefill_tokens
-                and o.mode in ("hybrid", "offload", "mapped")):
-            pred = self.predictor.predict_ids(layer, x)
-        if pred is not None:
-            both = torch.cat([topk_ids.reshape(-1), pred[1].to(topk_ids.dtype)]).to("cpu").numpy()
-            ids, pred = both[: T * k], (pred[0], both[T * k:])
-        else:
-            ids = topk_ids.to("cpu").numpy().reshape(-1)
-        self._observe_timing()
-        self.cache.tick()
-        self.cache.observe(layer, ids, T)
-        uniq = np.unique(ids)
-        c = self.counters
-        c["calls"] += 1
-        c["tokens"] += T
-        c["pairs"] += T * k
-        if self.predictor is not None:
-            self.predictor.check(layer, uniq)
-        if T >= self.opts.prefill_tokens and layer not in self.opts.cpu_layers:
-            return prefill_call(self, layer, x, ids, uniq, topk_weights).to(x.dtype)
-        if len(self.trace) < self.opts.trace_limit:
-            self.trace.append((layer, uniq))
-        slots = self.cache.lookup(layer, uniq)
-        hit = slots >= 0
-        self.cache.touch(slots[hit])
-        misses = uniq[~hit]
-        c["hits"] += int(hit.sum())
-        c["misses"] += len(misses)
-        fetch, on_cpu = self._split(layer, misses)
-        self.per_layer[:, layer] += (int(hit.sum()), len(misses), len(fetch), len(on_cpu))
-        future = self._submit_cpu(layer, on_cpu, ids, x, topk_weights) if len(on_cpu) else None
-        slot_of = dict(zip(uniq[hit].tolist(), slots[hit].tolist()))
-        prefetching = pred is not None and pred[0] not in o.cpu_layers
-        # one scoring pass for this call's fetches and the next layer's prefetch (see ExpertCache.admit_many)
-        chosen = self.cache.victims(len(fetch) + (self.prefetch_max if prefetching else 0))
-        for e, s in zip(fetch.tolist(), self.cache.admit_many(layer, fetch, chosen)[0].tolist()):  # _split: all fit
-            self.uploader.upload(s, self.banks[layer].record(e))
-            slot_of[e] = s
-        c["fetched"] += len(fetch)
-        c["bytes_h2d"] += len(fetch) * self.layout.stride
-        if slot_of and uses_device_kernel(self, T):  # hits + this call's fetches by the table row (CPU ones: no slot)
-            self._wait(self.uploader.fence())
-            y = device_kernel(self, layer, x, topk_ids, topk_weights, exact=future is not None)
-            self.uploader.after_compute(self._record_compute())
-        else:
-            y = self._gpu_moe(x, ids, slot_of, topk_weights)
-        if prefetching:
-            prefetch_next(self, pred[0], self.predictor.rank(*pred), chosen[len(fetch):])
-        if future is not None:
-            y_cpu, seconds = future.result()
-            c["cpu_seconds"] += seconds
-            self.split.observe_cpu(len(on_cpu), seconds)
-            y = y + y_cpu.to(self.device, non_blocking=True)
-        return y.to(x.dtype)
+        return host_call(self, layer, x, topk_ids, topk_weights)
 
     def uses_device_plan(self, layer: int, num_tokens: int) -> bool:
         """Whether a call of `num_tokens` tokens at `layer` keeps its routing on the device (any device)."""
         return uses_device_plan(self, layer, num_tokens)
 
     # ---- pieces ------------------------------------------------------------------------------------------
-    def _split(self, layer: int, misses: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        mode = self.opts.mode
-        if layer in self.opts.cpu_layers or mode in ("cpu", "static", "resident") or self.num_slots == 0:
-            return misses[:0], misses
-        # most frequently routed misses first: they are the likeliest to be hit again
-        order = np.argsort(-self.cache.counts[layer, misses], kind="stable")
-        misses = misses[order]
-        cap = self.num_slots - int((self.cache.protect_until >= self.cache.clock).sum())
-        nf = min(len(misses), cap) if mode == "offload" else self.split.count(len(misses), cap=cap)
-        return misses[:nf], misses[nf:]
-
-    def _submit_cpu(self, layer, experts, ids, x, topk_weights):
-        records = [self.banks[layer].record(int(e)) for e in experts]
-        groups = [np.nonzero(ids == e)[0] for e in experts]
-        pair_tok = np.arange(ids.size) // topk_weights.shape[1]
-        pair_w = topk_weights.reshape(-1).float().cpu().numpy()
-        x_cpu = x.to("cpu")
-        self.counters["cpu_experts"] += len(experts)
-        self.counters["bytes_cpu"] += len(experts) * self.layout.payload_bytes
-        return self.cpu.submit(records, groups, pair_tok, pair_w, x_cpu, pinned=self.device.type == "cuda")
-
     def _gpu_moe(self, x, ids, slot_of, topk_weights, *, fence: bool = True, blocks=None, pair_out=None):
         """fp32 [T, H] over the pairs whose expert is in `slot_of`; with `pair_out` (Triton kernels only) the pairs'
         rows are written into it instead and None is returned (see `moe_nvfp4`)."""
