@@ -4,6 +4,9 @@ Pipeline: locate → index headers → family config → quant declaration → p
 headers (nothing is written before this passes) → stream tensors into the FtwWriter (temp dir) → check what was
 written, then rename the temp dir into place (a failed check leaves nothing at the output path).
 
+`--quantize nvfp4` quantizes the routed experts of an unquantized source per expert while streaming
+(`ft.compiler.quant.nvfp4`, specs/families.md "Quantizing at compile time"); the rest of the pipeline is unchanged.
+
 The final check (`verify`): "sample" (default) opens the result with every structural rule of `ft verify` (V1-V19)
 and re-reads from disk the first and last region of each data file, the first and last record of each expert bank
 and random others up to 256 MiB, plus every side file (V20, V21 there); "full" re-reads every byte, like `ft

@@ -153,3 +153,19 @@ def test_refusals(work: Path, bf16_src: Path) -> None:
     with pytest.raises(CheckpointError, match="not supported for gpt_oss"):
         compile_checkpoint(gpt, work / "x.ftw", progress=False, quantize="nvfp4")
     assert not (work / "x.ftw").exists()
+
+
+def test_cli_flag(work: Path, bf16_src: Path) -> None:
+    from typer.testing import CliRunner
+
+    from ft.cli.main import app
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["checkpoint", "--model", str(bf16_src), "--out", str(work / "cli.ftw"),
+                              "--quantize", "int4", "--no-progress"])
+    assert res.exit_code == 1 and "--quantize 'int4' is not supported" in res.output, res.output
+    assert not (work / "cli.ftw").exists()
+    res = runner.invoke(app, ["checkpoint", "--model", str(bf16_src), "--out", str(work / "cli.ftw"),
+                              "--quantize", "nvfp4", "--no-progress"])
+    assert res.exit_code == 0, res.output
+    assert FtwReader(work / "cli.ftw").quant["experts"] == "nvfp4"
