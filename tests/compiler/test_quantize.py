@@ -152,6 +152,9 @@ def test_refusals(work: Path, bf16_src: Path) -> None:
     gpt = synth("gpt_oss", "tiny", work / "gpt-bf16", dtype="bf16")
     with pytest.raises(CheckpointError, match="not supported for gpt_oss"):
         compile_checkpoint(gpt, work / "x.ftw", progress=False, quantize="nvfp4")
+    odd = synth("qwen3_moe", "tiny", work / "q3-odd", dtype="bf16", overrides={"moe_intermediate_size": 40})
+    with pytest.raises(CheckpointError, match="multiples of 16, got 64 and 40"):
+        compile_checkpoint(odd, work / "x.ftw", progress=False, quantize="nvfp4")
     assert not (work / "x.ftw").exists()
 
 
