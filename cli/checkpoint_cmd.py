@@ -20,6 +20,9 @@ def checkpoint(
     dequant: bool = typer.Option(False, "--dequant", help="Dequantize NVFP4/FP8 weights exactly into plain weights of "
                                                           "--dtype, else of the checkpoint's dtype (bf16 for ModelOpt "
                                                           "releases)."),
+    quantize: Optional[str] = typer.Option(None, "--quantize", help="Quantize the routed experts of a BF16/FP16/FP32 "
+                                                                    "checkpoint at compile time: nvfp4 (ModelOpt's "
+                                                                    "NVFP4 recipe; the GPU expert cache needs it)."),
     force: bool = typer.Option(False, "--force", help="Replace --out if it exists."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar on stderr."),
     verify: str = typer.Option("sample", "--verify", help="Final check before the output is moved into place. "
@@ -46,7 +49,7 @@ def checkpoint(
 
             parse_archs(kernels)
         path = compile_checkpoint(model, out, revision=revision, dtype=dtype, dequant=dequant, force=force,
-                                  progress=progress, verify=verify)
+                                  progress=progress, verify=verify, quantize=quantize)
     except (CheckpointError, ValueError) as e:
         console.print(f"[red]error[/red] {escape(str(e))}")
         raise typer.Exit(1)

@@ -4,6 +4,9 @@ Pipeline: locate → index headers → family config → quant declaration → p
 headers (nothing is written before this passes) → stream tensors into the FtwWriter (temp dir) → check what was
 written, then rename the temp dir into place (a failed check leaves nothing at the output path).
 
+`--quantize nvfp4` quantizes the routed experts of an unquantized source per expert while streaming
+(`ft.compiler.quant.nvfp4`, specs/families.md "Quantizing at compile time"); the rest of the pipeline is unchanged.
+
 The final check (`verify`): "sample" (default) opens the result with every structural rule of `ft verify` (V1-V19)
 and re-reads from disk the first and last region of each data file, the first and last record of each expert bank
 and random others up to 256 MiB, plus every side file (V20, V21 there); "full" re-reads every byte, like `ft
@@ -36,10 +39,11 @@ from ft.formats.verify import check, full_plan, plan_bytes, sample_plan
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 VERIFY_MODES = ("sample", "full")
+QUANTIZE = ("nvfp4",)  # --quantize: schemes the routed experts of an unquantized source can be quantized to
 _CONFIG_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def dtype_policy(dtype: str, dequant: bool, hf: dict) -> DtypePolicy:
+def dtype_policy(dtype: str, dequant: bool, hf: dict, quantize: str | None = None) -> DtypePolicy:
     """--dtype / --dequant -> DtypePolicy; `plain` (for dequantized weights) is --dtype, else the config's declared
     dtype (`torch_dtype` in older configs, `dtype` in newer ones, possibly inside text_config), else bf16."""
     if dtype != "auto" and dtype not in DTYPES:
@@ -48,7 +52,11 @@ def dtype_policy(dtype: str, dequant: bool, hf: dict) -> DtypePolicy:
     declared = hf.get("torch_dtype") or hf.get("dtype") or (hf.get("text_config") or {}).get("dtype") \
         or (hf.get("text_config") or {}).get("torch_dtype")
     plain = explicit or _CONFIG_DTYPES.get(declared, torch.bfloat16)
-    return DtypePolicy(explicit, plain, dequant)
+    if quantize is not None and quantize not in QUANTIZE:
+        raise CheckpointError(f"--quantize {quantize!r} is not supported; supported: {', '.join(QUANTIZE)}")
+    if quantize and dequant:
+        raise CheckpointError("--quantize and --dequant contradict each other; pass one of them")
+    return DtypePolicy(explicit, plain, dequant, quantize)
 
 
 def _size(n: int) -> str:
@@ -67,10 +75,12 @@ def _check_out(out_dir: Path, root: Path, force: bool) -> None:
 
 def compile_checkpoint(model: str | Path, out_dir: str | Path, *, revision: str | None = None, dtype: str = "auto",
                        dequant: bool = False, force: bool = False, progress: bool = True,
-                       verify: str = "sample") -> Path:
+                       verify: str = "sample", quantize: str | None = None) -> Path:
     """Compile `model` (a directory or a hub repo id) into the FTW directory `out_dir`; returns `out_dir`.
     `verify`: the final check, "sample" or "full" (module doc). Raises CheckpointError with a one-line reason for
-    any bad or unsupported input, and for a failed final check (then nothing is left at `out_dir`)."""
+    any bad or unsupported input, and for a failed final check (then nothing is left at `out_dir`).
+    `quantize` ("nvfp4"): quantize the routed experts of an unquantized source to NVFP4 (ModelOpt's recipe,
+    `ft.compiler.quant.nvfp4`); dense linears, routers and embeddings keep their dtype."""
     if verify not in VERIFY_MODES:
         raise CheckpointError(f"--verify {verify!r} is not supported; supported: {', '.join(VERIFY_MODES)}")
     # The work is streaming copies of at most a few MB per op: torch's intra-op thread pool only adds barrier
@@ -78,13 +88,13 @@ def compile_checkpoint(model: str | Path, out_dir: str | Path, *, revision: str 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _compile(model, Path(out_dir), revision, dtype, dequant, force, progress, verify)
+        return _compile(model, Path(out_dir), revision, dtype, dequant, force, progress, verify, quantize)
     finally:
         torch.set_num_threads(threads)
 
 
 def _compile(model: str | Path, out_dir: Path, revision: str | None, dtype: str, dequant: bool, force: bool,
-             progress: bool, verify: str) -> Path:
+             progress: bool, verify: str, quantize: str | None) -> Path:
     loc = locate(str(model), revision)
     _check_out(out_dir, loc.root, force)
     # sha256 of every source file: the small metadata files on a background thread, the weight files by the
@@ -103,7 +113,7 @@ def _compile(model: str | Path, out_dir: Path, revision: str | None, dtype: str,
     hasher.start()
     try:
         ck = Checkpoint.open(loc.root, on_files=start)
-        return _emit(loc, ck, out_dir, hasher, streams[0], dtype, dequant, force, progress, verify)
+        return _emit(loc, ck, out_dir, hasher, streams[0], dtype, dequant, force, progress, verify, quantize)
     finally:
         for s in streams:
             s.stop()
@@ -111,7 +121,7 @@ def _compile(model: str | Path, out_dir: Path, revision: str | None, dtype: str,
 
 
 def _emit(loc, ck: Checkpoint, out_dir: Path, hasher: Hasher, stream: SourceStream, dtype: str, dequant: bool,
-          force: bool, progress: bool, verify: str) -> Path:
+          force: bool, progress: bool, verify: str, quantize: str | None) -> Path:
     family = family_for(ck.config)
     gen = read_json_if_exists(loc.root, "generation_config.json")
     cfg = family.normalize(ck.config, gen)
@@ -122,8 +132,13 @@ def _emit(loc, ck: Checkpoint, out_dir: Path, hasher: Hasher, stream: SourceStre
     finally:
         reader.close()
     decl = parse_quant(ck.config, read_json_if_exists(loc.root, "hf_quant_config.json"))
-    pol = dtype_policy(dtype, dequant, ck.config)
+    pol = dtype_policy(dtype, dequant, ck.config, quantize)
+    if quantize and decl.quantized:
+        raise CheckpointError(f"--quantize {quantize}: {loc.root.name} is already quantized "
+                              f"({_quant_name(decl.source)}); --quantize takes an unquantized BF16/FP16/FP32 source")
     prep = prepare(family.plan(cfg, ck), ck, decl, pol, family.skip_prefixes + tied_skip)
+    if quantize and prep.bank_scheme != quantize:
+        raise CheckpointError(f"--quantize {quantize}: {loc.root.name} has no routed experts to quantize")
     tok_meta, assets = tokenizer_assets(loc.root)
     parent = out_dir.resolve().parent
     parent.mkdir(parents=True, exist_ok=True)
@@ -145,7 +160,9 @@ def _emit(loc, ck: Checkpoint, out_dir: Path, hasher: Hasher, stream: SourceStre
                  "source": decl.source}
         metadata = {"architectures": ck.config.get("architectures") or [], "model_type": ck.config.get("model_type"),
                     "skipped": prep.skipped, "ignored": prep.ignored,
-                    "options": {"dtype": dtype, "dequant": dequant}}
+                    "options": {"dtype": dtype, "dequant": dequant, "quantize": quantize}}
+        if quantize:  # provenance of the expert codes: this compiler, not the source (specs/ftw.md §5.9)
+            metadata["quantized"] = {"experts": quantize, "by": "ft checkpoint --quantize", "recipe": "modelopt"}
         w.finish(config=cfg, quant=quant, tokenizer=tok_meta, generation=generation_defaults(gen, cfg),
                  provenance=provenance(loc.source, loc.revision, _digests(hasher, stream)), metadata=metadata,
                  check=lambda tmp: _verify(tmp, out_dir, verify, progress))
@@ -156,6 +173,12 @@ def _emit(loc, ck: Checkpoint, out_dir: Path, hasher: Hasher, stream: SourceStre
             raise CheckpointError(f"no space left on device while writing {out_dir}; nothing was kept") from None
         raise
     return out_dir
+
+
+def _quant_name(source: dict | None) -> str:
+    q = source or {}
+    q = q.get("quantization", q) if isinstance(q.get("quantization"), dict) else q
+    return str(q.get("quant_algo") or q.get("quant_method") or "declared in its config")
 
 
 def _digests(hasher: Hasher, stream: SourceStream) -> dict[str, str]:

@@ -97,7 +97,7 @@ class Emitter:
         r = cat(parts)
         if item.perm is not None:
             r = take(r, item.perm)
-        pol = DtypePolicy(None, self.pol.plain, self.pol.dequant) if item.router else self.pol
+        pol = DtypePolicy(None, self.pol.plain, self.pol.dequant, self.pol.quantize) if item.router else self.pol
         scheme, tensors = finalize(r, pol, item.name)
         if scheme in ("nvfp4", "fp8_row"):
             self.linears[item.name] = scheme

@@ -18,6 +18,7 @@ import torch
 from ft.compiler.errors import CheckpointError
 from ft.compiler.linear import PLAIN_SCHEME, DtypePolicy, Rows, Sniffed, sniff, to_dtype
 from ft.compiler.quant.modelopt import QuantDecl
+from ft.compiler.quant.nvfp4 import quantize_rows
 from ft.compiler.source import Checkpoint
 
 if TYPE_CHECKING:
@@ -73,6 +74,9 @@ class FusedExperts(ExpertSource):
             if ck.info(name).shape != want:
                 raise CheckpointError(f"{name}: shape {list(ck.info(name).shape)} does not match the config's "
                                       f"{list(want)}")
+        if pol.quantize:
+            _check_quantizable(self.gate_up, item)
+            return _FusedBank(item, pol.quantize, [self.gate_up, self.down], self)
         dt = pol.dtype or (dts.pop() if len(dts) == 1 else torch.float32)
         return _FusedBank(item, PLAIN_SCHEME[dt], [self.gate_up, self.down], self)
 
@@ -83,6 +87,11 @@ class _FusedBank(Bank):
         self.src = src
 
     def expert(self, em: Emitter, e: int) -> dict[str, torch.Tensor]:
+        if self.scheme == "nvfp4":  # --quantize: gate rows first, then up rows (one global for the pair)
+            gate_up = em.read(self.src.gate_up, torch.float32, (e, e + 1))[0]
+            gate, up = gate_up.split(self.item.intermediate)
+            down = em.read(self.src.down, torch.float32, (e, e + 1))[0]
+            return _nvfp4_expert(*quantize_rows(gate, up), *quantize_rows(down))
         dt = _DTYPE_OF[self.scheme]
         return {"gate_up": em.read(self.src.gate_up, dt, (e, e + 1))[0],
                 "down": em.read(self.src.down, dt, (e, e + 1))[0]}
@@ -113,6 +122,9 @@ class PerExpert(ExpertSource):
         schemes = {sn.scheme for trio in trios for sn in trio}
         if schemes == {"nvfp4"} and not pol.dequant:
             return _PerExpertBank(item, "nvfp4", names, trios)
+        if pol.quantize and schemes == {"plain"}:
+            _check_quantizable(self.gate.format(e=0), item)
+            return _PerExpertBank(item, pol.quantize, names, trios, quantize=True)
         if "fp8" in schemes and not pol.dequant:
             raise CheckpointError(f"{self.gate.format(e=0)}: FP8 experts have no FTW expert-bank scheme (supported: "
                                   "nvfp4, bf16, fp16, fp32); pass --dequant to store them as bf16")
@@ -125,26 +137,38 @@ class PerExpert(ExpertSource):
 
 
 class _PerExpertBank(Bank):
-    def __init__(self, item: BankItem, scheme: str, names: list[str], trios: list[tuple[Sniffed, ...]]) -> None:
+    def __init__(self, item: BankItem, scheme: str, names: list[str], trios: list[tuple[Sniffed, ...]], *,
+                 quantize: bool = False) -> None:
         super().__init__(item, scheme, names)
-        self.trios = trios
+        self.trios, self.quantize = trios, quantize
 
     def expert(self, em: Emitter, e: int) -> dict[str, torch.Tensor]:
         em.prefetch([n for sn in self.trios[e] for n in sn.names])  # ~9 small tensors side by side in the file
-        gate, up, down = (em.rows(sn, None) for sn in self.trios[e])
+        gate, up, down = (em.rows(sn, torch.float32 if self.quantize else None) for sn in self.trios[e])
+        if self.quantize:  # --quantize: exactly the tensors a ModelOpt export would hold for this expert
+            return _nvfp4_expert(*quantize_rows(gate.t["weight"], up.t["weight"]), *quantize_rows(down.t["weight"]))
         if self.scheme == "nvfp4":
-            # gate_up = gate rows then up rows, handed to the writer as (gate, up) pieces (no concatenated copy);
-            # per-row scale_2: gate rows carry gate_proj's global, up rows up_proj's
-            g, u = gate.t, up.t
-            return {"gate_up": (g["weight"], u["weight"]), "gate_up_scale": (g["weight_scale"], u["weight_scale"]),
-                    "gate_up_scale_2": (g["weight_scale_2"], u["weight_scale_2"]), "down": down.t["weight"],
-                    "down_scale": down.t["weight_scale"], "down_scale_2": down.t["weight_scale_2"]}
+            return _nvfp4_expert(gate.t, up.t, down.t)
         dt, what = _DTYPE_OF[self.scheme], f"{self.item.name} expert {e}"
 
         def plain(r: Rows) -> torch.Tensor:
             return to_dtype(r.t["weight"], dt, what) if r.scheme == "plain" else em.dequant_to(r, dt, what)
 
         return {"gate_up": torch.cat([plain(gate), plain(up)]), "down": plain(down)}
+
+
+def _check_quantizable(name: str, item: BankItem) -> None:
+    if item.hidden % 16 or item.intermediate % 16:
+        raise CheckpointError(f"{name}: --quantize nvfp4 needs hidden and intermediate sizes that are multiples of 16, "
+                              f"got {item.hidden} and {item.intermediate}")
+
+
+def _nvfp4_expert(g: dict, u: dict, d: dict) -> dict[str, tuple[torch.Tensor, ...] | torch.Tensor]:
+    """Row-wise NVFP4 gate, up, down -> bank components. gate_up = gate rows then up rows, handed to the writer as
+    (gate, up) pieces (no concatenated copy); per-row scale_2: gate rows carry gate_proj's global, up rows up_proj's."""
+    return {"gate_up": (g["weight"], u["weight"]), "gate_up_scale": (g["weight_scale"], u["weight_scale"]),
+            "gate_up_scale_2": (g["weight_scale_2"], u["weight_scale_2"]), "down": d["weight"],
+            "down_scale": d["weight_scale"], "down_scale_2": d["weight_scale_2"]}
 
 
 @dataclass(frozen=True)
@@ -160,6 +184,9 @@ class GptOssExperts(ExpertSource):
 
     def resolve(self, ck: Checkpoint, decl: QuantDecl, pol: DtypePolicy, item: BankItem) -> Bank:
         E, I, H, p = item.num_experts, item.intermediate, item.hidden, self.prefix
+        if pol.quantize:
+            raise CheckpointError(f"{p}: --quantize {pol.quantize} is not supported for gpt_oss (its expert banks "
+                                  "carry biases, which the NVFP4 bank scheme has not; the release is MXFP4 already)")
         biases = {f"{p}gate_up_proj_bias": (E, 2 * I), f"{p}down_proj_bias": (E, H)}
         if ck.has(f"{p}gate_up_proj_blocks"):
             if (decl.source or {}).get("quant_method") != "mxfp4":

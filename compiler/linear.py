@@ -139,11 +139,13 @@ def take(r: Rows, rows: torch.Tensor) -> Rows:
 @dataclass(frozen=True)
 class DtypePolicy:
     """`dtype` None = keep each tensor's source dtype (--dtype auto). `plain` is used where a float dtype must be
-    chosen (dequantized weights, mixed-encoding fusions). `dequant` turns every quantized linear into `plain`."""
+    chosen (dequantized weights, mixed-encoding fusions). `dequant` turns every quantized linear into `plain`.
+    `quantize` ("nvfp4" or None): routed experts of an unquantized source are quantized at compile time."""
 
     dtype: torch.dtype | None
     plain: torch.dtype
     dequant: bool
+    quantize: str | None = None
 
 
 def finalize(r: Rows, pol: DtypePolicy, what: str) -> tuple[str, dict[str, torch.Tensor]]:

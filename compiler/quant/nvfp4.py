@@ -61,3 +61,15 @@ def quantize(w: torch.Tensor, scale_2: torch.Tensor | float | None = None
     x = blocks / (bs * s2).unsqueeze(-1)
     codes = e2m1_codes(x).flatten(1)
     return pack_nibbles(codes), bs.to(torch.float8_e4m3fn), s2.clone()
+
+
+def quantize_rows(*ws: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+    """Linears that share one weight_scale_2 (an expert's gate and up: ModelOpt's joint amax) -> each in the
+    compiler's row-wise NVFP4 form {"weight" u8 [out, in/2], "weight_scale" e4m3 [out, in/16],
+    "weight_scale_2" f32 [out]} (the 0-dim global repeated per row, as `ft.compiler.linear.load` does)."""
+    s2 = joint_global_scale(*ws)
+    out = []
+    for w in ws:
+        q, s, g = quantize(w, s2)
+        out.append({"weight": q, "weight_scale": s, "weight_scale_2": g.expand(w.shape[0]).contiguous()})
+    return out
