@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,20 +15,7 @@ from ft.compiler.families import family_for
 from ft.compiler.synth import tensor_table
 from ft.formats import FtwReader
 
-
-def _copy(src: Path, dst: Path, config_change=None) -> Path:
-    shutil.copytree(src, dst)
-    if config_change is not None:
-        cfg = json.loads((dst / "config.json").read_text())
-        config_change(cfg)
-        (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
-
-
-def _refused(src: Path, out: Path, match: str) -> None:
-    with pytest.raises(CheckpointError, match=match):
-        compile_checkpoint(src, out, progress=False)
-    assert not out.exists()
+from compile_lib import assert_refused, copy_checkpoint
 
 
 def _air_config(**change) -> dict:
@@ -75,25 +61,25 @@ def test_release_config_normalizes():
      "rope type 'yarn' is not supported"),
     (dict(routed_scaling_factor="2.5"), "routed_scaling_factor must be a number"),
 ])
-def test_config_variants_are_refused(change, match):
+def test_config_variants_areassert_refused(change, match):
     with pytest.raises(CheckpointError, match=match):
         family_for(_air_config()).normalize(_air_config(**change), None)
 
 
 def test_mtp_layer_is_skipped_only_when_declared(hf_for, tmp_path):
-    d = _copy(hf_for("glm4_moe"), tmp_path / "ck", lambda c: c.update(num_nextn_predict_layers=0))
-    _refused(d, tmp_path / "o.ftw", "model.layers.3.")
+    d = copy_checkpoint(hf_for("glm4_moe"), tmp_path / "ck", lambda c: c.update(num_nextn_predict_layers=0))
+    assert_refused(d, tmp_path / "o.ftw", "model.layers.3.")
     ftw = FtwReader(compile_checkpoint(hf_for("glm4_moe"), tmp_path / "ok.ftw", progress=False))
     assert ftw.metadata["skipped"] == {"model.layers.3.": 44}
 
 
-def test_missing_correction_bias_is_refused(hf_for, tmp_path):
+def test_missing_correction_bias_isassert_refused(hf_for, tmp_path):
     src = hf_for("glm4_moe")
     d = shutil.copytree(src, tmp_path / "ck")
     index = json.loads((d / "model.safetensors.index.json").read_text())
     index["weight_map"].pop("model.layers.2.mlp.gate.e_score_correction_bias")
     (d / "model.safetensors.index.json").write_text(json.dumps(index))
-    _refused(d, tmp_path / "o.ftw", "model.layers.2.mlp.gate.e_score_correction_bias")
+    assert_refused(d, tmp_path / "o.ftw", "model.layers.2.mlp.gate.e_score_correction_bias")
 
 
 def test_full_size_tables_match_the_release():

@@ -4,8 +4,6 @@ tables, and the streaming writer of full-size presets (at tiny size)."""
 from __future__ import annotations
 
 import dataclasses
-import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -13,25 +11,11 @@ import torch
 from safetensors import safe_open
 
 from ft.compiler import compile_checkpoint
-from ft.compiler.errors import CheckpointError
 from ft.compiler.synth import PRESETS, SynthError, synth, tensor_table
 from ft.formats import FtwReader
+
+from compile_lib import assert_refused, copy_checkpoint
 from ft.formats.quant import mxfp4
-
-
-def _copy(src: Path, dst: Path, config_change=None) -> Path:
-    shutil.copytree(src, dst)
-    if config_change is not None:
-        cfg = json.loads((dst / "config.json").read_text())
-        config_change(cfg)
-        (dst / "config.json").write_text(json.dumps(cfg))
-    return dst
-
-
-def _refused(src: Path, out: Path, match: str) -> None:
-    with pytest.raises(CheckpointError, match=match):
-        compile_checkpoint(src, out, progress=False)
-    assert not out.exists()
 
 
 @pytest.mark.parametrize("change, match", [
@@ -51,13 +35,14 @@ def _refused(src: Path, out: Path, match: str) -> None:
     (lambda c: c.update(intermediate_size=32), r"gate_up_proj_blocks: shape \[8, 128, 2, 16\] does not match the "
                                                r"config's \[8, 64, 2, 16\]"),
 ])
-def test_variants_are_refused(hf_for, tmp_path, change, match):
-    _refused(_copy(hf_for("gpt_oss", "mxfp4"), tmp_path / "ck", change), tmp_path / "o.ftw", match)
+def test_variants_areassert_refused(hf_for, tmp_path, change, match):
+    assert_refused(copy_checkpoint(hf_for("gpt_oss", "mxfp4"), tmp_path / "ck", change), tmp_path / "o.ftw", match)
 
 
 def test_plain_expert_shapes_are_checked(hf_for, tmp_path):
-    d = _copy(hf_for("gpt_oss"), tmp_path / "ck", lambda c: c.update(intermediate_size=32))
-    _refused(d, tmp_path / "o.ftw", r"gate_up_proj: shape \[8, 64, 128\] does not match the config's \[8, 64, 64\]")
+    d = copy_checkpoint(hf_for("gpt_oss"), tmp_path / "ck", lambda c: c.update(intermediate_size=32))
+    assert_refused(d, tmp_path / "o.ftw",
+                   r"gate_up_proj: shape \[8, 64, 128\] does not match the config's \[8, 64, 64\]")
 
 
 def test_dtype_keeps_mxfp4_and_dequant_stores_the_exact_values(hf_for, tmp_path):
