@@ -18,6 +18,7 @@ picks the parser a spec calls for.
 from __future__ import annotations
 
 import secrets
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -77,7 +78,7 @@ class _Run:
         self.started, self.pending = False, ""
 
 
-class StreamParser:
+class StreamParser(ABC):
     """Text in as it is generated, events out: `feed` each piece, then `finish` once. A subclass keeps `buf` (text
     not consumed yet) and `finished`, and implements `_step(out, final)`: consume what it can of `buf`, appending
     events to `out`, and return whether another step may make progress."""
@@ -103,8 +104,9 @@ class StreamParser:
             pass
         return out
 
+    @abstractmethod
     def _step(self, out: list[ParseEvent], final: bool) -> bool:
-        raise NotImplementedError
+        """Consume what can be consumed of `buf`, appending events to `out`; whether another step may progress."""
 
 
 class OutputParser(StreamParser):
