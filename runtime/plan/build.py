@@ -24,7 +24,7 @@ from ft.runtime.settings import EngineSettings
 
 from . import speed
 from .machine import lane_available, rates, this_machine
-from .routing import RoutingProfile, held_out_hit_rates, preload_order, shares
+from .routing import RoutingProfile, held_out, hit_rates, preload_order, shares
 
 CURVE_POINTS = 24
 
@@ -94,10 +94,11 @@ def make_plan(reader: FtwReader, settings: EngineSettings, routing: RoutingProfi
             pinned.append(i)
     share = shares(routing.counts, len(moe), E)
     order = preload_order(share)
+    expected = held_out(routing.counts, E, len(moe))  # the hit-rate estimate's (share, order), once
 
     def predict(slots: int):
         offloaded = slots < geom.max_slots
-        hits = held_out_hit_rates(routing.counts, slots, E, len(moe)) if offloaded else [1.0] * len(moe)
+        hits = hit_rates(*expected, slots) if offloaded else [1.0] * len(moe)
         lane_only = frozenset(range(len(moe))) - frozenset(pinned) if offloaded else frozenset()
         chunk = settings.max_prefill_length or (OFFLOADED_PREFILL_CHUNK if offloaded else PREFILL_CHUNK)
         d = speed.decode(geom, r, hits, offloaded=offloaded, lane=lane, lane_only=lane_only)

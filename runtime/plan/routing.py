@@ -72,19 +72,25 @@ def hit_rates(share: np.ndarray, order: np.ndarray, slots: int) -> list[float]:
     return [float(min(1.0, h)) for h in hits]
 
 
-def held_out_hit_rates(counts: np.ndarray | None, slots: int, num_experts: int, moe_layers: int,
-                       seed: int = 0) -> list[float]:
-    """Expected hit rate per MoE layer of the `slots` experts with the largest counts, estimated out of sample: each
-    count is split in two by binomial thinning (for multinomial or Poisson counts, two independent samples of half
-    the tokens), the resident set is chosen on one half and its share measured on the other. Deterministic (seeded);
-    a slight underestimate for the set chosen on all counts. The uniform prior needs no split."""
+def held_out(counts: np.ndarray | None, num_experts: int, moe_layers: int,
+             seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(share, order) to estimate hit rates with out of sample: each count is split in two by binomial thinning (for
+    multinomial or Poisson counts, two independent samples of half the tokens); `order` ranks the experts on one half,
+    `share` is the other half's. Deterministic (seeded); a slight underestimate for the set chosen on all counts. The
+    uniform prior needs no split. `hit_rates(share, order, slots)` then gives the expected hit rate per layer."""
     if counts is None:
         share = shares(None, moe_layers, num_experts)
-        return hit_rates(share, preload_order(share), slots)
+        return share, preload_order(share)
     c = np.asarray(counts, np.int64)
     pick = np.random.default_rng(seed).binomial(c, 0.5)
-    return hit_rates(shares(c - pick, moe_layers, num_experts),
-                     preload_order(shares(pick, moe_layers, num_experts)), slots)
+    return shares(c - pick, moe_layers, num_experts), preload_order(shares(pick, moe_layers, num_experts))
+
+
+def held_out_hit_rates(counts: np.ndarray | None, slots: int, num_experts: int, moe_layers: int,
+                       seed: int = 0) -> list[float]:
+    """Expected hit rate per MoE layer of the `slots` experts with the largest counts, estimated out of sample
+    (`held_out`)."""
+    return hit_rates(*held_out(counts, num_experts, moe_layers, seed), slots)
 
 
 # ---- the routing-count file ----------------------------------------------------------------------------------------
