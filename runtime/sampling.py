@@ -231,7 +231,9 @@ class PendingSample:
         self._host = packed.to("cpu", non_blocking=True)  # page-locked when packed is on a GPU
         self._copied = None
         if packed.device.type == "cuda":
-            self._copied = torch.cuda.Event()
+            # blocking: the host thread sleeps until the copy lands instead of spinning on a core that the CPU expert
+            # lane's threads use (`runtime/gpu/cpu_lane.py`); the step after this one is already queued meanwhile
+            self._copied = torch.cuda.Event(blocking=True)
             self._copied.record()
         self._result: SampleOutput | None = None
 

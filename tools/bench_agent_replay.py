@@ -1,6 +1,7 @@
 """Benchmark: a coding agent's session replayed against the engine, with the prefix cache on and off.
 
     python tools/bench_agent_replay.py --out DIR [--ftw DIR] [--fixture tools/fixtures/agent_session.json]
+                                       [--device cuda --vram-budget 8GiB] [--skip-off]
     python tools/bench_agent_replay.py --write-fixture tools/fixtures/agent_session.json
 
 The fixture (committed; `--write-fixture` regenerates it deterministically) is a session as an agent sends it: a long
@@ -11,7 +12,9 @@ drops older turns' thinking once a new user message arrives, as agents see it) a
 tokens): per request, the prompt tokens, the tokens new since the previous request (prompt minus the prefix it shares
 with it), the tokens the engine took from the cache, the tokens it prefilled and the time to first token. Model: the
 `demo` qwen3_5_moe preset (Gated DeltaNet + attention, the Qwen3.6 tokenizer and template) on the CPU, synthesized
-and compiled here unless --ftw is given. Writes DIR/agent_replay.json.
+and compiled here unless --ftw is given. On the CPU the KV budget is 65,536 tokens; with --device cuda every engine
+setting is the default (`ft serve`'s: KV sized from the VRAM budget) but the budget. `--skip-off`: the cache-off
+replay is left out (on a large model it prefills ~540k tokens). Writes DIR/agent_replay.json.
 """
 
 from __future__ import annotations
@@ -96,6 +99,9 @@ def main() -> None:
     ap.add_argument("--ftw", type=Path)
     ap.add_argument("--fixture", type=Path, default=Path(__file__).with_name("fixtures") / "agent_session.json")
     ap.add_argument("--write-fixture", type=Path)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--vram-budget", default=None)
+    ap.add_argument("--skip-off", action="store_true")
     args = ap.parse_args()
     if args.write_fixture:
         args.write_fixture.parent.mkdir(parents=True, exist_ok=True)
@@ -112,9 +118,14 @@ def main() -> None:
                            capture_output=True)
             subprocess.run([*FT, "checkpoint", "--model", str(hf), "--out", str(ftw)], check=True, capture_output=True)
         result = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "model": "demo (qwen3_5_moe)"}
-        for name, entries in (("cache_on", 8), ("cache_off", 0)):
-            engine = Engine(ftw, EngineSettings(kv_reserve_tokens=65536, prefix_cache_entries=entries))
+                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                  "model": "demo (qwen3_5_moe)" if args.ftw is None else args.ftw.name}
+        kv = 65536 if args.device == "cpu" else None
+        result |= {"device": args.device, "vram_budget": args.vram_budget}
+        for name, entries in (("cache_on", 8), ("cache_off", 0))[:1 if args.skip_off else 2]:
+            engine = Engine(ftw, EngineSettings(device=args.device, vram_budget=args.vram_budget,
+                                                kv_reserve_tokens=kv, prefix_cache_entries=entries))
+            result[f"{name}_kv_tokens"] = engine.kv.total
             t = time.perf_counter()
             rows = replay(engine, session)
             result[name] = {"seconds": round(time.perf_counter() - t, 2), "requests": rows,

@@ -2,6 +2,7 @@
 oversized requests; the target is no server error and a flat RSS.
 
     python tools/campaign_soak.py --out DIR [--minutes 10] [--clients 32] [--seed 0] [--port 19193]
+                                  [--ftw DIR --device cuda --vram-budget 8GiB]
 
 Synthesizes and compiles the `tiny` qwen3_moe checkpoint, serves it on the CPU (64-token output cap, 4 running
 requests; log in DIR/serve.log) and runs N client workers for M minutes, each looping over a request kind drawn from
@@ -10,7 +11,9 @@ after a few chunks and non-streaming requests cancelled mid-flight (random disco
 JSON, wrong types, an unknown model, a lone surrogate, a body over --max-request-bytes, a prompt past the context)
 that must get a 4xx, extra unknown fields (accepted by design), and the operations routes. A server error is a 5xx,
 an error event or a missing end inside a 200 stream, a connection error or timeout the client did not cause. The
-server's RSS is sampled every 10 s. At the end /health must answer 200, no request may be left running, and SIGINT
+server's RSS is sampled every 10 s (and, on CUDA, its device memory as nvidia-smi shows it). `--ftw`: serve that
+model instead (e.g. a full-size one on the GPU machine) with a 4,096-token KV budget, so that the overflow requests
+still overflow. At the end /health must answer 200, no request may be left running, and SIGINT
 must stop the server cleanly: status 130 (uvicorn re-raises the signal after its graceful shutdown, typer turns the
 KeyboardInterrupt into 128 + SIGINT) or 0, "Application shutdown complete" and no traceback in its log. Writes
 DIR/campaign_soak.json; exits 1 on any failure.
@@ -59,6 +62,17 @@ def rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def vram_mib(pid: int) -> float | None:
+    """Device memory of `pid` as nvidia-smi reports it (None without nvidia-smi or when it is not listed)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    used = [float(m) for p, m in (line.split(",") for line in out.splitlines() if "," in line) if int(p) == pid]
+    return sum(used) if used else None
 
 
 def wait_ready(url: str, timeout: float = 120.0) -> None:
@@ -186,10 +200,12 @@ class Soak:
                     self.fail(kind, "connection_error", repr(e))  # the server dropped a connection we kept
 
 
-async def sample_rss(pid: int, stop: float, samples: list) -> None:
+async def sample_rss(pid: int, stop: float, samples: list, vram: list | None) -> None:
     t0 = time.monotonic()
     while True:
         samples.append([round(time.monotonic() - t0), round(rss_mib(pid), 1)])
+        if vram is not None:
+            vram.append([samples[-1][0], vram_mib(pid)])
         if time.monotonic() >= stop:
             return
         await asyncio.sleep(min(10.0, max(0.0, stop - time.monotonic())))
@@ -202,25 +218,36 @@ def main() -> int:
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--port", type=int, default=19193)
+    ap.add_argument("--ftw", type=Path, help="serve this FTW (default: the tiny qwen3_moe, synthesized here)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--vram-budget", default=None)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{args.port}"
     with tempfile.TemporaryDirectory() as tmp, open(args.out / "serve.log", "w") as log:
         work = Path(tmp)
-        subprocess.run(FT + ["synth", "--arch", "qwen3_moe", "--preset", "tiny", "--out", str(work / "hf")],
-                       check=True, capture_output=True)
-        subprocess.run(FT + ["checkpoint", "--model", str(work / "hf"), "--out", str(work / "m.ftw"),
-                             "--no-progress"], check=True, capture_output=True)
-        serve = ["serve", "--ftw", str(work / "m.ftw"), "--port", str(args.port), "--device", "cpu",
+        ftw = args.ftw
+        if ftw is None:
+            ftw = work / "m.ftw"
+            subprocess.run(FT + ["synth", "--arch", "qwen3_moe", "--preset", "tiny", "--out", str(work / "hf")],
+                           check=True, capture_output=True)
+            subprocess.run(FT + ["checkpoint", "--model", str(work / "hf"), "--out", str(ftw), "--no-progress"],
+                           check=True, capture_output=True)
+        serve = ["serve", "--ftw", str(ftw), "--port", str(args.port), "--device", args.device,
                  "--max-output-tokens", "64", "--max-running-requests", "4"]
+        if args.ftw is not None:
+            serve += ["--kv-reserve-tokens", "4096"]
+        if args.vram_budget:
+            serve += ["--vram-budget", args.vram_budget]
         server = subprocess.Popen(FT + serve, stdout=log, stderr=subprocess.STDOUT)
+        vram = [] if args.device.startswith("cuda") else None
         try:
-            wait_ready(url)
+            wait_ready(url, 600.0 if args.ftw is not None else 120.0)
             soak = Soak(url, args.seed, args.minutes)
             rss: list = []
 
             async def run() -> None:
-                await asyncio.gather(sample_rss(server.pid, soak.end, rss),
+                await asyncio.gather(sample_rss(server.pid, soak.end, rss, vram),
                                      *(soak.worker(i) for i in range(args.clients)))
             t = time.perf_counter()
             asyncio.run(run())
@@ -255,6 +282,10 @@ def main() -> int:
               "busy_429_529": busy, "unexpected": sum(c["unexpected"] for c in soak.counts.values()),
               "rss_mib": {"first": rss[0][1], "after_warmup": warm, "end": end, "drift": round(end - warm, 1),
                           "max": max(m for _, m in rss), "samples": rss},
+              "vram_mib": None if vram is None else {"after_warmup": next((m for t_s, m in vram if t_s >= 60),
+                                                                          vram[-1][1]),
+                                                     "end": vram[-1][1], "max": max((m or 0) for _, m in vram),
+                                                     "samples": vram},
               "final_health": health, "left_running": leftover, "server_stats": stats["requests"],
               "shutdown": shutdown}
     (args.out / "campaign_soak.json").write_text(json.dumps(result, indent=1) + "\n")

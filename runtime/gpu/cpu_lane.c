@@ -56,7 +56,7 @@ struct ft_lane {
     float pair_w[MB_PAIRS];
     float *act, *part;
     in_t *xin, *actin; /* bf16 copies of x and act where the kernel reads bf16 (else x and act themselves) */
-    _Atomic int64_t stats[7]; /* jobs, pairs, experts, busy ns, refused posts, sum experts^2, sum experts * ns */
+    _Atomic int64_t stats[10]; /* see ft_lane_stats */
 };
 
 static int64_t now_ns(void) {
@@ -157,13 +157,14 @@ static void lead(ft_lane *l) {
     int32_t last = __atomic_load_n(&l->mb[MB_DONE], __ATOMIC_ACQUIRE);
     for (;;) {
         int32_t req;
-        int64_t t0 = 0;
+        int64_t t0 = 0, waited_from = now_ns();
         unsigned turns = 0;
         while ((req = __atomic_load_n(&l->mb[MB_REQ], __ATOMIC_ACQUIRE)) == last) {
             if (atomic_load_explicit(&l->stop, memory_order_relaxed)) return;
             idle_turn(&t0, &turns);
         }
         int64_t t = now_ns();
+        int napped = t - waited_from > SPIN_NS; /* so did the workers: this job's time includes their waking up */
         int rc = prepare(l);
         if (rc == 0) {
             for (int p = 0; p < 3; p++) atomic_store_explicit(&l->next[p], 0, memory_order_relaxed);
@@ -174,8 +175,13 @@ static void lead(ft_lane *l) {
             atomic_fetch_add(&l->stats[1], l->grp_start[g]);
             atomic_fetch_add(&l->stats[2], g);
             atomic_fetch_add(&l->stats[3], ns);
-            atomic_fetch_add(&l->stats[5], g * g);
-            atomic_fetch_add(&l->stats[6], g * ns);
+            if (!napped) {
+                atomic_fetch_add(&l->stats[5], 1);
+                atomic_fetch_add(&l->stats[6], g);
+                atomic_fetch_add(&l->stats[7], ns);
+                atomic_fetch_add(&l->stats[8], g * g);
+                atomic_fetch_add(&l->stats[9], g * ns);
+            }
         } else {
             memset(l->mb + MB_X + l->tmax * l->L.hidden, 0, sizeof(float) * l->tmax * l->L.hidden);
             atomic_fetch_add(&l->stats[4], 1);
@@ -255,8 +261,9 @@ void ft_lane_free(ft_lane *l) {
     free(l);
 }
 
-/* out[7] = jobs, pairs, experts, busy nanoseconds (post seen -> answer written), refused posts, and over jobs the sums
- * of experts^2 and experts * ns (a least-squares line of job time against experts); all cumulative. */
+/* out[10] = jobs, pairs, experts, busy nanoseconds (post seen -> answer written), refused posts; then over the jobs that
+ * found the team spinning (the others' time includes waking threads up) their number and the sums of experts, ns,
+ * experts^2 and experts * ns (a least-squares line of job time against experts); all cumulative. */
 void ft_lane_stats(ft_lane *l, int64_t *out) {
-    for (int i = 0; i < 7; i++) out[i] = atomic_load(&l->stats[i]);
+    for (int i = 0; i < 10; i++) out[i] = atomic_load(&l->stats[i]);
 }

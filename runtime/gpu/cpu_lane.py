@@ -30,13 +30,14 @@ import ctypes
 import logging
 import math
 import weakref
+from time import monotonic
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from .cpu_nvfp4 import _Layout, default_threads, load_library
+from .cpu_nvfp4 import _Layout, lane_threads, load_library
 from .device_path import MAX_DEVICE_PAIRS
 from .pinning import bank_range, device_pointer
 from .record_layout import RecordLayout
@@ -50,7 +51,9 @@ MB_EXPERT, MB_TOKEN, MB_WEIGHT, MB_X = tl.constexpr(64), tl.constexpr(128), tl.c
 WAIT_LIMIT = 5_000_000  # polls of MB_DONE (about a microsecond each over PCIe) before the GPU gives up
 CPU_FIXED_S = 15e-6  # starting guess of the lane's cost per call beyond its experts (signal, barriers, y back)
 SIGNAL_S = 5e-6  # the post reaching the lane and its answer reaching the GPU (PCIe round trips), outside its job time
-STATS = ("jobs", "pairs", "experts", "busy_ns", "refused", "experts_sq", "experts_ns")
+STATS = ("jobs", "pairs", "experts", "busy_ns", "refused", "fit_jobs", "fit_experts", "fit_ns", "fit_experts_sq",
+         "fit_experts_ns")
+STARVED_S = 2.0  # no job fitted for this long: the split goes back to its starting costs (`refit`)
 
 
 @triton.jit
@@ -145,7 +148,7 @@ class CpuLane:
         self._clayout = _Layout(layout.hidden, layout.inter, layout.off_gate_up, layout.off_gate_up_scale,
                                 layout.off_gate_up_scale_2, layout.off_down, layout.off_down_scale,
                                 layout.off_down_scale_2)
-        self.threads = threads or default_threads()
+        self.threads = threads or lane_threads()
         handle = self.lib.ft_lane_new(ctypes.byref(self._clayout), self.mailbox.data_ptr(), self.tmax, num_layers,
                                       base, stride.ctypes.data, experts.ctypes.data, self.threads)
         if not handle:
@@ -157,6 +160,8 @@ class CpuLane:
         self.t_gpu = per / b_gpu if b_gpu > 0 else math.inf
         self.t_cpu = per / b_cpu if b_cpu > 0 else math.inf
         self.t_fixed = CPU_FIXED_S
+        self._start = (self.t_cpu, self.t_fixed)
+        self._last_fit = monotonic()
         self.enabled = True
         # [t_gpu, t_cpu, t_fixed, cap], then the same with the GPU path priced out (`split_all`: layers whose bank
         # is not mapped, every staged miss to the CPU)
@@ -214,12 +219,21 @@ class CpuLane:
     def refit(self, min_jobs: int = 64) -> None:
         """The CPU's cost line from the lane's jobs since the last refit: job seconds = fixed + per * experts, least
         squares (falls back to per = mean time per expert when the jobs' sizes do not spread); the split's fixed cost
-        adds the signalling around a job (SIGNAL_S). Uploads the split when it moved by more than 5 %."""
+        adds the signalling around a job (SIGNAL_S). Uploads the split when it moved by more than 5 %.
+
+        Jobs that found the team napping (after an idle stretch: start-up, graph capture, an idle server) are left out
+        by the lane itself: their time includes waking threads up. A split that prices the CPU out gives it no jobs,
+        so nothing could correct it: after STARVED_S without a job to fit it goes back to its starting costs."""
         now = np.array(list(self.counters().values()), np.float64)
-        w, _, sn, sy, _, snn, sny = now - self._seen
+        w, sn, sy, snn, sny = (now - self._seen)[5:]
         if w < min_jobs or sn <= 0:
+            if w == 0 and monotonic() - self._last_fit > STARVED_S and (self.t_cpu, self.t_fixed) != self._start:
+                self.t_cpu, self.t_fixed = self._start
+                self._last_fit = monotonic()
+                self._upload_split()
             return
         self._seen = now
+        self._last_fit = monotonic()
         sy *= 1e-9
         sny *= 1e-9
         det = w * snn - sn * sn
@@ -234,7 +248,8 @@ class CpuLane:
 
     def stats(self) -> dict:
         c = self.counters()
-        del c["experts_sq"], c["experts_ns"]
+        for key in ("fit_experts", "fit_ns", "fit_experts_sq", "fit_experts_ns"):
+            del c[key]
         return {**c, "threads": self.threads, "t_gpu_us": self.t_gpu * 1e6, "t_cpu_us": self.t_cpu * 1e6,
                 "t_fixed_us": self.t_fixed * 1e6,
                 "cpu_share": self.t_gpu / (self.t_gpu + self.t_cpu) if math.isfinite(self.t_gpu + self.t_cpu) else 0.0,

@@ -59,11 +59,21 @@ def load_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     return _LIBS[extra_flags]
 
 
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def default_threads() -> int:
-    """Cores for the CPU expert kernel: all but five (one drives the GPU, four run the staging copies); memory
-    bandwidth, not core count, limits the kernel long before that on the machines measured."""
-    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, n - 5)
+    """Cores for the CPU expert kernel of the host-planned path: all but five (one drives the GPU, four run the staging
+    copies)."""
+    return max(1, usable_cores() - 5)
+
+
+def lane_threads() -> int:
+    """Cores for the CPU lane (mode mapped: no staging copies): all but two, one for the thread that drives the GPU
+    and one for the OS and the CUDA driver's threads. Its rate per expert grows with threads up to there (beside the
+    GPU's copies on the H200 host: 34 GB/s from 11 threads, 44 from 14, no more from 15; tools/bench_cpu_lane.py)."""
+    return max(1, usable_cores() - 2)
 
 
 class CpuMoe:

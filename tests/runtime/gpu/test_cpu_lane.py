@@ -125,13 +125,61 @@ def test_refit_fits_the_cost_line_of_the_lanes_jobs(bank):
     lane = _lane(layout, host, 4)
     try:
         jobs = [(1, 50_000)] * 40 + [(3, 110_000)] * 40
-        totals = {"jobs": len(jobs), "pairs": sum(e for e, _ in jobs), "experts": sum(e for e, _ in jobs),
-                  "busy_ns": sum(ns for _, ns in jobs), "refused": 0, "experts_sq": sum(e * e for e, _ in jobs),
-                  "experts_ns": sum(e * ns for e, ns in jobs)}
-        assert set(totals) == set(STATS)
-        lane.counters = lambda: totals
+        napped = [(2, 900_000)] * 30  # found the team napping: counted, left out of the fit
+        lane.counters = lambda: _totals(jobs, napped)
         lane.refit()
         assert lane.t_cpu == pytest.approx(30e-6) and lane.t_fixed == pytest.approx(20e-6 + SIGNAL_S)
         assert lane.split.cpu().tolist()[1:3] == pytest.approx([30e-6, 20e-6 + SIGNAL_S])
+        assert set(lane.counters()) == set(STATS)
+    finally:
+        lane.close()
+
+
+def _totals(fitted, napped=()):
+    both = [*fitted, *napped]
+    return {"jobs": len(both), "pairs": sum(e for e, _ in both), "experts": sum(e for e, _ in both),
+            "busy_ns": sum(ns for _, ns in both), "refused": 0, "fit_jobs": len(fitted),
+            "fit_experts": sum(e for e, _ in fitted), "fit_ns": sum(ns for _, ns in fitted),
+            "fit_experts_sq": sum(e * e for e, _ in fitted), "fit_experts_ns": sum(e * ns for e, ns in fitted)}
+
+
+def test_a_split_that_starves_the_lane_goes_back_to_its_starting_costs(bank, monkeypatch):
+    """A bad fit (e.g. from jobs slowed by something else) prices the CPU out: it then gets no jobs that could correct
+    the fit, so after STARVED_S without a job the split returns to the costs it started from."""
+    from ft.runtime.gpu import cpu_lane as mod
+
+    layout, recs, host = bank
+    lane = _lane(layout, host, 4)
+    clock = [1000.0]
+    monkeypatch.setattr(mod, "monotonic", lambda: clock[0])
+    try:
+        start = (lane.t_cpu, lane.t_fixed)
+        lane._last_fit = clock[0]
+        lane.counters = lambda: _totals([(1, 2_000_000)] * 40 + [(3, 2_100_000)] * 40)
+        lane.refit()
+        assert lane.t_fixed > 1e-3  # priced out
+        clock[0] += mod.STARVED_S / 2
+        lane.refit()  # no new job yet, not long enough
+        assert lane.t_fixed > 1e-3
+        clock[0] += mod.STARVED_S
+        lane.refit()
+        assert (lane.t_cpu, lane.t_fixed) == start
+        assert lane.split.cpu().tolist()[1:3] == pytest.approx(list(start))
+    finally:
+        lane.close()
+
+
+def test_jobs_after_an_idle_stretch_are_left_out_of_the_fit(bank):
+    """The lane's threads nap after SPIN_NS idle; the first job after that includes waking them up."""
+    import time
+
+    layout, recs, host = bank
+    lane = _lane(layout, host, 4)
+    try:
+        time.sleep(0.1)  # the team naps
+        ids, w = torch.tensor([[0, 1, 2, 3]]), torch.full((1, 4), 0.25)
+        _call(lane, layout, host, ids, w, torch.randn(1, H).bfloat16().float())
+        c = lane.counters()
+        assert c["jobs"] >= 1 and c["fit_jobs"] < c["jobs"]
     finally:
         lane.close()
