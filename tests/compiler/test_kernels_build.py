@@ -96,3 +96,93 @@ def test_build_stores_trusted_cubins_that_a_fresh_process_loads_without_compilin
     assert res.returncode == 0, res.stderr[-3000:]
     (entry2,) = FtwReader(ftw).records.slots["kernels"]
     assert entry2.name != entry.name and not (ftw / entry.name).exists() and FtwReader(ftw).verify() == []
+
+
+LAUNCHERS = """
+import json, sys
+from triton import knobs
+from ft.formats import FtwReader
+from ft.runtime.gpu.prebuilt import use_prebuilt
+from ft.compiler.kernels import launches
+from ft.compiler.kernels.launchers import LauncherBuilder
+from ft.compiler.kernels.stand_in import cuda_target
+ftw, cache, groups = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
+knobs.cache.dir = cache
+status = use_prebuilt(FtwReader(ftw), 90)
+lb = LauncherBuilder.for_this_triton(cache_dir=cache)  # Triton's own key and lookup; counts what it must compile
+with cuda_target(90, cache_dir=cache) as rec:
+    for name in groups:
+        launches.GROUPS[name](launches.geometry(FtwReader(ftw)), launches.prefill_lengths(8))
+    kernels = list(rec.built.values())
+lb.add_utils()
+for b in kernels:
+    lb.add(b.kernel)
+print(json.dumps({"launchers": status.launchers, "found": len(lb.launchers), "compiled": lb.builds,
+                  "errors": lb.errors, "kernels": len(kernels), "message": status.message}))
+"""
+
+
+def test_launchers_are_prebuilt_and_found_under_the_key_triton_computes_at_start(ftw_for, tmp_path):
+    """Triton 3.6: the host launcher of every kernel is in the container and, installed, is what Triton's lookup
+    finds for that kernel in a fresh process (nothing compiled); where this Triton or machine has nothing to
+    prebuild, the build says so and stores none."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    from ft.compiler.kernels.launchers import LauncherBuilder
+
+    ftw = tmp_path / "m"
+    shutil.copytree(ftw_for("qwen3_moe", "nvfp4"), ftw)
+    env = _env(tmp_path)
+    res = subprocess.run([*FT, "kernels", "build", "--ftw", str(ftw), "--arch", "90", "--groups", "fused,embedding",
+                          "--max-prefill-length", "8"], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    why = LauncherBuilder.why_not()
+    if why is not None:
+        assert " 0 launchers" in res.stdout and "host launchers not prebuilt" in res.stderr, res.stdout + res.stderr
+        pytest.skip(f"no prebuilt launchers here: {why}")
+    cache = tmp_path / "triton-cache"
+    cache.mkdir()
+    res = subprocess.run([sys.executable, "-c", LAUNCHERS, str(ftw), str(cache), "fused,embedding"], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["errors"] == [] and out["kernels"] > 0, out
+    assert out["compiled"] == 0 and out["launchers"] == out["found"] >= 2, out  # cuda_utils and >= 1 launcher
+
+
+KEYS_BUILD = """
+import json, torch
+from ft.compiler.kernels.stand_in import cuda_target
+from ft.runtime.gpu.nvfp4_decode_mma import moe_nvfp4_mma
+from ft.runtime.gpu.record_layout import RecordLayout
+from ft.runtime.gpu.triton_cache import KERNEL_MODULES, kernel_function, source_key
+layout = RecordLayout.packed(256, 128)
+with cuda_target(90):  # the build: the gate_up kernel is launched (and hashed) before the down kernel
+    moe_nvfp4_mma(torch.zeros(9, layout.stride, dtype=torch.uint8), layout, torch.zeros(2, 256, dtype=torch.bfloat16),
+                  torch.tensor([[0, 1], [1, 2]]), torch.arange(8, dtype=torch.int32), torch.ones(2, 2),
+                  out_dtype=torch.bfloat16)
+names = ["ft.runtime.gpu.nvfp4_decode_mma._gate_up_mma_kernel", "ft.runtime.gpu.nvfp4_decode_mma._down_mma_kernel"]
+print(json.dumps({n: source_key(kernel_function(n)) for n in names}))
+"""
+
+KEYS_START = """
+import json
+from ft.runtime.gpu.triton_cache import kernel_function, settle_source_keys, source_key
+names = ["ft.runtime.gpu.nvfp4_decode_mma._gate_up_mma_kernel", "ft.runtime.gpu.nvfp4_decode_mma._down_mma_kernel"]
+kernel_function(names[1]).cache_key  # hashed first, as installing kernels in name order did
+settle_source_keys()  # what `install` does before it compares source keys
+print(json.dumps({n: source_key(kernel_function(n)) for n in names}))
+"""
+
+
+def test_the_source_keys_a_build_records_are_the_ones_the_runtime_computes(tmp_path):
+    """Triton 3.6 folded a callee's global constants into a caller's key only if the callee was hashed first, so
+    the build (which launches gate_up before down) and the runtime (which hashed down first) disagreed on the down
+    kernel's key and compiled it again; both now key every kernel callees first."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = _env(tmp_path)
+    got = []
+    for script in (KEYS_BUILD, KEYS_START):
+        res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        got.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    assert got[0] == got[1] and len(set(got[0].values())) == 2
