@@ -61,5 +61,5 @@ def run_build(ftw: Path, arch: str, groups: list[str] | None, max_prefill_length
                    f"{r.entry}{failed}")
     if results and results[0].launchers_skipped:
         console.print(f"[yellow]warning[/yellow] host launchers not prebuilt: {escape(results[0].launchers_skipped)}; "
-                      f"Triton builds them at each kernel's first launch on the serving machine")
+                      f"Triton builds what it needs on the serving machine")
     typer.echo(f"{ftw}: kernels trusted on this machine")
