@@ -57,5 +57,9 @@ def run_build(ftw: Path, arch: str, groups: list[str] | None, max_prefill_length
         for err in r.errors:
             console.print(f"[yellow]warning[/yellow] sm_{r.arch}: {escape(err)}")
         failed = f", {len(r.errors)} failed to build (launching them fails the same way)" if r.errors else ""
-        typer.echo(f"sm_{r.arch}: {r.kernels} kernels, {r.nbytes / 2**20:.1f} MiB -> {r.entry}{failed}")
+        typer.echo(f"sm_{r.arch}: {r.kernels} kernels, {r.launchers} launchers, {r.nbytes / 2**20:.1f} MiB -> "
+                   f"{r.entry}{failed}")
+    if results and results[0].launchers_skipped:
+        console.print(f"[yellow]warning[/yellow] host launchers not prebuilt: {escape(results[0].launchers_skipped)}; "
+                      f"Triton builds what it needs on the serving machine")
     typer.echo(f"{ftw}: kernels trusted on this machine")

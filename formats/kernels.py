@@ -2,15 +2,17 @@
 
 One container holds the kernels of one Triton build for one GPU architecture, as entries of Triton's own on-disk
 cache: per compiled kernel its cache key (the sha256 Triton files it under), its name, the runtime function it was
-compiled from with that function's source key, and two files, `<name>.json` (Triton's metadata) and `<name>.cubin`.
+compiled from with that function's source key, and two files, `<name>.json` (Triton's metadata) and `<name>.cubin`;
+and (version 2) the host launchers Triton builds with a C compiler for those kernels, each a Python extension module
+under its own cache key, valid for one Python ABI (`python`: the interpreter's extension suffix) and platform.
 
     magic "FTKERNEL" | u32 version | u32 reserved (0) | u64 index_nbytes | index (JSON, UTF-8) | blobs
 
 All integers little-endian. The index says which Triton and target the kernels are for and where each file's bytes
 lie in the blob area (offset from its start, size, xxh3-64); the blobs tile that area exactly, in index order (per
-kernel: json, then cubin). Plain data only: a reader checks every name, range and digest before any byte is used,
-and nothing in it is code that runs on the host. The cubins run on the GPU, which is why the runtime installs them
-only when trusted (`kernel_trust`).
+kernel: json, then cubin; then the launchers). A reader checks every name, range and digest before any byte is used,
+and reading runs nothing. The cubins run on the GPU and the launchers on the host once Triton loads them, which is
+why the runtime installs them only when trusted (`kernel_trust`). Version 1 (no launchers) is still read.
 """
 
 from __future__ import annotations
@@ -25,19 +27,25 @@ from .errors import FtwKernelsError as KernelContainerError
 from .layout import xxh3_hex
 
 MAGIC = b"FTKERNEL"
-VERSION = 1
+VERSION = 2
+VERSIONS = (1, 2)  # read; VERSION is written
 HEADER = struct.Struct("<8sIIQ")
 MAX_INDEX_BYTES = 16 << 20
 MAX_KERNELS = 65536
 EXTENSIONS = ("json", "cubin")  # the files of one kernel, in blob order
+LAUNCHER_MODULES = ("__triton_launcher", "cuda_utils")  # Triton's per-signature launcher, its CUDA utilities module
+MAX_LAUNCHERS = 65536
 
 _HASH = re.compile(r"[0-9a-f]{64}")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 _FUNCTION = re.compile(r"ft\.runtime\.gpu\.[a-z0-9_]{1,64}\.[A-Za-z_][A-Za-z0-9_]{0,127}")
 _VERSION = re.compile(r"[A-Za-z0-9_.+-]{1,64}")
 _ENV_NAME = re.compile(r"[A-Z0-9_]{1,128}")
+_SUFFIX = re.compile(r"\.[A-Za-z0-9_.-]{1,63}")  # an extension suffix, e.g. .cpython-312-x86_64-linux-gnu.so
+_PLATFORM = re.compile(r"[A-Za-z0-9_.,-]{1,128}")  # Triton's platform key, e.g. x86_64,Linux,64bit,ELF
 _TOP = {"format", "version", "triton", "triton_build", "backend", "arch", "warp_size", "backend_key", "env",
         "kernels"}
+_TOP2 = _TOP | {"python", "platform", "launchers"}
 
 
 @dataclass(frozen=True)
@@ -56,11 +64,22 @@ class Kernel:
 
 
 @dataclass(frozen=True)
+class Launcher:
+    """One host launcher: Triton's cache key for it, the module name (LAUNCHER_MODULES) and the bytes of the
+    extension module `<name><python suffix>` (native code: installed only from a trusted container)."""
+
+    key: str
+    name: str
+    data: bytes = field(repr=False)
+
+
+@dataclass(frozen=True)
 class KernelSet:
     """The kernels of one Triton build (`triton` version, `triton_build` = sha256 of Triton's own cache key of its
     installation) for one target (`backend`, `arch`, `warp_size`), compiled with the backend key `backend_key`
     (sha256 of what Triton's backend contributes to the cache key: ptxas' version and the arch) and the
-    cache-invalidating environment `env`."""
+    cache-invalidating environment `env`. `launchers` were built for the extension suffix `python` and Triton's
+    platform key `platform` (both empty where none were built)."""
 
     triton: str
     triton_build: str
@@ -70,9 +89,12 @@ class KernelSet:
     env: dict[str, str] = field(default_factory=dict)
     backend: str = "cuda"
     warp_size: int = 32
+    launchers: tuple[Launcher, ...] = ()
+    python: str = ""
+    platform: str = ""
 
     def nbytes(self) -> int:
-        return sum(k.nbytes() for k in self.kernels)
+        return sum(k.nbytes() for k in self.kernels) + sum(len(m.data) for m in self.launchers)
 
 
 def entry_name(ks: KernelSet, data: bytes) -> str:
@@ -93,9 +115,15 @@ def pack(ks: KernelSet) -> bytes:
             blobs.append(data)
             pos += len(data)
         kernels.append({"hash": k.hash, "name": k.name, "function": k.function, "source": k.source, "files": files})
+    launchers = []
+    for m in sorted(ks.launchers, key=lambda m: (m.name, m.key)):
+        launchers.append({"key": m.key, "name": m.name, "file": [pos, len(m.data), xxh3_hex(m.data)]})
+        blobs.append(m.data)
+        pos += len(m.data)
     index = {"format": "ft-kernels", "version": VERSION, "triton": ks.triton, "triton_build": ks.triton_build,
              "backend": ks.backend, "arch": ks.arch, "warp_size": ks.warp_size, "backend_key": ks.backend_key,
-             "env": dict(sorted(ks.env.items())), "kernels": kernels}
+             "env": dict(sorted(ks.env.items())), "kernels": kernels, "python": ks.python, "platform": ks.platform,
+             "launchers": launchers}
     body = json.dumps(index, separators=(",", ":"), sort_keys=True).encode()
     data = HEADER.pack(MAGIC, VERSION, 0, len(body)) + body + b"".join(blobs)
     unpack(data, "<new container>")  # never write what a reader refuses
@@ -109,16 +137,16 @@ def read_index(data: bytes, where: object) -> tuple[dict, int]:
     magic, version, reserved, n = HEADER.unpack_from(data)
     if magic != MAGIC:
         raise KernelContainerError(where, "not a kernels container (bad magic)")
-    if version != VERSION or reserved:
+    if version not in VERSIONS or reserved:
         raise KernelContainerError(where, f"container version {version} (reserved {reserved}); this reader knows "
-                                          f"version {VERSION}")
+                                          f"versions {', '.join(map(str, VERSIONS))}")
     if n > MAX_INDEX_BYTES or HEADER.size + n > len(data):
         raise KernelContainerError(where, f"index of {n} bytes does not fit the {len(data)}-byte file (truncated?)")
     try:
         index = json.loads(data[HEADER.size:HEADER.size + n].decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise KernelContainerError(where, f"index is not UTF-8 JSON ({type(e).__name__})") from None
-    _check_index(index, where)
+    _check_index(index, version, where)
     return index, HEADER.size + n
 
 
@@ -127,6 +155,18 @@ def unpack(data: bytes, where: object) -> KernelSet:
     and every file's xxh3. Raises KernelContainerError naming what is wrong."""
     index, start = read_index(data, where)
     pos, kernels, seen = 0, [], set()
+
+    def blob(what: str, off: int, nbytes: int, digest: str) -> bytes:
+        if off != pos:
+            raise KernelContainerError(where, f"{what}: at offset {off}, expected {pos} (blobs must follow each other "
+                                              f"in index order)")
+        b = data[start + off:start + off + nbytes]
+        if len(b) != nbytes:
+            raise KernelContainerError(where, f"{what}: {len(b)} of {nbytes} bytes (truncated)")
+        if xxh3_hex(b) != digest:
+            raise KernelContainerError(where, f"{what}: xxh3 {xxh3_hex(b)} != recorded {digest}")
+        return bytes(b)
+
     for i, k in enumerate(index["kernels"]):
         if (k["hash"], k["name"]) in seen:
             raise KernelContainerError(where, f"kernel {k['name']} ({k['hash'][:12]}) is listed twice")
@@ -134,36 +174,34 @@ def unpack(data: bytes, where: object) -> KernelSet:
         files = {}
         for ext in EXTENSIONS:
             fname = f"{k['name']}.{ext}"
-            off, nbytes, digest = k["files"][fname]
-            if off != pos:
-                raise KernelContainerError(where, f"kernel {i} file {fname}: at offset {off}, expected {pos} "
-                                                  f"(blobs must follow each other in index order)")
-            blob = data[start + off:start + off + nbytes]
-            if len(blob) != nbytes:
-                raise KernelContainerError(where, f"kernel {i} file {fname}: {len(blob)} of {nbytes} bytes "
-                                                  f"(truncated)")
-            if xxh3_hex(blob) != digest:
-                raise KernelContainerError(where, f"kernel {i} file {fname}: xxh3 {xxh3_hex(blob)} != recorded "
-                                                  f"{digest}")
-            files[fname] = bytes(blob)
-            pos += nbytes
+            files[fname] = blob(f"kernel {i} file {fname}", *k["files"][fname])
+            pos += len(files[fname])
         kernels.append(Kernel(k["hash"], k["name"], k["function"], k["source"], files))
+    launchers, keys = [], set()
+    for i, m in enumerate(index.get("launchers", [])):
+        if (m["name"], m["key"]) in keys:
+            raise KernelContainerError(where, f"launcher {m['name']} ({m['key'][:12]}) is listed twice")
+        keys.add((m["name"], m["key"]))
+        launchers.append(Launcher(m["key"], m["name"], blob(f"launcher {i}", *m["file"])))
+        pos += len(launchers[-1].data)
     if start + pos != len(data):
         raise KernelContainerError(where, f"{len(data) - start - pos} bytes after the last blob")
     return KernelSet(triton=index["triton"], triton_build=index["triton_build"], arch=index["arch"],
                      backend_key=index["backend_key"], kernels=tuple(kernels), env=index["env"],
-                     backend=index["backend"], warp_size=index["warp_size"])
+                     backend=index["backend"], warp_size=index["warp_size"], launchers=tuple(launchers),
+                     python=index.get("python", ""), platform=index.get("platform", ""))
 
 
-def _check_index(ix, where) -> None:
+def _check_index(ix, version: int, where) -> None:
     def bad(what: str):
         return KernelContainerError(where, what)
 
-    if not isinstance(ix, dict) or set(ix) != _TOP:
+    top = _TOP if version == 1 else _TOP2
+    if not isinstance(ix, dict) or set(ix) != top:
         keys = sorted(ix) if isinstance(ix, dict) else type(ix).__name__
-        raise bad(f"index keys {keys}, expected {sorted(_TOP)}")
-    if ix["format"] != "ft-kernels" or ix["version"] != VERSION:
-        raise bad(f"format {ix['format']!r} version {ix['version']!r}")
+        raise bad(f"index keys {keys}, expected {sorted(top)}")
+    if ix["format"] != "ft-kernels" or ix["version"] != version:
+        raise bad(f"format {ix['format']!r} version {ix['version']!r} (header: version {version})")
     if not _str(ix["triton"], _VERSION) or not _str(ix["triton_build"], _HASH) or not _str(ix["backend_key"], _HASH):
         raise bad("triton, triton_build or backend_key is malformed")
     if ix["backend"] != "cuda" or not _int(ix["arch"], 1, 10_000) or ix["warp_size"] != 32 or isinstance(
@@ -191,9 +229,32 @@ def _check_index(ix, where) -> None:
         if not isinstance(files, dict) or set(files) != set(want):
             raise bad(f"kernel {i} ({k['name']}): files must be exactly {want}")
         for name, rec in files.items():
-            if not (isinstance(rec, list) and len(rec) == 3 and _int(rec[0], 0, 1 << 40) and _int(rec[1], 0, 1 << 32)
-                    and isinstance(rec[2], str) and re.fullmatch(r"[0-9a-f]{16}", rec[2])):
+            if not _blob(rec):
                 raise bad(f"kernel {i} file {name}: wants [offset, nbytes, xxh3 hex]")
+    if version > 1:
+        _check_launchers(ix, bad)
+
+
+def _check_launchers(ix, bad) -> None:
+    launchers = ix["launchers"]
+    if not isinstance(launchers, list) or len(launchers) > MAX_LAUNCHERS:
+        raise bad(f"launchers is not a list of at most {MAX_LAUNCHERS} entries")
+    if launchers and not (_str(ix["python"], _SUFFIX) and _str(ix["platform"], _PLATFORM)):
+        raise bad(f"launchers need python (an extension suffix such as .cpython-312-x86_64-linux-gnu.so) and platform "
+                  f"(such as x86_64,Linux,64bit,ELF), got {str(ix['python'])[:80]!r} / {str(ix['platform'])[:80]!r}")
+    if not launchers and (ix["python"], ix["platform"]) != ("", ""):
+        raise bad("python and platform are empty strings when there are no launchers")
+    for i, m in enumerate(launchers):
+        if not isinstance(m, dict) or set(m) != {"key", "name", "file"}:
+            raise bad(f"launcher {i}: wants exactly key, name, file")
+        if not _str(m["key"], _HASH) or m["name"] not in LAUNCHER_MODULES or not _blob(m["file"]):
+            raise bad(f"launcher {i}: key must be 64 lowercase hex digits, name one of {LAUNCHER_MODULES}, file "
+                      f"[offset, nbytes, xxh3 hex]")
+
+
+def _blob(rec) -> bool:  # [offset, nbytes, xxh3 hex]
+    return (isinstance(rec, list) and len(rec) == 3 and _int(rec[0], 0, 1 << 40) and _int(rec[1], 0, 1 << 32)
+            and isinstance(rec[2], str) and re.fullmatch(r"[0-9a-f]{16}", rec[2]) is not None)
 
 
 def _str(v, pattern: re.Pattern) -> bool:
@@ -224,5 +285,6 @@ def describe(ftw) -> list[dict]:
             out.append({"name": entry.name, "nbytes": entry.nbytes, "error": str(e)})
             continue
         out.append({"name": entry.name, "arch": ix["arch"], "triton": ix["triton"], "kernels": len(ix["kernels"]),
-                    "nbytes": entry.nbytes, "trusted": trusted(digest(data))})
+                    "launchers": len(ix.get("launchers", [])), "nbytes": entry.nbytes,
+                    "trusted": trusted(digest(data))})
     return out

@@ -1,7 +1,9 @@
 """Cold start with and without prebuilt kernels: `ft serve` launch -> ready (GET /health) -> first token of a short
-request, and the kernels Triton compiled, each run with an empty Triton cache.
+request (and the same request again: its time is what the first should approach), the kernels Triton compiled and
+the host launchers it built in the process, each run with an empty Triton cache.
 
     python tools/bench_coldstart.py --ftw DIR --out benchmarks/coldstart [--vram-budget 8GiB] [--build] [--runs 1]
+                                    [--drop-caches]
 
 DIR is any FTW (tools/gpu_full.py's "models" stage synthesizes the full-size ones). --build first runs
 `ft kernels build --ftw DIR --arch <this GPU>` (its seconds are reported). Runs, each a fresh `ft serve` process with
@@ -9,8 +11,11 @@ its own empty TRITON_CACHE_DIR:
   jit       FT_HOME is an empty directory: no kernels are trusted, so the runtime compiles every kernel (today's start)
   prebuilt  FT_HOME as given (the kernels `ft kernels build` trusted): the FTW's kernels for this GPU are installed
   warm      the prebuilt run's cache again (launchers built, nothing to install): the floor
-Writes OUT/coldstart.json (every run: seconds to ready, to the first token, the engine's "kernels" stats) and prints a
-table. Needs a CUDA GPU; the port is free on 127.0.0.1.
+Launchers built = launcher modules (`*.so`) that appeared in the run's Triton cache minus those the start installed
+(the engine's `kernels.launchers_installed`). --drop-caches empties the page cache before each run (root: writes
+/proc/sys/vm/drop_caches), so ready includes reading the weights from disk.
+Writes OUT/coldstart.json (every run: seconds to ready, to the first token, of the repeated request, the engine's
+"kernels" stats) and prints a table. Needs a CUDA GPU; the port is free on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -47,9 +53,41 @@ def _get(url: str, timeout: float = 5.0) -> tuple[int, dict]:
         return 0, {}
 
 
+def _launchers(cache: Path | None) -> set[str]:
+    """The launcher modules in a Triton cache directory (relative paths)."""
+    if cache is None or not cache.is_dir():
+        return set()
+    return {str(p.relative_to(cache)) for p in cache.rglob("*.so")}
+
+
+def _kernel_stats(base: str) -> dict | None:
+    """The engine's kernels stats from /v1/stats (its snapshot follows the engine loop: polled briefly)."""
+    for _ in range(50):
+        k = ((_get(f"{base}/v1/stats")[1].get("engine") or {}).get("kernels"))
+        if k:
+            return k
+        time.sleep(0.1)
+    return None
+
+
+def _from_log(log_path: Path) -> dict:
+    """What the serve log says about kernels (the fallback where /v1/stats had none): the start line, the compiles
+    logged one by one once prebuilt kernels were installed, the count logged at shutdown."""
+    text = log_path.read_text(errors="replace")
+    start = re.search(r"kernels: (?!compiled |\d+ compiled since start).*", text)  # use_prebuilt's one line
+    out: dict = {"start": start.group(0) if start else None,
+                 "compiled": re.findall(r"kernels: compiled (\S+) \(not prebuilt\)", text)}
+    m = re.search(r"kernels: (\d+) compiled since start", text)
+    out["compiled_since_start"] = int(m.group(1)) if m else None
+    return out
+
+
 def serve_once(ftw: Path | str, serve_args: list[str], env: dict, log_path: Path, deadline_s: float) -> dict:
-    """One `ft serve --ftw FTW *serve_args` process (an FTW directory or a Hub repo id): seconds to ready and to the
-    first token of a 16-token completion, and the engine's kernel stats."""
+    """One `ft serve --ftw FTW *serve_args` process (an FTW directory or a Hub repo id): seconds to ready, to the
+    first token of a 16-token completion and of the same request again, the engine's kernel stats, and the host
+    launchers built in the process (from its TRITON_CACHE_DIR)."""
+    cache = Path(env["TRITON_CACHE_DIR"]) if env.get("TRITON_CACHE_DIR") else None
+    before = _launchers(cache)
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     t0 = time.perf_counter()
@@ -68,15 +106,30 @@ def serve_once(ftw: Path | str, serve_args: list[str], env: dict, log_path: Path
         with urllib.request.urlopen(req, timeout=deadline_s) as r:
             r.read()
         first = time.perf_counter() - t0
-        stats = _get(f"{base}/v1/stats")[1]
+        with urllib.request.urlopen(req, timeout=deadline_s) as r:  # the same request again: no first-use costs
+            r.read()
+        repeat = time.perf_counter() - t0 - first
+        kernels = _kernel_stats(base)
     finally:
         proc.terminate()
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
+    new = _launchers(cache) - before
+    installed = (kernels or {}).get("launchers_installed") or 0
     return {"ready_s": round(ready, 3), "first_token_s": round(first, 3),
-            "kernels": (stats.get("engine") or {}).get("kernels")}  # /v1/stats: the engine's stats under "engine"
+            "first_request_s": round(first - ready, 3), "repeat_request_s": round(repeat, 3),
+            "launchers_built": max(0, len(new) - installed), "launcher_files_new": len(new),
+            "kernels": kernels, "log": _from_log(log_path)}
+
+
+def _drop_caches() -> None:
+    subprocess.run(["sync"], check=True)
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError as e:
+        raise SystemExit(f"--drop-caches needs root (writing /proc/sys/vm/drop_caches: {e})") from None
 
 
 def main() -> None:
@@ -87,6 +140,7 @@ def main() -> None:
     ap.add_argument("--build", action="store_true", help="ft kernels build for this GPU first")
     ap.add_argument("--runs", type=int, default=1, help="repetitions of each run")
     ap.add_argument("--deadline", type=float, default=1800.0, help="seconds before a run is given up")
+    ap.add_argument("--drop-caches", action="store_true", help="empty the page cache before each run (root)")
     args = ap.parse_args()
     import torch
 
@@ -95,12 +149,19 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     base_env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_CACHE_DIR")}
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "ftw": str(args.ftw),
-              "gpu": torch.cuda.get_device_name(), "arch": arch, "vram_budget": args.vram_budget, "runs": []}
+              "gpu": torch.cuda.get_device_name(), "arch": arch, "vram_budget": args.vram_budget,
+              "page_cache": "dropped before each run" if args.drop_caches else "as found", "runs": []}
     if args.build:
         t = time.perf_counter()
-        subprocess.run([*FT, "kernels", "build", "--ftw", str(args.ftw), "--arch", str(arch)], env=base_env,
-                       check=True)
+        res = subprocess.run([*FT, "kernels", "build", "--ftw", str(args.ftw), "--arch", str(arch)], env=base_env,
+                             capture_output=True, text=True)
+        (args.out / "build.log").write_text(res.stdout + res.stderr)
+        if res.returncode:
+            raise SystemExit(f"ft kernels build failed (exit {res.returncode}); see {args.out / 'build.log'}")
         result["build_s"] = round(time.perf_counter() - t, 1)
+        result["build"] = [line for line in res.stdout.splitlines() if line.startswith("sm_")]
+        result["build_warnings"] = [line for line in res.stderr.splitlines() if "warning" in line][:40]
+        print(f"build {result['build_s']} s: {'; '.join(result['build'])}", flush=True)
     with tempfile.TemporaryDirectory(prefix="ft-coldstart-") as tmp:
         for i in range(args.runs):
             for mode in ("jit", "prebuilt", "warm"):
@@ -111,14 +172,20 @@ def main() -> None:
                 env = {**base_env, "TRITON_CACHE_DIR": str(cache)}
                 if mode == "jit":
                     env["FT_HOME"] = str(Path(tmp) / "no-trust")  # nothing trusted: every kernel compiles
+                if args.drop_caches:
+                    _drop_caches()
                 run = serve_once(args.ftw, ["--vram-budget", args.vram_budget], env,
                                  args.out / f"serve-{mode}-{i}.log", args.deadline)
                 run.update(mode=mode, rep=i)
                 result["runs"].append(run)
                 k = run["kernels"] or {}
+                compiled = k.get("compiled_since_start", run["log"]["compiled_since_start"])
                 print(f"{mode:9s} ready {run['ready_s']:7.2f} s  first token {run['first_token_s']:7.2f} s  "
-                      f"prebuilt {k.get('prebuilt')} ({k.get('installed')})  compiled {k.get('compiled_since_start')}",
-                      flush=True)
+                      f"(request {run['first_request_s']:.2f} s, repeated {run['repeat_request_s']:.2f} s)  "
+                      f"prebuilt {k.get('prebuilt')} ({k.get('installed')} kernels, {k.get('launchers_installed')} "
+                      f"launchers)  compiled {compiled}  launchers built {run['launchers_built']}", flush=True)
+                if k.get("compiled"):
+                    print(f"          compiled: {', '.join(k['compiled'])}", flush=True)
     (args.out / "coldstart.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out / 'coldstart.json'}")
 

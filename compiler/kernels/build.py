@@ -4,7 +4,9 @@
     added = add_kernels(ftw_dir, archs=[90, 120])   # one container per arch; trusted on this machine
 
 Per arch: the model's launches (`launches.GROUPS`) replayed inside `stand_in.cuda_target`, every distinct compiled
-kernel read back from Triton's temporary cache, packed with the key parts the runtime matches (`formats.kernels`).
+kernel read back from Triton's temporary cache, packed with the key parts the runtime matches (`formats.kernels`),
+with the host launchers Triton would build for them at their first launch (`launchers.py`; skipped with a warning
+where this machine has no C compiler or Python headers, or this Triton nothing to prebuild).
 The FTW's previous entry for the same Triton build and arch is replaced; entries for other Triton builds are kept.
 """
 
@@ -19,6 +21,7 @@ from ft.formats.kernels import Kernel, KernelSet, entry_name, pack
 from ft.formats.slots import update_slot
 
 from . import launches
+from .launchers import LauncherBuilder
 from .stand_in import cuda_target
 
 DEFAULT_ARCHS = (80, 86, 89, 90, 100, 120)
@@ -33,6 +36,8 @@ class ArchResult:
     kernels: int
     nbytes: int
     errors: list[str] = field(default_factory=list)
+    launchers: int = 0
+    launchers_skipped: str | None = None  # why no launchers were built, or None
 
 
 def parse_archs(text: str) -> list[int]:
@@ -47,9 +52,10 @@ def parse_archs(text: str) -> list[int]:
 
 
 def build_kernel_set(reader: FtwReader, arch: int, *, groups: list[str] | None = None,
-                     max_prefill: int = MAX_PREFILL, on_event: Callable[[str], None] | None = None
-                     ) -> tuple[KernelSet, list[str]]:
-    """Compile the model's kernels for sm_`arch` -> (kernel set, build errors). `on_event(text)`: progress."""
+                     max_prefill: int = MAX_PREFILL, on_event: Callable[[str], None] | None = None,
+                     launchers: LauncherBuilder | None = None) -> tuple[KernelSet, list[str]]:
+    """Compile the model's kernels for sm_`arch` -> (kernel set, build errors). `on_event(text)`: progress.
+    `launchers`: also build the kernels' host launchers (kept in the builder across archs: one per signature)."""
     from triton.runtime.cache import get_cache_manager
 
     from ft.runtime.gpu.triton_cache import kernel_function, source_key, target_key
@@ -81,9 +87,19 @@ def build_kernel_set(reader: FtwReader, arch: int, *, groups: list[str] | None =
                 files[fname] = Path(group[fname]).read_bytes()
             fn = kernel_function(b.function)
             kernels.append(Kernel(b.hash, b.name, b.function, source_key(fn), files))
+    mods = ()
+    if launchers is not None:
+        say(f"sm_{arch} launchers")
+        launchers.add_utils()
+        for b in rec.built.values():
+            launchers.add(b.kernel)
+        errors += launchers.errors
+        launchers.errors = []
+        mods = tuple(launchers.launchers.values())
     key = target_key(arch)
     ks = KernelSet(triton=key["triton"], triton_build=key["triton_build"], arch=arch, backend_key=key["backend_key"],
-                   kernels=tuple(kernels), env=key["env"])
+                   kernels=tuple(kernels), env=key["env"], launchers=mods,
+                   python=launchers.python if mods else "", platform=launchers.platform if mods else "")
     return ks, errors
 
 
@@ -95,14 +111,22 @@ def add_kernels(ftw: Path, archs: list[int], *, groups: list[str] | None = None,
 
     reader = FtwReader(ftw, checksums="off")
     results, add, digests, builds = [], {}, [], set()
-    for arch in archs:
-        ks, errors = build_kernel_set(reader, arch, groups=groups, max_prefill=max_prefill, on_event=on_event)
-        data = pack(ks)
-        name = entry_name(ks, data)
-        add[name] = data
-        digests.append(kernel_trust.digest(data))
-        builds.add((arch, ks.triton_build))
-        results.append(ArchResult(arch, f"kernels/{name}", len(ks.kernels), len(data), errors))
+    skipped = LauncherBuilder.why_not()
+    lb = None if skipped else LauncherBuilder.for_this_triton()
+    try:
+        for arch in archs:
+            ks, errors = build_kernel_set(reader, arch, groups=groups, max_prefill=max_prefill, on_event=on_event,
+                                          launchers=lb)
+            data = pack(ks)
+            name = entry_name(ks, data)
+            add[name] = data
+            digests.append(kernel_trust.digest(data))
+            builds.add((arch, ks.triton_build))
+            results.append(ArchResult(arch, f"kernels/{name}", len(ks.kernels), len(data), errors,
+                                      len(ks.launchers), skipped))
+    finally:
+        if lb is not None:
+            lb.close()
     found, _ = candidates(reader)
     remove = {c.name for c in found if (c.arch, c.triton_build) in builds} - {r.entry for r in results}
     for d in digests:  # trusted before the index lists them: a server starting meanwhile finds them trusted

@@ -6,7 +6,9 @@ What varies at run time is enumerated so that every specialization a launch can 
 DeltaNet decode kernels up to MAX_BATCH sequences), prefill chunks of every length
 class up to `max_prefill` (1..64, then around each power of two: integers specialize on == 1 and divisibility by 16,
 and the launchers derive tile sizes from powers of two), every MoE layer index, attention split counts (a function of
-the GPU's SM count), resident and mapped expert paths. A launch repeated with the same specialization costs a lookup.
+the GPU's SM count), resident and mapped expert paths, and the buffers the runtime really passes where their layout
+changes a specialization (decode positions and tables inside one buffer, int32 pair ids of the mapped path, the CPU
+lane's calibration gathers). A launch repeated with the same specialization costs a lookup.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class Geometry:
     dtype: torch.dtype
     gdn: tuple[int, int, int, int, int] | None  # (hk, hv, dk, dv, conv kernel)
     linears: tuple[tuple[str | None, int, int], ...]  # (scheme or None, N, K) of the dense linears
+    record: tuple[int, ...] | None = None  # the expert banks' (stride, six component offsets): RecordLayout's fields
 
 
 def geometry(reader) -> Geometry:
@@ -61,11 +64,30 @@ def geometry(reader) -> Geometry:
                c.linear_conv_kernel_dim)
         hk, hv, dk, dv, _ = gdn  # in_proj_qkvz and in_proj_ba run as one stacked GEMV when both are plain
         linears.add((None, 2 * hk * dk + 2 * hv * dv + 2 * hv, c.hidden_size))
+    moe_layers = tuple(i for i, m in enumerate(c.mlp_types) if m == "moe")
     return Geometry(H=c.hidden_size, I=c.moe_intermediate_size, E=c.num_experts, k=c.num_experts_per_tok,
                     nq=c.num_heads, nkv=c.num_kv_heads, hd=c.head_dim, rd=c.rotary_dim, gated=c.attn_output_gate,
                     qk_norm=c.attn_qk_norm, shared_I=c.shared_expert_intermediate_size or c.intermediate_size,
-                    moe_layers=tuple(i for i, m in enumerate(c.mlp_types) if m == "moe"), dtype=dtype, gdn=gdn,
-                    linears=tuple(sorted(linears, key=str)))
+                    moe_layers=moe_layers, dtype=dtype, gdn=gdn, linears=tuple(sorted(linears, key=str)),
+                    record=_record(reader, moe_layers))
+
+
+def _record(reader, moe_layers) -> tuple[int, ...] | None:
+    """The record layout the runtime reads the expert banks with (its offsets are kernel constexprs), or None where
+    the banks are not NVFP4 (the packed layout stands in)."""
+    from dataclasses import astuple
+
+    from ft.runtime.gpu.record_layout import RecordLayout
+
+    if not moe_layers:
+        return None
+    c = reader.config
+    try:
+        layout = RecordLayout.from_bank(reader.bank(f"layers.{moe_layers[0]}.mlp.experts"), c.hidden_size,
+                                        c.moe_intermediate_size)
+    except (KeyError, ValueError):
+        return None
+    return astuple(layout)[2:]
 
 
 def prefill_lengths(max_prefill: int) -> list[int]:
@@ -80,6 +102,16 @@ def prefill_lengths(max_prefill: int) -> list[int]:
 
 def _addr(n: int) -> torch.Tensor:  # int64 "device addresses" (16-byte aligned); never dereferenced here
     return (torch.arange(n, dtype=torch.int64) + 1) << 20
+
+
+def _decode_tables(B: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(positions int64 [B], one layer's tables int64 [2, B]) as a decode step passes them, in both of its layouts:
+    eager, one buffer [positions B | tables L*2*B] (`CausalLM._plan`), and a CUDA graph's [ids G | positions G |
+    tables L*2*G] (`graphs`). For odd B the tables (eager) or the positions (graph) start 8 bytes off 16-byte
+    alignment, which Triton specializes on; a layer's rows are 16*B bytes apart, so every layer has its layout's
+    alignment."""
+    eager, graph = _addr(3 * B), _addr(4 * B)
+    return [(eager[:B], eager[B:].view(2, B)), (graph[B:2 * B], graph[2 * B:].view(2, B))]
 
 
 def fused(g: Geometry, lengths: list[int]) -> None:
@@ -127,10 +159,10 @@ def attention(g: Geometry, lengths: list[int]) -> None:
         qkv = torch.zeros(B, rows, dtype=g.dtype)
         norm = torch.ones(g.hd) if g.qk_norm else None
         cos = torch.zeros(B, g.rd) if g.rd else None
-        tables, pos = _addr(2 * B).view(2, B), torch.zeros(B, dtype=torch.int64)
-        for S in splits:  # what num_splits gives depends on the GPU's SM count
-            da.decode_attention(qkv, norm, norm, 1e-6, cos, cos, tables, pos, nq=g.nq, nkv=g.nkv, hd=g.hd,
-                                scale=g.hd ** -0.5, gated=g.gated, splits=S)
+        for pos, tables in _decode_tables(B):
+            for S in splits:  # what num_splits gives depends on the GPU's SM count
+                da.decode_attention(qkv, norm, norm, 1e-6, cos, cos, tables, pos, nq=g.nq, nkv=g.nkv, hd=g.hd,
+                                    scale=g.hd ** -0.5, gated=g.gated, splits=S)
 
 
 def deltanet(g: Geometry, lengths: list[int]) -> None:
@@ -143,9 +175,10 @@ def deltanet(g: Geometry, lengths: list[int]) -> None:
     C = 2 * hk * dk + hv * dv
     for B in (t for t in lengths if t <= MAX_BATCH):
         ba = torch.zeros(B, 2 * hv, dtype=g.dtype)
-        gdn_decode(torch.zeros(B, C, dtype=g.dtype), torch.zeros(B, hv * dv, dtype=g.dtype), ba[:, :hv], ba[:, hv:],
-                   torch.zeros(C, K, dtype=g.dtype), torch.zeros(hv), torch.zeros(hv), torch.ones(dv), 1e-6,
-                   _addr(2 * B).view(2, B), hk=hk, hv=hv, dk=dk, dv=dv)
+        for _, tables in _decode_tables(B):
+            gdn_decode(torch.zeros(B, C, dtype=g.dtype), torch.zeros(B, hv * dv, dtype=g.dtype), ba[:, :hv],
+                       ba[:, hv:], torch.zeros(C, K, dtype=g.dtype), torch.zeros(hv), torch.zeros(hv), torch.ones(dv),
+                       1e-6, tables, hk=hk, hv=hv, dk=dk, dv=dv)
     for T in (t for t in lengths if t > 1):
         qk = torch.zeros(T, hk, dk)
         gdn_chunk_prefill(qk, qk.clone(), torch.zeros(T, hv, dv), torch.zeros(T, hv), torch.zeros(T, hv),
@@ -189,13 +222,15 @@ def moe(g: Geometry, lengths: list[int]) -> None:
     from ft.runtime.gpu.prefill_plan import moe_nvfp4_prefill
     from ft.runtime.gpu.record_layout import RecordLayout
 
-    H, I, E, k = g.H, g.I, g.E, g.k
-    layout = RecordLayout.packed(H, I)
-    pool = torch.zeros(E + 65, layout.stride, dtype=torch.uint8)  # staging rows from E + 1 for 64 pairs
+    H, I, E, k, W = g.H, g.I, g.E, g.k, cpu_lane.MAX_DEVICE_PAIRS
+    layout = RecordLayout(H, I, *g.record) if g.record else RecordLayout.packed(H, I)
+    s16 = -(-E // 16) * 16  # staging rows start at the slot count: one of each integer class (== 1, % 16, other)
+    staging = (1, s16, s16 + 1)
+    pool = torch.zeros(s16 + 1 + W, layout.stride, dtype=torch.uint8)
     row = torch.arange(E, dtype=torch.int32)
     table = torch.zeros(max(g.moe_layers) + 1, E, dtype=torch.int32)
     state, split = torch.zeros(2, dtype=torch.int32), torch.zeros(4)
-    for T in (t for t in lengths if t <= MAX_DECODE):
+    for T in (t for t in lengths if t <= MAX_DECODE or t * k <= W):  # device-planned decode (`device_path`)
         ids, w = torch.arange(T * k).view(T, k) % E, torch.ones(T, k)
         x = torch.zeros(T, H, dtype=g.dtype)
         for combine in ("tokens", "pairs"):
@@ -209,19 +244,26 @@ def moe(g: Geometry, lengths: list[int]) -> None:
                 moe_nvfp4_mma(pool, layout, x, ids, row, w, out_dtype=g.dtype, host_base=host,
                               host_stride=layout.stride if host else 0)
         P = T * k
-        if P <= cpu_lane.MAX_DEVICE_PAIRS:
+        if P <= W:
+            entry = torch.full((3, W), -1, dtype=torch.int32)  # `MappedPath.entry` / one layer's `graph_buf` row
+            # mode mapped after its gather: pairs 0..P-1 (int32) read the rows the plan wrote into the entry
+            moe_nvfp4_device(pool, layout, x, torch.arange(P, dtype=torch.int32).view(T, k), entry[1, :P], w)
             pair = torch.zeros(P, dtype=torch.int32)
             for layer in g.moe_layers:  # layer and staging row are launch integers: each of their classes
-                for staging0 in (E, E + 1):
-                    gather_missing(pool, layout, ids, table, layer, ADDR, layout.stride, staging0,
-                                   entry=torch.empty(3, cpu_lane.MAX_DEVICE_PAIRS, dtype=torch.int32))
+                for staging0 in staging:
+                    gather_missing(pool, layout, ids, table, layer, ADDR, layout.stride, staging0, entry=entry)
                     cpu_lane._post_kernel[(1,)](ADDR, state, split, x, ids.reshape(-1), w.reshape(-1), pair,
-                                                pair, layer, staging0, T, H, P, k, BLOCK_P=cpu_lane.MAX_DEVICE_PAIRS,
+                                                pair, layer, staging0, T, H, P, k, BLOCK_P=W,
                                                 BLOCK_H=1024, FENCE=True, num_warps=4)
-            y, y_off = torch.zeros(T, H), cpu_lane.MB_X.value + cpu_lane.MAX_DEVICE_PAIRS // k * H
+            y, y_off = torch.zeros(T, H), cpu_lane.MB_X.value + W // k * H
             cpu_lane._wait_add_kernel[(1,)](y, ADDR, state, y.numel(), y_off, cpu_lane.WAIT_LIMIT, BLOCK=2048,
                                             FENCE=True, num_warps=4)
-    for T in (t for t in lengths if t > MAX_DECODE):  # resident prefill (device plan); tiles from pick_blocks(T)
+    for n in cpu_lane.COPY_RATE_MISSES:  # the CPU lane's calibration at start (`cpu_lane.copy_rate`)
+        for layer in g.moe_layers:
+            for staging0 in staging:
+                gather_missing(pool, layout, torch.arange(n, dtype=torch.int32).view(1, n), table, layer, ADDR,
+                               layout.stride, staging0)
+    for T in (t for t in lengths if t * k > W):  # resident prefill (device plan); tiles from pick_blocks(T)
         ids = (torch.arange(T * k) % E).view(T, k)
         moe_nvfp4_prefill(pool, layout, torch.zeros(T, H, dtype=g.dtype), ids, row, torch.ones(T, k))
     for T in lengths:  # host-planned tile kernels (hybrid decode misses, offloaded prefill): every tile config

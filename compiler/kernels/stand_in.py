@@ -141,6 +141,9 @@ def cuda_target(arch: int, on_kernel=None, cache_dir: str | None = None):
     from triton.runtime import driver
     from triton.runtime.jit import JITFunction
 
+    from ft.runtime.gpu.triton_cache import settle_source_keys
+
+    settle_source_keys()  # the source keys the runtime computes at start, whatever is launched first here
     rec = Recorder(arch, on_kernel)
     patched = JITFunction.__getitem__
     active = driver._active  # None until first use; restored as it was (no GPU: no default driver to reset to)

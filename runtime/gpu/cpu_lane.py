@@ -279,6 +279,9 @@ def lane_for(md) -> CpuLane | None:
         return None
 
 
+COPY_RATE_MISSES = (2, 8)  # `copy_rate` times gather calls of this many staged misses (int32 ids [1, n])
+
+
 def copy_rate(md) -> float | None:
     """Bytes/s of this GPU copying one more staged miss of a call from a mapped bank: the slope between calls of 2
     and 8 misses (best of 5, the first compiling), measured here on CUDA (the link, the host's memory and the copy
@@ -309,5 +312,6 @@ def copy_rate(md) -> float | None:
             times.append(start.elapsed_time(end))
         return min(times)
 
-    per = (best_ms(8) - best_ms(2)) / 6 * 1e-3
+    lo, hi = COPY_RATE_MISSES
+    per = (best_ms(hi) - best_ms(lo)) / (hi - lo) * 1e-3
     return ex.layout.payload_bytes / per if per > 0 else None

@@ -130,10 +130,6 @@ class GpuExperts:
         if self.device.type == "cuda":
             self.uploader = CudaUploader(self.pool, num_staging=o.num_staging, copy_threads=o.copy_threads)
             self.compute_stream = torch.cuda.current_stream(self.device)
-            # on a thread (pinning.py); mode mapped also when nothing may be page-locked: it verifies the banks
-            if o.mode not in ("resident", "static") and (o.pin_host_bytes != 0 or o.mode == "mapped"):
-                self.pinner = BackgroundPinner(self.uploader, [self.banks[i] for i in gpu_layers], o.pin_host_bytes,
-                                               verify=o.mode == "mapped")
         else:
             self.uploader = HostUploader(self.pool)
         if o.mode in ("resident", "static"):
@@ -141,6 +137,13 @@ class GpuExperts:
         if preload:
             gpu = set(gpu_layers)
             self._preload([(layer, e) for layer, e in preload if layer in gpu][:n])
+        # on a thread (pinning.py); mode mapped also when nothing may be page-locked: it verifies the banks. Started
+        # after the preload, which is on the way to ready: the pinner reads every bank (readahead, checksums), and
+        # on a cold page cache the two would share the disk
+        if self.device.type == "cuda" and o.mode not in ("resident", "static") and (
+                o.pin_host_bytes != 0 or o.mode == "mapped"):
+            self.pinner = BackgroundPinner(self.uploader, [self.banks[i] for i in gpu_layers], o.pin_host_bytes,
+                                           verify=o.mode == "mapped")
         if o.mode == "mapped":
             self.mapped = MappedDecode(self)
             self.pipeline = PrefillPipeline(self)

@@ -8,7 +8,9 @@ The decision, in order: no entries -> none; no entry for this arch -> other arch
 file's bytes differ from the manifest's digest or its structure is invalid -> tampered (refused, an error line); its
 sha256 is not in this machine's trusted list (`formats.kernel_trust`: built here, or unpacked from a bundle signed
 by a trusted key) -> not trusted; else installed. Kernels whose runtime source changed since the build are left
-out (their launches compile) and counted in the line.
+out (their launches compile) and counted in the line. The entry's host launchers (native code, trusted with it) are
+installed too where they were built for this process' Python ABI and platform; else Triton builds them, as the line
+says.
 """
 
 from __future__ import annotations
@@ -47,12 +49,14 @@ class KernelStatus:
     entry: str | None = None
     installed: int = 0
     stale: int = 0
+    launchers: int = 0
     counter: triton_cache.CompileCounter | None = None
 
     def stats(self) -> dict:
         c = self.counter
         return {"prebuilt": self.decision, "entry": self.entry, "installed": self.installed, "stale": self.stale,
-                "compiled_since_start": c.compiled if c else None, "compiled": list(c.names) if c else []}
+                "launchers_installed": self.launchers, "compiled_since_start": c.compiled if c else None,
+                "compiled": list(c.names) if c else []}
 
 
 def choose(candidates: list[Candidate], want: dict) -> tuple[Candidate | None, str, str]:
@@ -137,15 +141,27 @@ def use_prebuilt(reader: FtwReader, arch: int) -> KernelStatus:
         return _done(KernelStatus(decision, f"kernels: {how}{_HINT}", chosen.name, counter=counter), level)
     try:
         installed, stale = triton_cache.install(ks.kernels)
+        launchers, lnote = _launchers(ks)
     except OSError as e:  # e.g. a read-only TRITON_CACHE_DIR: the kernels that did land are used, the rest compile
         return _done(KernelStatus("unavailable", f"kernels: Triton's cache cannot take them ({e}){_HINT}",
                                   chosen.name, counter=counter), logging.WARNING)
     if counter is not None:
         counter.verbose = True
     note = f"; {stale} from other kernel sources (another ft version) compile on first use" if stale else ""
-    msg = (f"kernels: {installed} prebuilt for sm_{arch} (triton {ks.triton}, {how}) installed into Triton's "
-           f"cache{note}; compiles since start are counted in the engine stats")
-    return _done(KernelStatus("installed", msg, chosen.name, installed, stale, counter), logging.INFO)
+    msg = (f"kernels: {installed} prebuilt for sm_{arch} (triton {ks.triton}, {how}) and {launchers} launchers "
+           f"installed into Triton's cache{note}{lnote}; compiles since start are counted in the engine stats")
+    return _done(KernelStatus("installed", msg, chosen.name, installed, stale, launchers, counter), logging.INFO)
+
+
+def _launchers(ks: KernelSet) -> tuple[int, str]:
+    """Install the entry's launchers where they are valid -> (count, note for the log line)."""
+    if not ks.launchers:
+        return 0, "; no launchers in the entry: Triton builds each on first launch (C compiler)"
+    here = triton_cache.launcher_target()
+    if (ks.python, ks.platform) != here:
+        return 0, (f"; launchers built for {ks.python} on {ks.platform}, this process is {here[0]} on {here[1]}: "
+                   f"Triton builds them on first launch")
+    return triton_cache.install_launchers(ks.launchers), ""
 
 
 def _done(status: KernelStatus, level: int) -> KernelStatus:

@@ -55,8 +55,52 @@ def kernel_function(qualname: str):
 
 
 def source_key(fn) -> str:
-    """The function's part of Triton's source hash: its source, its callees' and the global constants it reads."""
+    """The function's part of Triton's source hash: its source, its callees' and the global constants it reads.
+    Computed after `settle_source_keys` (call it first), so that it is the same in every process."""
     return fn.cache_key
+
+
+def settle_source_keys() -> int:
+    """Compute the source keys of the runtime's kernels and of every JIT function they call, callees first, so that
+    each key is the same whatever the process did before -> how many functions were keyed.
+
+    Triton 3.6 folds a callee's global constants into a caller's key only when the callee's key was computed before
+    the caller's (`DependenciesFinder._update_hash` merges `used_global_vals` before it computes the callee's key), so
+    a key depended on the order in which a process first launched or hashed its kernels: the build launched
+    `_gate_up_mma_kernel` before `_down_mma_kernel`, the runtime hashed them in name order, and their keys for the
+    latter differed. Keys already computed are dropped and recomputed in this order (no kernel has been launched
+    when this runs: build start, engine start)."""
+    order: list = []
+    for module in KERNEL_MODULES:
+        m = importlib.import_module(f"ft.runtime.gpu.{module}")
+        for value in list(vars(m).values()):
+            _post_order(value, order, set())
+    for fn in order:
+        fn.hash = None
+    for fn in order:
+        _ = fn.cache_key
+    return len(order)
+
+
+def _post_order(fn, order: list, visiting: set) -> None:
+    """Append `fn` (a JIT function) after the JIT functions it references by name (`f(...)`, `module.f(...)`)."""
+    import ast
+
+    from triton.runtime.jit import JITCallable
+
+    if not isinstance(fn, JITCallable) or id(fn) in visiting or any(f is fn for f in order):
+        return
+    visiting.add(id(fn))
+    scope = dict(fn.__globals__)
+    for node in ast.walk(fn.parse()):
+        target = None
+        if isinstance(node, ast.Name):
+            target = scope.get(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            target = getattr(scope.get(node.value.id), node.attr, None)
+        if isinstance(target, JITCallable):
+            _post_order(target, order, visiting)
+    order.append(fn)
 
 
 def install(kernels) -> tuple[int, int]:
@@ -65,6 +109,7 @@ def install(kernels) -> tuple[int, int]:
     from this runtime's are skipped: their launches compile. -> (installed or already there, skipped)."""
     from triton.runtime.cache import get_cache_manager
 
+    settle_source_keys()
     ready = stale = 0
     for k in kernels:
         fn = kernel_function(k.function)
@@ -79,6 +124,30 @@ def install(kernels) -> tuple[int, int]:
             cache.put_group(meta, paths)
         ready += 1
     return ready, stale
+
+
+def launcher_target() -> tuple[str, str]:
+    """(extension suffix, Triton's platform key) of this process: where a prebuilt launcher module is valid."""
+    import sysconfig
+
+    from triton.runtime.build import platform_key
+
+    return sysconfig.get_config_var("EXT_SUFFIX"), platform_key()
+
+
+def install_launchers(launchers) -> int:
+    """Put each `formats.kernels.Launcher` (built for this process' `launcher_target`: the caller checked) into
+    Triton's cache as `<name><suffix>` under its key, unless a file is there already -> how many are there now.
+    Triton finds one when a launch's C source and platform give its key; it builds (and logs) any other."""
+    from triton.runtime.cache import get_cache_manager
+
+    suffix, _ = launcher_target()
+    for m in launchers:
+        cache = get_cache_manager(m.key)
+        fname = f"{m.name}{suffix}"
+        if cache.get_file(fname) is None:
+            cache.put(m.data, fname, binary=True)
+    return len(launchers)
 
 
 class CompileCounter:

@@ -96,3 +96,156 @@ def test_build_stores_trusted_cubins_that_a_fresh_process_loads_without_compilin
     assert res.returncode == 0, res.stderr[-3000:]
     (entry2,) = FtwReader(ftw).records.slots["kernels"]
     assert entry2.name != entry.name and not (ftw / entry.name).exists() and FtwReader(ftw).verify() == []
+
+
+LAUNCHERS = """
+import json, sys
+from triton import knobs
+from ft.formats import FtwReader
+from ft.runtime.gpu.prebuilt import use_prebuilt
+from ft.compiler.kernels import launches
+from ft.compiler.kernels.launchers import LauncherBuilder
+from ft.compiler.kernels.stand_in import cuda_target
+ftw, cache, groups = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
+knobs.cache.dir = cache
+status = use_prebuilt(FtwReader(ftw), 90)
+lb = LauncherBuilder.for_this_triton(cache_dir=cache)  # Triton's own key and lookup; counts what it must compile
+with cuda_target(90, cache_dir=cache) as rec:
+    for name in groups:
+        launches.GROUPS[name](launches.geometry(FtwReader(ftw)), launches.prefill_lengths(8))
+    kernels = list(rec.built.values())
+lb.add_utils()
+for b in kernels:
+    lb.add(b.kernel)
+print(json.dumps({"launchers": status.launchers, "found": len(lb.launchers), "compiled": lb.builds,
+                  "errors": lb.errors, "kernels": len(kernels), "message": status.message}))
+"""
+
+
+def test_launchers_are_prebuilt_and_found_under_the_key_triton_computes_at_start(ftw_for, tmp_path):
+    """Triton 3.6: the host launcher of every kernel is in the container and, installed, is what Triton's lookup
+    finds for that kernel in a fresh process (nothing compiled); where this Triton or machine has nothing to
+    prebuild, the build says so and stores none."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    from ft.compiler.kernels.launchers import LauncherBuilder
+
+    ftw = tmp_path / "m"
+    shutil.copytree(ftw_for("qwen3_moe", "nvfp4"), ftw)
+    env = _env(tmp_path)
+    res = subprocess.run([*FT, "kernels", "build", "--ftw", str(ftw), "--arch", "90", "--groups", "fused,embedding",
+                          "--max-prefill-length", "8"], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    why = LauncherBuilder.why_not()
+    if why is not None:
+        assert " 0 launchers" in res.stdout and "host launchers not prebuilt" in res.stderr, res.stdout + res.stderr
+        pytest.skip(f"no prebuilt launchers here: {why}")
+    cache = tmp_path / "triton-cache"
+    cache.mkdir()
+    res = subprocess.run([sys.executable, "-c", LAUNCHERS, str(ftw), str(cache), "fused,embedding"], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["errors"] == [] and out["kernels"] > 0, out
+    assert out["compiled"] == 0 and out["launchers"] == out["found"] >= 2, out  # cuda_utils and >= 1 launcher
+
+
+KEYS_BUILD = """
+import json, torch
+from ft.compiler.kernels.stand_in import cuda_target
+from ft.runtime.gpu.nvfp4_decode_mma import moe_nvfp4_mma
+from ft.runtime.gpu.record_layout import RecordLayout
+from ft.runtime.gpu.triton_cache import KERNEL_MODULES, kernel_function, source_key
+layout = RecordLayout.packed(256, 128)
+with cuda_target(90):  # the build: the gate_up kernel is launched (and hashed) before the down kernel
+    moe_nvfp4_mma(torch.zeros(9, layout.stride, dtype=torch.uint8), layout, torch.zeros(2, 256, dtype=torch.bfloat16),
+                  torch.tensor([[0, 1], [1, 2]]), torch.arange(8, dtype=torch.int32), torch.ones(2, 2),
+                  out_dtype=torch.bfloat16)
+names = ["ft.runtime.gpu.nvfp4_decode_mma._gate_up_mma_kernel", "ft.runtime.gpu.nvfp4_decode_mma._down_mma_kernel"]
+print(json.dumps({n: source_key(kernel_function(n)) for n in names}))
+"""
+
+KEYS_START = """
+import json
+from ft.runtime.gpu.triton_cache import kernel_function, settle_source_keys, source_key
+names = ["ft.runtime.gpu.nvfp4_decode_mma._gate_up_mma_kernel", "ft.runtime.gpu.nvfp4_decode_mma._down_mma_kernel"]
+kernel_function(names[1]).cache_key  # hashed first, as installing kernels in name order did
+settle_source_keys()  # what `install` does before it compares source keys
+print(json.dumps({n: source_key(kernel_function(n)) for n in names}))
+"""
+
+
+def test_the_source_keys_a_build_records_are_the_ones_the_runtime_computes(tmp_path):
+    """Triton 3.6 folded a callee's global constants into a caller's key only if the callee was hashed first, so
+    the build (which launches gate_up before down) and the runtime (which hashed down first) disagreed on the down
+    kernel's key and compiled it again; both now key every kernel callees first."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    env = _env(tmp_path)
+    got = []
+    for script in (KEYS_BUILD, KEYS_START):
+        res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        got.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    assert got[0] == got[1] and len(set(got[0].values())) == 2
+
+
+RUNTIME_CALLS = """
+import json, sys, torch
+from triton import knobs
+from ft.formats import FtwReader
+from ft.runtime.gpu import cpu_lane
+from ft.runtime.gpu.decode_attention import decode_attention
+from ft.runtime.gpu.gather import gather_missing
+from ft.runtime.gpu.nvfp4_decode import moe_nvfp4_device
+from ft.runtime.gpu.prebuilt import use_prebuilt
+from ft.runtime.gpu.record_layout import RecordLayout
+from ft.compiler.kernels.stand_in import cuda_target
+ftw, cache = sys.argv[1], sys.argv[2]
+knobs.cache.dir = cache
+r = FtwReader(ftw)
+status = use_prebuilt(r, 90)
+c = r.config
+L, E, k, H, I = c.num_layers, c.num_experts, c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size
+layout = RecordLayout.from_bank(r.bank("layers.0.mlp.experts"), H, I)
+dt = r.tensor("embed_tokens.weight").dtype  # the compute dtype
+pool = torch.zeros(E + 80, layout.stride, dtype=torch.uint8)
+with cuda_target(90, cache_dir=cache):
+    for B in (1, 2, 3):  # a decode step's buffers as CausalLM._plan (eager) and a CUDA graph lay them out
+        eager, graph = torch.zeros(B + 2 * L * B, dtype=torch.int64), torch.zeros(2 * B + 2 * L * B, dtype=torch.int64)
+        steps = ((eager[:B], eager[B:].view(L, 2, B)[L - 1]), (graph[B:2 * B], graph[2 * B:].view(L, 2, B)[0]))
+        for pos, tables in steps:
+            qkv = torch.zeros(B, (c.num_heads * (2 if c.attn_output_gate else 1) + 2 * c.num_kv_heads) * c.head_dim,
+                              dtype=dt)
+            cos = torch.zeros(B, c.rotary_dim) if c.rotary_dim else None
+            norm = torch.ones(c.head_dim) if c.attn_qk_norm else None
+            decode_attention(qkv, norm, norm, 1e-6, cos, cos, tables, pos, nq=c.num_heads, nkv=c.num_kv_heads,
+                             hd=c.head_dim, scale=1.0, gated=c.attn_output_gate, splits=4)
+    table = torch.full((L, E), -1, dtype=torch.int32)
+    for n in cpu_lane.COPY_RATE_MISSES:  # the CPU lane's calibration at start
+        gather_missing(pool, layout, torch.arange(n, dtype=torch.int32).view(1, n), table, 0, 1 << 40,
+                       layout.stride, E)
+    entry = torch.full((3, cpu_lane.MAX_DEVICE_PAIRS), -1, dtype=torch.int32)
+    P = 2 * k  # mode mapped: the resident kernel over the pairs the gather planned (MappedPath._kernel)
+    moe_nvfp4_device(pool, layout, torch.zeros(2, H, dtype=dt),
+                     torch.arange(P, dtype=torch.int32).view(2, k), entry[1, :P], torch.ones(2, k))
+print(json.dumps({"decision": status.decision, "compiled": status.counter.compiled, "names": status.counter.names}))
+"""
+
+
+def test_the_build_covers_what_the_runtime_passes_not_only_what_it_replays(ftw_for, tmp_path):
+    """Launch classes that compiled at start on a GPU although the build ran: decode positions and tables inside one
+    buffer (8 bytes off alignment for odd batches), the CPU lane's calibration gathers (int32 ids, a fresh entry),
+    mode mapped's resident kernel over int32 pair ids. Each is made here the way the runtime makes it."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    ftw = tmp_path / "m"
+    shutil.copytree(ftw_for("qwen3_moe", "nvfp4"), ftw)
+    env = _env(tmp_path)
+    res = subprocess.run([*FT, "kernels", "build", "--ftw", str(ftw), "--arch", "90", "--groups", "attention,moe",
+                          "--max-prefill-length", "4"], env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    cache = tmp_path / "triton-cache"
+    cache.mkdir()
+    res = subprocess.run([sys.executable, "-c", RUNTIME_CALLS, str(ftw), str(cache)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["decision"] == "installed" and out["compiled"] == 0, out

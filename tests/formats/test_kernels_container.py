@@ -11,7 +11,7 @@ from ftw_testlib import small_ftw
 
 from ft.formats import FtwReader
 from ft.formats import errors as E
-from ft.formats.kernels import HEADER, Kernel, KernelSet, describe, entry_name, pack, read_index, unpack
+from ft.formats.kernels import HEADER, Kernel, KernelSet, Launcher, describe, entry_name, pack, read_index, unpack
 from ft.formats.slots import update_slot
 
 H64 = "ab" * 32
@@ -22,8 +22,10 @@ def _set(**over) -> KernelSet:
                 {"_rms_norm_kernel.json": b'{"name": "_rms_norm_kernel"}', "_rms_norm_kernel.cubin": b"\x7fELF..."})
     k2 = Kernel("1" * 64, "_gather_kernel", "ft.runtime.gpu.embedding._gather_kernel", "d" * 64,
                 {"_gather_kernel.json": b"{}", "_gather_kernel.cubin": b"\x7fELF" + bytes(range(256))})
+    launchers = (Launcher("e" * 64, "__triton_launcher", b"\x7fELF launcher"), Launcher("f" * 64, "cuda_utils", b"u"))
     fields = dict(triton="3.6.0", triton_build=H64, arch=90, backend_key="cd" * 32, kernels=(k1, k2),
-                  env={"TRITON_DEBUG": "1"})
+                  env={"TRITON_DEBUG": "1"}, launchers=launchers, python=".cpython-312-x86_64-linux-gnu.so",
+                  platform="x86_64,Linux,64bit,ELF")
     return KernelSet(**{**fields, **over})
 
 
@@ -34,7 +36,7 @@ def _index(data: bytes) -> tuple[dict, bytes]:
 
 def _repack(index: dict, blobs: bytes) -> bytes:
     body = json.dumps(index).encode()
-    return HEADER.pack(b"FTKERNEL", 1, 0, len(body)) + body + blobs
+    return HEADER.pack(b"FTKERNEL", index["version"], 0, len(body)) + body + blobs
 
 
 def test_round_trip_is_deterministic_and_exact():
@@ -44,6 +46,7 @@ def test_round_trip_is_deterministic_and_exact():
     back = unpack(data, "x")
     assert back.triton == "3.6.0" and back.arch == 90 and back.env == {"TRITON_DEBUG": "1"}
     assert {k.name: k.files for k in back.kernels} == {k.name: k.files for k in ks.kernels}
+    assert back.launchers == ks.launchers and back.python == ks.python and back.platform == ks.platform
     assert read_index(data, "x")[0]["kernels"][0]["name"] == "_gather_kernel"
     name = entry_name(ks, data)
     assert name.startswith("triton-3.6.0-sm90-") and name.endswith(".ftk")
@@ -58,7 +61,7 @@ def _mutate(fn) -> bytes:
 @pytest.mark.parametrize("make, words", [
     (lambda d: d[:10], "shorter than the 24-byte header"),
     (lambda d: b"NOTKERNL" + d[8:], "bad magic"),
-    (lambda d: d[:8] + struct.pack("<I", 2) + d[12:], "container version 2"),
+    (lambda d: d[:8] + struct.pack("<I", 3) + d[12:], "container version 3"),
     (lambda d: d[:100], "does not fit"),
     (lambda d: d[:-1], "truncated"),
     (lambda d: d + b"\0", "1 bytes after the last blob"),
@@ -97,6 +100,38 @@ def _set_kernel(key, value):
 def test_hostile_indexes_are_refused_before_any_blob_is_used(fn, words):
     with pytest.raises(E.FtwKernelsError, match=words):
         unpack(_mutate(fn), "kernels/x.ftk")
+
+
+def _set_launcher(key, value):
+    def fn(index, blobs):
+        index["launchers"][0][key] = value
+        return blobs
+    return fn
+
+
+@pytest.mark.parametrize("fn, words", [
+    (_set_launcher("name", "os"), "name one of"),
+    (_set_launcher("key", "../x"), "64 lowercase hex"),
+    (_set_launcher("extra", 1), "wants exactly key, name, file"),
+    (lambda ix, b: (ix.__setitem__("python", "/../evil.so"), b)[1], "need python"),
+    (lambda ix, b: (ix.__setitem__("launchers", [ix["launchers"][0]] * 2), b)[1], "listed twice"),
+    (lambda ix, b: (ix["launchers"][1]["file"].__setitem__(0, 0), b)[1], "expected"),
+    (lambda ix, b: (ix.__setitem__("version", 1), b)[1], "index keys"),  # a version-1 index has no launchers
+])
+def test_hostile_launcher_entries_are_refused(fn, words):
+    with pytest.raises(E.FtwKernelsError, match=words):
+        unpack(_mutate(fn), "kernels/x.ftk")
+
+
+def test_version_1_containers_are_still_read():
+    def v1(index, blobs):
+        n = sum(len(m.data) for m in _set().launchers)
+        for k in ("python", "platform", "launchers"):
+            del index[k]
+        index["version"] = 1
+        return blobs[:-n]
+    back = unpack(_mutate(v1), "kernels/x.ftk")
+    assert back.launchers == () and len(back.kernels) == 2 and back.python == ""
 
 
 def test_slot_entries_are_added_replaced_and_kept_verified(tmp_path):

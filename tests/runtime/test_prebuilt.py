@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import logging
 import shutil
+from pathlib import Path
 
 import pytest
 from ftw_testlib import patch_bytes, small_ftw
 
 from ft.formats import FtwReader, kernel_trust
-from ft.formats.kernels import Kernel, KernelSet, entry_name, pack
+from ft.formats.kernels import Kernel, KernelSet, Launcher, entry_name, pack
 from ft.formats.slots import update_slot
 
 from ft.runtime.gpu import prebuilt, triton_cache
@@ -119,3 +120,26 @@ def test_a_container_that_does_not_parse_is_refused_even_if_listed_and_trusted(e
     kernel_trust.trust(kernel_trust.digest(bad), "test")
     status, line = _decide(d, caplog)
     assert status.decision == "tampered" and "V22 kernels entry" in line.getMessage()
+
+
+def test_launchers_are_installed_only_for_this_python_and_platform(env, caplog):
+    """The entry's host launchers land in Triton's cache as `<name><this suffix>` under their key (a trusted entry
+    built for this process' Python ABI and platform); built for another Python, none is installed and the line
+    says Triton builds them."""
+    from triton.runtime.cache import get_cache_manager
+
+    key = triton_cache.target_key(90)
+    suffix, platform = triton_cache.launcher_target()
+    for where, python, want, digit in (("same", suffix, 2, "1"), ("other", ".cpython-39-other.so", 0, "2")):
+        mods = (Launcher(digit * 64, "__triton_launcher", b"\x7fELF 1"), Launcher("a" + digit * 63, "cuda_utils", b"u"))
+        caplog.clear()
+        d, data = _with(env / where, _kernel_set(key, launchers=mods, python=python, platform=platform))
+        kernel_trust.trust(kernel_trust.digest(data), "test")
+        status, line = _decide(d, caplog)
+        assert status.decision == "installed" and status.launchers == want, line.getMessage()
+        assert status.stats()["launchers_installed"] == want
+        for m in mods:
+            path = get_cache_manager(m.key).get_file(f"{m.name}{suffix}")
+            assert (path is not None and Path(path).read_bytes() == m.data) == (want > 0)
+        if not want:
+            assert f"launchers built for {python}" in line.getMessage() and "Triton builds them" in line.getMessage()
