@@ -176,9 +176,9 @@ def compile_configs(configs: dict, *, hidden: int = 2048, inter: int = 512, top_
     kernels = {  # runtime argument types in order, then the constexpr values by name
         "gate_up": (nt._gate_up_kernel, ("*u8", "i32", "*bf16", "*bf16", "*i32", "*i32", "i32"),
                     dict(TOPK=top_k, H=hidden, I=inter, OFF_GU=lay.off_gate_up, OFF_GUS=lay.off_gate_up_scale,
-                         OFF_GUS2=lay.off_gate_up_scale_2)),
+                         **lay.kernel_args("gate_up"))),
         "down": (nt._down_kernel, ("*u8", "i32", "*bf16", "*fp32", "*fp32", "*i32", "*i32", "i32"),
-                 dict(H=hidden, I=inter, OFF_D=lay.off_down, OFF_DS=lay.off_down_scale, OFF_DS2=lay.off_down_scale_2)),
+                 dict(H=hidden, I=inter, OFF_D=lay.off_down, OFF_DS=lay.off_down_scale, **lay.kernel_args("down"))),
     }
     rows = []
     for name, cfg in configs.items():
