@@ -38,6 +38,9 @@ class Geometry:
     dtype: torch.dtype
     gdn: tuple[int, int, int, int, int] | None  # (hk, hv, dk, dv, conv kernel)
     linears: tuple[tuple[str | None, int, int], ...]  # (scheme or None, N, K) of the dense linears
+    experts: tuple[str | None, str, float, float] = ("nvfp4", "silu", 0.0, 0.0)  # bank scheme, act, alpha, limit
+    sinks: bool = False  # gpt_oss attention
+    windows: tuple[int, ...] = (0,)  # attention windows of the layers (0: full attention)
 
 
 def geometry(reader) -> Geometry:
@@ -65,7 +68,11 @@ def geometry(reader) -> Geometry:
                     nq=c.num_heads, nkv=c.num_kv_heads, hd=c.head_dim, rd=c.rotary_dim, gated=c.attn_output_gate,
                     qk_norm=c.attn_qk_norm, shared_I=c.shared_expert_intermediate_size or c.intermediate_size,
                     moe_layers=tuple(i for i, m in enumerate(c.mlp_types) if m == "moe"), dtype=dtype, gdn=gdn,
-                    linears=tuple(sorted(linears, key=str)))
+                    linears=tuple(sorted(linears, key=str)),
+                    experts=((reader.quant or {}).get("experts"), c.expert_act, c.swiglu_alpha, c.swiglu_limit),
+                    sinks=c.attn_sinks, windows=tuple(sorted({c.sliding_window if t == "sliding_attention" else 0
+                                                              for t in c.layer_types
+                                                              if t in ("full_attention", "sliding_attention")})))
 
 
 def prefill_lengths(max_prefill: int) -> list[int]:
@@ -128,9 +135,10 @@ def attention(g: Geometry, lengths: list[int]) -> None:
         norm = torch.ones(g.hd) if g.qk_norm else None
         cos = torch.zeros(B, g.rd) if g.rd else None
         tables, pos = _addr(2 * B).view(2, B), torch.zeros(B, dtype=torch.int64)
-        for S in splits:  # what num_splits gives depends on the GPU's SM count
+        sinks = torch.zeros(g.nq, dtype=g.dtype) if g.sinks else None
+        for S, window in ((S, w) for S in splits for w in g.windows):  # num_splits depends on the GPU's SM count
             da.decode_attention(qkv, norm, norm, 1e-6, cos, cos, tables, pos, nq=g.nq, nkv=g.nkv, hd=g.hd,
-                                scale=g.hd ** -0.5, gated=g.gated, splits=S)
+                                scale=g.hd ** -0.5, gated=g.gated, splits=S, sinks=sinks, window=window)
 
 
 def deltanet(g: Geometry, lengths: list[int]) -> None:
@@ -187,10 +195,13 @@ def moe(g: Geometry, lengths: list[int]) -> None:
     from ft.runtime.gpu.nvfp4_decode_mma import moe_nvfp4_mma
     from ft.runtime.gpu.nvfp4_triton import TILE_CONFIGS
     from ft.runtime.gpu.prefill_plan import moe_nvfp4_prefill
-    from ft.runtime.gpu.record_layout import RecordLayout
+    from ft.runtime.gpu.record_layout import SCHEMES, RecordLayout
 
+    scheme, act, alpha, limit = g.experts
+    if scheme not in SCHEMES:  # no GPU expert kernel for this bank (its experts run on the CPU)
+        return
     H, I, E, k = g.H, g.I, g.E, g.k
-    layout = RecordLayout.packed(H, I)
+    layout = RecordLayout.packed(H, I, scheme, act=act, alpha=alpha, limit=limit)  # the compiler's component order
     pool = torch.zeros(E + 65, layout.stride, dtype=torch.uint8)  # staging rows from E + 1 for 64 pairs
     row = torch.arange(E, dtype=torch.int32)
     table = torch.zeros(max(g.moe_layers) + 1, E, dtype=torch.int32)
