@@ -207,9 +207,11 @@ def suggest(rows: list[dict]) -> dict:
     return out
 
 
-def compile_configs(gu: dict, dn: dict, *, hidden=2048, inter=512, top_k=8, arch=90, log=print) -> list[dict]:
+def compile_configs(gu: dict, dn: dict, *, hidden=2048, inter=512, top_k=8, arch=90, scheme="nvfp4",
+                    log=print) -> list[dict]:
     """Build each config's kernel for sm_<arch> with no GPU (Triton's CUDA backend, ptxas, nvdisasm): regs, stack
-    (spill) bytes, STS count and SASS instructions per weight. A CPU check of the kernels before a GPU run."""
+    (spill) bytes, STS count and SASS instructions per weight. A CPU check of the kernels before a GPU run. scheme
+    "mxfp4": gpt-oss's records (biases, the clamped SwiGLU)."""
     import os
     import re
     import subprocess
@@ -222,19 +224,19 @@ def compile_configs(gu: dict, dn: dict, *, hidden=2048, inter=512, top_k=8, arch
     from ft.runtime.gpu import nvfp4_decode as nd
     from ft.runtime.gpu.record_layout import RecordLayout
 
-    lay = RecordLayout.packed(hidden, inter)
+    lay = RecordLayout.packed(hidden, inter, scheme, act="clamped_swiglu" if scheme == "mxfp4" else "silu")
+    fmt = {kn: lay.kernel_args(kn) for kn in ("gate_up", "down")}  # offsets are arguments, the rest constexprs
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     common = dict(pool="*u8", slot_stride=lay.stride, host_base=0, host_stride=0, topk_ids="*i32", slot_row="*i32",
                   H=hidden, I=inter)
     specs = {"gate_up": (nd._gate_up_kernel, dict(common, x="*bf16", act="*bf16", topk=top_k,
-                                                  OFF_GU=lay.off_gate_up, OFF_GUS=lay.off_gate_up_scale,
-                                                  OFF_GUS2=lay.off_gate_up_scale_2)),
+                                                  OFF_GU=lay.off_gate_up, OFF_GUS=lay.off_gate_up_scale)),
              "down": (nd._down_kernel, dict(common, act="*bf16", out="*fp32", pair_weight="*fp32", G=top_k,
-                                            OFF_D=lay.off_down, OFF_DS=lay.off_down_scale,
-                                            OFF_DS2=lay.off_down_scale_2))}
+                                            OFF_D=lay.off_down, OFF_DS=lay.off_down_scale))}
     rows = []
     for kname, configs in (("gate_up", gu), ("down", dn)):
         fn, vals = specs[kname]
+        vals = {**vals, **{k: v for k, v in fmt[kname].items() if k.startswith("OFF_")}}
         for name, cfg in configs.items():
             b = nd.decode_blocks(cfg)
             if kname == "gate_up":
@@ -244,7 +246,8 @@ def compile_configs(gu: dict, dn: dict, *, hidden=2048, inter=512, top_k=8, arch
                 consts = dict(KB=inter // 16, GP=triton.next_power_of_2(top_k), BN=b["BLOCK_N_D"],
                               BKB=nd._words(b["BLOCK_K_D"], inter))
                 warps, weights = b["WARPS_D"], triton.next_power_of_2(top_k) * b["BLOCK_N_D"] * inter
-            consts.update(INTERP=False, MAPPED=False, PDL=True)
+            consts.update(INTERP=False, MAPPED=False, PDL=True,
+                          **{k: v for k, v in fmt[kname].items() if not k.startswith("OFF_")})
             sig, attrs = {}, {}
             for i, arg in enumerate(fn.arg_names):
                 v = consts.get(arg, vals.get(arg))
@@ -282,6 +285,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mma", default="grid", choices=("grid", "default", "none"),
                     help="tensor-core kernel configs (nvfp4_decode_mma) timed as whole calls")
     ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--scheme", default="nvfp4", choices=("nvfp4", "mxfp4"), help="--compile-only: the record format")
     ap.add_argument("--inter", type=int, default=512)
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--top-k", type=int, default=8)
@@ -291,7 +295,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     gu, dn = _configs(args.configs)
     if args.compile_only:
-        rows = compile_configs(gu, dn, hidden=args.hidden, inter=args.inter, top_k=args.top_k, arch=args.compile_only)
+        rows = compile_configs(gu, dn, hidden=args.hidden, inter=args.inter, top_k=args.top_k, arch=args.compile_only,
+                               scheme=args.scheme)
         return 1 if any("error" in r for r in rows) else 0
     if not torch.cuda.is_available():
         print("bench_moe_decode: no CUDA device here; run it on the GPU machine (or use --compile-only)")

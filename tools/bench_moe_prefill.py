@@ -154,10 +154,11 @@ def bench_rows(*, hidden: int = 2048, inter: int = 512, num_experts: int = 256, 
 
 
 def compile_configs(configs: dict, *, hidden: int = 2048, inter: int = 512, top_k: int = 8, arch: int = 90,
-                    log=print) -> list[dict]:
+                    scheme: str = "nvfp4", log=print) -> list[dict]:
     """Build both kernels of each config for sm_<arch> with no GPU (Triton's CUDA backend and its ptxas), with the
     pointer / stride alignment a real launch specializes on. Rows: registers per thread, stack (spill) bytes, shared
-    memory; a config that does not build gets an "error". A check before a GPU run, and a CPU test of the kernels."""
+    memory; a config that does not build gets an "error". A check before a GPU run, and a CPU test of the kernels.
+    scheme "mxfp4": gpt-oss's records (biases, the clamped SwiGLU)."""
     import os
     import re
     import subprocess
@@ -170,15 +171,15 @@ def compile_configs(configs: dict, *, hidden: int = 2048, inter: int = 512, top_
     from ft.runtime.gpu import nvfp4_triton as nt
     from ft.runtime.gpu.record_layout import RecordLayout
 
-    lay = RecordLayout.packed(hidden, inter)
+    lay = RecordLayout.packed(hidden, inter, scheme, act="clamped_swiglu" if scheme == "mxfp4" else "silu")
     target = GPUTarget("cuda", arch, 32)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     kernels = {  # runtime argument types in order, then the constexpr values by name
         "gate_up": (nt._gate_up_kernel, ("*u8", "i32", "*bf16", "*bf16", "*i32", "*i32", "i32"),
                     dict(TOPK=top_k, H=hidden, I=inter, OFF_GU=lay.off_gate_up, OFF_GUS=lay.off_gate_up_scale,
-                         OFF_GUS2=lay.off_gate_up_scale_2)),
+                         **lay.kernel_args("gate_up"))),
         "down": (nt._down_kernel, ("*u8", "i32", "*bf16", "*fp32", "*fp32", "*i32", "*i32", "i32"),
-                 dict(H=hidden, I=inter, OFF_D=lay.off_down, OFF_DS=lay.off_down_scale, OFF_DS2=lay.off_down_scale_2)),
+                 dict(H=hidden, I=inter, OFF_D=lay.off_down, OFF_DS=lay.off_down_scale, **lay.kernel_args("down"))),
     }
     rows = []
     for name, cfg in configs.items():
@@ -224,6 +225,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=40, help="layers of the model, for the projected prefill time")
     ap.add_argument("--compile-only", type=int, nargs="?", const=90, metavar="ARCH",
                     help="no GPU needed: build the configs' kernels for sm_ARCH (default 90), print regs / spills")
+    ap.add_argument("--scheme", default="nvfp4", choices=("nvfp4", "mxfp4"), help="--compile-only: the record format")
     args = ap.parse_args(argv)
     from ft.runtime.gpu.nvfp4_triton import TILE_CONFIGS
 
@@ -231,7 +233,7 @@ def main(argv=None) -> int:
     configs = every if args.configs == "all" else {n: every[n] for n in args.configs.split(",")}
     if args.compile_only:
         rows = compile_configs(configs, hidden=args.hidden, inter=args.inter, top_k=args.top_k,
-                               arch=args.compile_only)
+                               arch=args.compile_only, scheme=args.scheme)
         return 1 if any("error" in r for r in rows) else 0
     if not torch.cuda.is_available():
         print("bench_moe_prefill: no CUDA device here; run it on the GPU machine (or use --compile-only)")

@@ -228,8 +228,7 @@ def stage_e2e(args, prof: dict, out: dict, flush, plan, log=print) -> dict:
         for res in (resident, resident_eager, resident_host):
             for k in ("_trace", "_trace_start", "_steps"):
                 res.pop(k, None)
-        layout = RecordLayout.from_bank(reader.bank(f"layers.{cfg.mlp_types.index('moe')}.mlp.experts"),
-                                        cfg.hidden_size, cfg.moe_intermediate_size)
+        layout = RecordLayout.for_model(reader.bank(f"layers.{cfg.mlp_types.index('moe')}.mlp.experts"), cfg)
         if i == 0 and not args.no_logits:
             ex = GpuExperts(reader, OffloadConfig(mode="resident", prefetch=False), device=args.device)
             attach(model, ex)

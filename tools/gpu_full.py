@@ -1,17 +1,18 @@
 """Full-model GPU benchmark: the whole 40-layer models, resident, as a user runs them, against llama.cpp and the HBM
 bound. One command on the GPU machine (see tools/gpu_full.sh):
 
-    python tools/gpu_full.py --out DIR [--models qwen3moe-35b-geom,qwen3.6-35b-a3b] [--routing uniform]
+    python tools/gpu_full.py --out DIR [--models qwen3moe-35b-geom,qwen3.6-35b-a3b,gpt-oss-20b] [--routing uniform]
                              [--stages tests,models,kernels] [--deadline-s 560] [--quick] [--budgets 8,12]
 
 Stages (run in the order given):
   kernels  the kernel benchmarks (tools/bench_*.py): each kernel's us per call and GB/s or TFLOP/s vs the peak
   tests    the GPU-runtime tests (tests/runtime/gpu: the real kernels on the GPU)
-  models   per model: synth (NVFP4, full size) -> ft checkpoint -> load resident (CUDA graphs for batch 1..8) ->
-           decode batch 1 at a short and an 8k context, batch 4 and 8 aggregate, prefill of 512 / 4k / 16k tokens
-           (4k chunks); graphed vs eager greedy tokens, fused kernels vs the PyTorch reference ops (max |dlogit|,
-           also with the reference's routing forced on the fused path); where an engine step's time goes; with
-           --budgets, the default scheduler at each VRAM budget (decode, prefill 4k, peak device memory)
+  models   per model: synth (NVFP4, full size; gpt-oss-20b: MXFP4 experts as released) -> ft checkpoint -> load
+           resident (CUDA graphs for batch 1..8) -> decode batch 1 at a short and an 8k context, batch 4 and 8
+           aggregate, prefill of 512 / 4k / 16k tokens (4k chunks); graphed vs eager greedy tokens, fused kernels
+           vs the PyTorch reference ops (max |dlogit|, also with the reference's routing forced on the fused path);
+           where an engine step's time goes; with --budgets, the default scheduler at each VRAM budget (decode,
+           prefill 4k, peak device memory)
 Each decode row carries its bound: bytes read per token (dense weights, routed experts' records, KV or DeltaNet state)
 over the HBM read rate measured in the same run, and the ratio to llama.cpp's number for the same placement
 (qwen3moe-35b-geom only: same geometry as llama.cpp's table).
@@ -33,7 +34,9 @@ import torch
 from gpu_timing import hbm_read_gbs
 
 GIB = 1 << 30
-ARCH = {"qwen3moe-35b-geom": "qwen3_moe", "qwen3.6-35b-a3b": "qwen3_5_moe"}
+ARCH = {"qwen3moe-35b-geom": "qwen3_moe", "qwen3.6-35b-a3b": "qwen3_5_moe", "gpt-oss-20b": "gpt_oss"}
+# the experts' format of each synthetic checkpoint: NVFP4 (ModelOpt), or the release's MXFP4 for gpt-oss
+QUANT = {"gpt_oss": "mxfp4"}
 # llama.cpp on the same H200, same geometry (qwen3moe, Q4_0 experts), all experts on the GPU:
 # tg128, pp512, pp4096 (-ub 4096); ../shared reference table "llama.cpp on our GPU test machine"
 LLAMA_CPP = {"decode_b1": 360.0, "prefill_512": 7443.0, "prefill_4096": 11924.0,
@@ -92,7 +95,8 @@ def build(work: Path, preset: str, routing: str) -> Path:
     t = time.perf_counter()
     overrides = {"vision": dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2,
                                 num_position_embeddings=16, patch_size=16)} if ARCH[preset] == "qwen3_5_moe" else None
-    synth(ARCH[preset], preset, hf, quant="nvfp4", routing=routing, force=True, overrides=overrides, twin=False)
+    synth(ARCH[preset], preset, hf, quant=QUANT.get(ARCH[preset], "nvfp4"), routing=routing, force=True,
+          overrides=overrides, twin=False)
     t_synth = time.perf_counter() - t
     compile_checkpoint(hf, ftw)
     log(f"{preset} {routing}: synth {t_synth:.0f} s, compile {time.perf_counter() - t - t_synth:.0f} s")

@@ -40,7 +40,10 @@ class Geometry:
     dtype: torch.dtype
     gdn: tuple[int, int, int, int, int] | None  # (hk, hv, dk, dv, conv kernel)
     linears: tuple[tuple[str | None, int, int], ...]  # (scheme or None, N, K) of the dense linears
-    record: tuple[int, ...] | None = None  # the expert banks' (stride, six component offsets): RecordLayout's fields
+    experts: tuple[str | None, str, float, float] = ("nvfp4", "silu", 0.0, 0.0)  # bank scheme, act, alpha, limit
+    record: tuple | None = None  # the expert banks' RecordLayout fields (offsets are kernel constexprs), None: packed
+    sinks: bool = False  # gpt_oss attention
+    windows: tuple[int, ...] = (0,)  # attention windows of the layers (0: full attention)
 
 
 def geometry(reader) -> Geometry:
@@ -69,25 +72,27 @@ def geometry(reader) -> Geometry:
                     nq=c.num_heads, nkv=c.num_kv_heads, hd=c.head_dim, rd=c.rotary_dim, gated=c.attn_output_gate,
                     qk_norm=c.attn_qk_norm, shared_I=c.shared_expert_intermediate_size or c.intermediate_size,
                     moe_layers=moe_layers, dtype=dtype, gdn=gdn, linears=tuple(sorted(linears, key=str)),
-                    record=_record(reader, moe_layers))
+                    experts=((reader.quant or {}).get("experts"), c.expert_act, c.swiglu_alpha, c.swiglu_limit),
+                    record=_record(reader, moe_layers),
+                    sinks=c.attn_sinks, windows=tuple(sorted({c.sliding_window if t == "sliding_attention" else 0
+                                                               for t in c.layer_types
+                                                               if t in ("full_attention", "sliding_attention")})))
 
 
-def _record(reader, moe_layers) -> tuple[int, ...] | None:
-    """The record layout the runtime reads the expert banks with (its offsets are kernel constexprs), or None where
-    the banks are not NVFP4 (the packed layout stands in)."""
+def _record(reader, moe_layers) -> tuple | None:
+    """The record layout the runtime reads the expert banks with (`RecordLayout.for_model`: its offsets are kernel
+    constexprs), as a tuple of its fields, or None where the banks have no GPU kernel (the packed layout stands in)."""
     from dataclasses import astuple
 
     from ft.runtime.gpu.record_layout import RecordLayout
 
     if not moe_layers:
         return None
-    c = reader.config
     try:
-        layout = RecordLayout.from_bank(reader.bank(f"layers.{moe_layers[0]}.mlp.experts"), c.hidden_size,
-                                        c.moe_intermediate_size)
+        layout = RecordLayout.for_model(reader.bank(f"layers.{moe_layers[0]}.mlp.experts"), reader.config)
     except (KeyError, ValueError):
         return None
-    return astuple(layout)[2:]
+    return astuple(layout)
 
 
 def prefill_lengths(max_prefill: int) -> list[int]:
@@ -159,10 +164,11 @@ def attention(g: Geometry, lengths: list[int]) -> None:
         qkv = torch.zeros(B, rows, dtype=g.dtype)
         norm = torch.ones(g.hd) if g.qk_norm else None
         cos = torch.zeros(B, g.rd) if g.rd else None
+        sinks = torch.zeros(g.nq, dtype=g.dtype) if g.sinks else None
         for pos, tables in _decode_tables(B):
-            for S in splits:  # what num_splits gives depends on the GPU's SM count
+            for S, window in ((S, w) for S in splits for w in g.windows):  # num_splits depends on the SM count
                 da.decode_attention(qkv, norm, norm, 1e-6, cos, cos, tables, pos, nq=g.nq, nkv=g.nkv, hd=g.hd,
-                                    scale=g.hd ** -0.5, gated=g.gated, splits=S)
+                                    scale=g.hd ** -0.5, gated=g.gated, splits=S, sinks=sinks, window=window)
 
 
 def deltanet(g: Geometry, lengths: list[int]) -> None:
@@ -220,10 +226,14 @@ def moe(g: Geometry, lengths: list[int]) -> None:
     from ft.runtime.gpu.nvfp4_decode_mma import moe_nvfp4_mma
     from ft.runtime.gpu.nvfp4_triton import TILE_CONFIGS
     from ft.runtime.gpu.prefill_plan import moe_nvfp4_prefill
-    from ft.runtime.gpu.record_layout import RecordLayout
+    from ft.runtime.gpu.record_layout import SCHEMES, RecordLayout
 
+    scheme, act, alpha, limit = g.experts
+    if scheme not in SCHEMES:  # no GPU expert kernel for this bank (its experts run on the CPU)
+        return
     H, I, E, k, W = g.H, g.I, g.E, g.k, cpu_lane.MAX_DEVICE_PAIRS
-    layout = RecordLayout(H, I, *g.record) if g.record else RecordLayout.packed(H, I)
+    layout = (RecordLayout(*g.record) if g.record else
+              RecordLayout.packed(H, I, scheme, act=act, alpha=alpha, limit=limit))  # the compiler's component order
     s16 = -(-E // 16) * 16  # staging rows start at the slot count: one of each integer class (== 1, % 16, other)
     staging = (1, s16, s16 + 1)
     pool = torch.zeros(s16 + 1 + W, layout.stride, dtype=torch.uint8)

@@ -265,6 +265,9 @@ def lane_for(md) -> CpuLane | None:
     ex = md.ex
     if not (ex.opts.cpu_lane and (md.base or md.lane_only) and (ex.device.type == "cuda" or ex.interpret)):
         return None
+    if ex.layout.scheme != "nvfp4":  # the lane's C kernel reads NVFP4 records only
+        log.info("CPU expert lane off: its kernel reads nvfp4 records, these are %s", ex.layout.scheme)
+        return None
     from .hybrid import DEFAULT_B_CPU, DEFAULT_B_PCIE
 
     gbs = ex.profile.get("gbs") or {}

@@ -6,7 +6,7 @@ user cache, only where no prebuilt library fits) and called through ctypes.
 `CpuMoe.__call__` runs it in the calling thread; `CpuMoe.submit` hands it to the library's native worker thread and
 returns at once, so the CPU experts run while the calling thread goes on driving the GPU, without a Python thread
 that would first have to win the GIL. Where no C compiler is found, `CpuMoe` computes the same function with the
-PyTorch reference (much slower; `backend` says which is used).
+PyTorch reference (much slower; `backend` says which is used), as it does for records of other formats (MXFP4).
 """
 
 from __future__ import annotations
@@ -83,6 +83,10 @@ class CpuMoe:
                  extra_flags: tuple[str, ...] = ()):
         if backend not in ("auto", "c", "torch"):
             raise ValueError(f"CPU expert backend {backend!r}; supported: auto, c, torch")
+        if layout.scheme != "nvfp4":  # the C kernel reads NVFP4 records only; the reference computes any format
+            if backend == "c":
+                raise ValueError(f"the C expert kernel reads nvfp4 records, not {layout.scheme}")
+            backend = "torch"
         self.layout = layout
         self.threads = threads or default_threads()
         self.lib = None if backend == "torch" else load_library(extra_flags)

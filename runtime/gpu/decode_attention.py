@@ -7,10 +7,11 @@ gives sequence b's k / v buffer addresses (each [capacity, nkv, hd] contiguous, 
 and every address and length is read on the device, so a captured CUDA graph replays any step of any set of sequences.
 
 `decode_attention`, grid (S, B * nkv), from qkv [B, (nq + 2 nkv [+ nq gate]) * hd]: split-K flash decoding over keys
-0..p_b (GQA: q head h reads kv head h // r, r = nq / nkv). Program (s, b, g) covers keys [s c, min((s + 1) c, n))
-with n = p_b + 1 and c = max(cdiv(cdiv(n, S), BLOCK_N) * BLOCK_N, min_chunk), for the r query heads of kv head g at
-once (one [R, hd] x [hd, BLOCK_N] tl.dot, R = r padded to >= 16 rows), so each key block is read once per kv head.
-Splits s >= n_live = cdiv(n, c) are empty: they do nothing but, when n_live > 1, count themselves in (below).
+lo..p_b (lo = 0, or on a sliding-window layer max(0, p_b + 1 - window); GQA: q head h reads kv head h // r,
+r = nq / nkv). Program (s, b, g) covers keys [lo + s c, min(lo + (s + 1) c, n)) with n = p_b + 1 and
+c = max(cdiv(cdiv(n - lo, S), BLOCK_N) * BLOCK_N, min_chunk), for the r query heads of kv head g at once (one
+[R, hd] x [hd, BLOCK_N] tl.dot, R = r padded to >= 16 rows), so each key block is read once per kv head.
+Splits s >= n_live = cdiv(n - lo, c) are empty: they do nothing but, when n_live > 1, count themselves in (below).
 1. Prep, in registers. Every program computes its own q tile, q_h = rope(norm_q(q_h)) (redundant across splits,
    cheap; its loads go out with the position's). The one holding key p_b (s = n_live - 1) first writes
    k_g = rope(norm_k(k_g)) and v_g to row p_b of sequence b's buffers, then a CTA barrier (a CTA's global stores are
@@ -28,9 +29,11 @@ Splits s >= n_live = cdiv(n, c) are empty: they do nothing but, when n_live > 1,
    stores (a CTA barrier, then thread 0's acq_rel gpu-scope atomic) each program increments counter[b, g]; the one
    that reads S - 1 is the last, its acquire makes every partial visible, and it merges them:
    o = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M), M = max_s lse_s over the live splits (split 0 always holds key
-   0, so M is finite), loading [CB, r, hd] partials per step. It then sets counter[b, g] back to 0, so the
+   lo, so M is finite), loading [CB, r, hd] partials per step. It then sets counter[b, g] back to 0, so the
    module-level zeroed counter buffer (`_counters`) is ready for the next call, graph replays included.
-   Work per step: O(p_b) KV rows per sequence, plus O(B nq S hd) fp32 partials; never O(capacity).
+   Sinks (gpt_oss): head h's sink logit joins the softmax denominator only, as 2^(sink_h log2 e - m) (or - M in the
+   merge), so its probability is dropped as in `layers.attention.sink_attention`.
+   Work per step: O(p_b - lo) KV rows per sequence, plus O(B nq S hd) fp32 partials; never O(capacity).
 S (splits) comes from the SM count so that B * nkv * S programs fill the GPU (`CONFIG`), a function of shapes only.
 
 Dots run on bf16 tensor cores with fp32 accumulation; probabilities enter the P V dot rounded to the compute dtype
@@ -120,12 +123,12 @@ def _finish(o, gt, out, heads, hm, d, HD: tl.constexpr, GATE: tl.constexpr, RNE_
 
 @triton.jit
 def _decode_kernel(qkv, row_stride, gate_off, qw, kw, eps, cos, sin, cs_stride, tables, tab_s0, tab_s1, positions,
-                   o_part, lse_part, counters, out, qk_scale,
+                   o_part, lse_part, counters, out, qk_scale, sinks,
                    NQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, RD: tl.constexpr, R: tl.constexpr,
                    R_PAD: tl.constexpr, R2: tl.constexpr, S: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_D: tl.constexpr, MIN_CHUNK: tl.constexpr, CB: tl.constexpr, Q_NORM: tl.constexpr,
                    K_NORM: tl.constexpr, GATE: tl.constexpr, DOT_F32: tl.constexpr, RNE_BITS: tl.constexpr,
-                   PDL: tl.constexpr):
+                   PDL: tl.constexpr, WINDOW: tl.constexpr, SINKS: tl.constexpr):
     pdl_wait(PDL)
     s = tl.program_id(0)
     bg = tl.program_id(1)
@@ -154,9 +157,17 @@ def _decode_kernel(qkv, row_stride, gate_off, qw, kw, eps, cos, sin, cs_stride, 
         gt = 0.0
     qt = _norm_rope(qx, qxp, qwd, qwp, c, sn, eps, dt, Q_NORM, HD, RD, BLOCK_D, RNE_BITS)   # [R_PAD, BD]
     length = (pos + 1).to(tl.int32)
-    chunk = tl.maximum(tl.cdiv(tl.cdiv(length, S), BLOCK_N) * BLOCK_N, MIN_CHUNK)
-    n_live = tl.cdiv(length, chunk)                             # splits 0 .. n_live - 1 hold keys
-    start = s * chunk
+    if WINDOW > 0:                                              # keys (p_b - WINDOW, p_b]
+        lo = tl.maximum(length - WINDOW, 0)
+    else:
+        lo = length * 0
+    if SINKS:                                                   # each head's sink logit, in base 2 (-inf: padding)
+        sink = tl.load(sinks + heads, mask=rm, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+    else:
+        sink = tl.full((R_PAD,), float("-inf"), tl.float32)
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(length - lo, S), BLOCK_N) * BLOCK_N, MIN_CHUNK)
+    n_live = tl.cdiv(length - lo, chunk)                        # splits 0 .. n_live - 1 hold keys
+    start = lo + s * chunk
     out_row = out + b.to(tl.int64) * NQ * HD
     base = bg.to(tl.int64) * S                                  # partial row (bg * S + s) * R + head-in-group
     if start < length:
@@ -196,11 +207,11 @@ def _decode_kernel(qkv, row_stride, gate_off, qw, kw, eps, cos, sin, cs_stride, 
                 pv = tl.dot(p.to(dt), vt)
             acc = acc * alpha[:, None] + pv
             m = m_new
-        o = acc / l[:, None]                                    # l > 0 on every row: the split holds a live key
-        if n_live == 1:
-            _finish(o, gt, out_row, heads, rm, d, HD, GATE, RNE_BITS)
+        if n_live == 1:                                         # the sink joins the denominator only
+            _finish(acc / (l + tl.exp2(sink - m))[:, None], gt, out_row, heads, rm, d, HD, GATE, RNE_BITS)
         else:
             part = (base + s) * R + rows
+            o = acc / l[:, None]                                # l > 0 on every row: the split holds a live key
             tl.store(o_part + part[:, None] * HD + d[None, :], o, mask=rm[:, None] & dm[None, :])
             tl.store(lse_part + part, m + tl.log2(l), mask=rm)
     if n_live > 1:
@@ -216,8 +227,12 @@ def _decode_kernel(qkv, row_stride, gate_off, qw, kw, eps, cos, sin, cs_stride, 
             lse = tl.load(lse_part + (base + sp)[:, None] * R + r2[None, :],
                           mask=(sp < n_live)[:, None] & r2m[None, :], other=float("-inf"),
                           cache_modifier=".cg")                                                # [S, R2]
-            big_m = tl.where(r2m, tl.max(lse, axis=0), 0.0)     # split 0 holds key 0: finite on real rows
-            den = tl.where(r2m, tl.sum(tl.exp2(lse - big_m[None, :]), axis=0), 1.0)
+            big_m = tl.where(r2m, tl.max(lse, axis=0), 0.0)     # split 0 holds key lo: finite on real rows
+            if SINKS:
+                sink2 = tl.load(sinks + heads2, mask=r2m, other=float("-inf")).to(tl.float32) * 1.4426950408889634
+            else:
+                sink2 = tl.full((R2,), float("-inf"), tl.float32)
+            den = tl.where(r2m, tl.sum(tl.exp2(lse - big_m[None, :]), axis=0) + tl.exp2(sink2 - big_m), 1.0)
             if GATE:                                            # loaded before the partials' loop, not after
                 gt2 = tl.load(row + gate_off + heads2[:, None] * HD + d[None, :], mask=r2m[:, None] & dm[None, :],
                               other=0.0).to(tl.float32)
@@ -266,18 +281,22 @@ def _counters(n: int, device: torch.device) -> torch.Tensor:
 def decode_attention(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                      cos: torch.Tensor | None, sin: torch.Tensor | None, tables: torch.Tensor, positions: torch.Tensor,
                      *, nq: int, nkv: int, hd: int, scale: float, gated: bool, splits: int | None = None,
-                     tile: dict | None = None) -> torch.Tensor:
+                     tile: dict | None = None, sinks: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """qkv [B, rows] (rows = [q | k | v | gate if gated], unit column stride; the gate is the last nq * hd columns);
     q_norm / k_norm fp32 [hd] or None; cos / sin [B, rd] or None; tables int64 [2, B]; positions int64 [B] -> out
     [B, nq * hd] in qkv's dtype (module docstring). Writes k and v at row positions[b] of sequence b's buffers.
     `splits` (a power of two) and `tile` ({BLOCK_N, num_warps, num_stages[, min_chunk]}) override `num_splits` and
     CONFIG (tests, benchmark sweeps). One launch; it uses a module-level counter buffer (`_counters`), so calls on one
-    device must not run concurrently on different streams."""
+    device must not run concurrently on different streams. `sinks` [nq] (any float dtype) or None: gpt_oss's per-head
+    sink logits; `window` > 0: sequence b attends keys (p_b - window, p_b] only (sliding-window layers)."""
     B, width = qkv.shape
     assert qkv.stride(1) == 1 and nq % nkv == 0 and width >= (nq + 2 * nkv + nq * gated) * hd, (qkv.shape, nq, nkv)
     rd = 0 if cos is None else cos.shape[1]
     if rd:
         assert cos.shape == sin.shape == (B, rd) and cos.stride() == sin.stride() and cos.stride(1) == 1 and rd % 2 == 0
+    assert sinks is None or (tuple(sinks.shape) == (nq,) and sinks.is_contiguous()), (None if sinks is None
+                                                                                      else sinks.shape)
+    assert window >= 0, window
     r = nq // nkv
     S = splits or num_splits(B, nkv, qkv.device)
     assert S & (S - 1) == 0, S
@@ -294,10 +313,11 @@ def decode_attention(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: tor
         qkv, qkv.stride(0), width - nq * hd, qkv if q_norm is None else q_norm, qkv if k_norm is None else k_norm,
         float(eps), qkv if cos is None else cos, qkv if sin is None else sin, 0 if cos is None else cos.stride(0),
         tables, tables.stride(0), tables.stride(1), positions, o_part, lse, _counters(B * nkv, qkv.device), out,
-        float(scale) * math.log2(math.e),
+        float(scale) * math.log2(math.e), qkv if sinks is None else sinks,
         NQ=nq, NKV=nkv, HD=hd, RD=rd, R=r, R_PAD=max(16, r2), R2=r2, S=S, BLOCK_N=bn, BLOCK_D=bd,
         MIN_CHUNK=min_chunk, CB=cb, Q_NORM=q_norm is not None, K_NORM=k_norm is not None, GATE=gated,
-        DOT_F32=qkv.dtype == torch.float32 or not qkv.is_cuda, RNE_BITS=_rne_bits(qkv), num_warps=t["num_warps"],
+        DOT_F32=qkv.dtype == torch.float32 or not qkv.is_cuda, RNE_BITS=_rne_bits(qkv), WINDOW=int(window),
+        SINKS=sinks is not None, num_warps=t["num_warps"],
         num_stages=t["num_stages"], **pdl_args(qkv.device))
     return out
 
@@ -305,9 +325,11 @@ def decode_attention(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: tor
 def decode_attention_ref(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                          cos: torch.Tensor | None, sin: torch.Tensor | None,
                          kv: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor, *, nq: int, nkv: int,
-                         hd: int, scale: float, gated: bool) -> torch.Tensor:
+                         hd: int, scale: float, gated: bool, sinks: torch.Tensor | None = None,
+                         window: int = 0) -> torch.Tensor:
     """Torch reference of `decode_attention`, with kv[b] = sequence b's (k, v) buffers in place of `tables`: the
-    layer's eager ops, then fp32 softmax attention per sequence over rows 0..positions[b]."""
+    layer's eager ops, then fp32 softmax attention per sequence over rows 0..positions[b] (the last `window` of
+    them when window > 0), with each head's sink logit in the denominator when given."""
     B, dtype = qkv.shape[0], qkv.dtype
     q = qkv[:, : nq * hd].reshape(B, nq, hd)
     k = qkv[:, nq * hd:(nq + nkv) * hd].reshape(B, nkv, hd)
@@ -323,7 +345,11 @@ def decode_attention_ref(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm:
     for b, p in enumerate(positions.tolist()):
         kv[b][0][p] = k[b]
         kv[b][1][p] = v[b]
-        kb, vb = (t[: p + 1].float().repeat_interleave(r, dim=1) for t in kv[b])            # [p + 1, nq, hd]
-        w = (torch.einsum("hd,lhd->hl", q[b].float(), kb) * scale).softmax(-1)
+        lo = max(0, p + 1 - window) if window else 0
+        kb, vb = (t[lo: p + 1].float().repeat_interleave(r, dim=1) for t in kv[b])          # [keys, nq, hd]
+        logits = torch.einsum("hd,lhd->hl", q[b].float(), kb) * scale
+        if sinks is not None:
+            logits = torch.cat([logits, sinks.float()[:, None]], dim=1)
+        w = logits.softmax(-1)[:, : kb.shape[0]]
         out[b] = torch.einsum("hl,lhd->hd", w, vb).reshape(-1).to(dtype)
     return out * torch.sigmoid(qkv[:, -nq * hd:]) if gated else out

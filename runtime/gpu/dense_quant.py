@@ -28,7 +28,7 @@ import triton.language as tl
 from ft.formats.quant import fp8, nvfp4
 
 from .nvfp4_decode import _gemv_tile
-from .nvfp4_triton import _e4m3_shifted
+from .fp4_format import _e4m3_shifted
 
 BLOCK_N = 32
 

@@ -25,16 +25,17 @@ from ft.formats import FtwReader
 
 from .hybrid import GpuExperts
 from .offload_config import OffloadConfig
+from .record_layout import SCHEMES
 from .sizing import LATE_OUTSIDE, cap_allocator, device_in_use, resolve_budget, split_budget, state_bytes
 
 log = logging.getLogger("ft.gpu")
 
 
 def unsupported_reason(reader: FtwReader) -> str | None:
-    """None if the GPU scheduler can serve this FTW, else why not (only NVFP4 expert banks have GPU kernels)."""
+    """None if the GPU scheduler can serve this FTW, else why not (the expert kernels read NVFP4 and MXFP4 banks)."""
     scheme = (reader.quant or {}).get("experts")
-    if scheme != "nvfp4":
-        return f"expert scheme {scheme!r} has no GPU kernel (supported: nvfp4)"
+    if scheme not in SCHEMES:
+        return f"expert scheme {scheme!r} has no GPU kernel (supported: {', '.join(SCHEMES)})"
     return None
 
 

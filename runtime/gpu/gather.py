@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .record_layout import COMPONENTS, RecordLayout
+from .record_layout import RecordLayout
 
 COPY_CHUNK, COPY_BLOCK = 4096, 512  # 8-byte words per program (32 KiB) and per load (4 KiB)
 
@@ -56,7 +56,7 @@ def _copy_kernel(pool, slot_stride, host_base, host_stride, ids, pair_slot, pair
 
 def _check(pool, layout, topk_ids, host_base, host_stride, staging0) -> int:
     P = topk_ids.numel()
-    extent = max(getattr(layout, "off_" + c) + layout.nbytes(c) for c in COMPONENTS)
+    extent = layout.extent
     if host_base < 0 or host_base % 16 or host_stride % 16 or host_stride < extent:
         raise ValueError(f"gather needs a 16-byte aligned mapped bank address (0: none) and stride >= {extent}")
     if not 0 < P <= 64:

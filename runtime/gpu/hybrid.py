@@ -66,9 +66,9 @@ class GpuExperts:
         self.interpret = interpret and self.device.type != "cuda"
         self.moe_layers = [i for i, t in enumerate(cfg.mlp_types) if t == "moe"]
         self.banks = {i: reader.bank(f"layers.{i}.mlp.experts") for i in self.moe_layers}
-        self.layout = RecordLayout.from_bank(self.banks[self.moe_layers[0]], cfg.hidden_size, cfg.moe_intermediate_size)
+        self.layout = RecordLayout.for_model(self.banks[self.moe_layers[0]], cfg)  # format + activation: kernels'
         for i, b in self.banks.items():
-            if RecordLayout.from_bank(b, cfg.hidden_size, cfg.moe_intermediate_size) != self.layout:
+            if RecordLayout.for_model(b, cfg) != self.layout:
                 raise ValueError(f"expert bank of layer {i} has a different record layout "
                                  f"than layer {self.moe_layers[0]}")
         self.L, self.E, self.k = cfg.num_layers, cfg.num_experts, cfg.num_experts_per_tok

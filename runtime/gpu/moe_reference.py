@@ -1,15 +1,17 @@
-"""PyTorch reference for NVFP4 expert math on records (the kernels' test oracle and the no-Triton fallback).
+"""PyTorch reference for the expert math on records (the kernels' test oracle and the no-Triton fallback).
 
-`W[o, i] = E2M1[code(o, i)] * f32(scale[o, i // 16]) * scale_2[o]`; expert `y = down @ (silu(g) * u)` with
-`[g; u] = gate_up @ x`. Activations are bf16 (W4A16): x enters as bf16, the gated product is rounded to bf16 before
-`down`, accumulation is fp32.
+Weights dequantize exactly by the record's format (`ft.formats.quant`): NVFP4 `E2M1 * f32(e4m3 scale per 16) *
+scale_2[o]`, MXFP4 `E2M1 * 2^(e8m0 scale per 32 - 127)`. Expert `y = down @ act(g, u) (+ down_bias)` with
+`[g; u] = gate_up @ x (+ gate_up_bias)`, `act` the layout's (`silu(g) * u`, or gpt_oss's clamped SwiGLU,
+`ft.runtime.experts.clamped_swiglu`). Activations are bf16 (W4A16): x enters as bf16, the activation is rounded to
+bf16 before `down`, accumulation is fp32.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ft.formats.quant import nvfp4
+from ft.formats.quant import mxfp4, nvfp4
 
 from .record_layout import RecordLayout
 
@@ -22,18 +24,33 @@ def dequant_nvfp4(codes: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tenso
 def expert_weights(record: torch.Tensor, layout: RecordLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """Dequantized (gate_up f32 [2I, H], down f32 [H, I]) of one uint8 record."""
     v = lambda n: layout.view(record, n)  # noqa: E731
+    if layout.scheme == "mxfp4":
+        return mxfp4.dequantize(v("gate_up"), v("gate_up_scale")), mxfp4.dequantize(v("down"), v("down_scale"))
     gate_up = dequant_nvfp4(v("gate_up"), v("gate_up_scale"), v("gate_up_scale_2"))
     down = dequant_nvfp4(v("down"), v("down_scale"), v("down_scale_2"))
     return gate_up, down
+
+
+def activation(g: torch.Tensor, u: torch.Tensor, layout: RecordLayout) -> torch.Tensor:
+    """The layout's gated activation of fp32 g, u [n, I] (fp32)."""
+    if layout.act == "silu":
+        return torch.nn.functional.silu(g) * u
+    g = g.clamp(max=layout.limit)
+    u = u.clamp(min=-layout.limit, max=layout.limit)
+    return (u + 1) * (g * torch.sigmoid(g * layout.alpha))
 
 
 def expert_forward_ref(record: torch.Tensor, layout: RecordLayout, x: torch.Tensor) -> torch.Tensor:
     """x [n, H] -> f32 [n, H] for one expert record (W4A16 semantics)."""
     gate_up, down = expert_weights(record, layout)
     gu = x.to(torch.bfloat16).float() @ gate_up.T
+    bias = layout.off_down_bias >= 0
+    if bias:
+        gu = gu + layout.view(record, "gate_up_bias").float()
     g, u = gu[:, : layout.inter], gu[:, layout.inter :]
-    act = (torch.nn.functional.silu(g) * u).to(torch.bfloat16).float()
-    return act @ down.T
+    act = activation(g, u, layout).to(torch.bfloat16).float()
+    y = act @ down.T
+    return y + layout.view(record, "down_bias").float() if bias else y
 
 
 def moe_ref(

@@ -1,9 +1,10 @@
-"""Device-planned NVFP4 MoE for decode: routing and the expert -> slot lookup never leave the device.
+"""Device-planned FP4 MoE for decode: routing and the expert -> slot lookup never leave the device (NVFP4 records,
+and MXFP4 ones with gpt-oss's biases and clamped SwiGLU: the format is a constexpr, `RecordLayout.kernel_args`).
 
 The host-planned tile kernels (`host_plan.py`) need the routing on the host (`plan_blocks` groups pairs by slot), one
 host sync per MoE layer. Here the launch grid depends on shapes only: for T tokens and top-k, P = T*k pairs,
 
-    gate_up: grid (P, cdiv(I, BN_GU))   program (p, n-tile): act[p, n] = bf16(silu(g) * u) for the BN gate rows n and
+    gate_up: grid (P, cdiv(I, BN_GU))   program (p, n-tile): act[p, n] = bf16(act(g, u)) for the BN gate rows n and
                                         BN up rows I + n of expert ids[p] (slot slot_row[ids[p]]) against x[p // k]
     down:    grid (T, cdiv(H, BN_D))    combine="tokens" (default): out[t, n] = sum_j w[t, j] * down_j[n] . act[t*k+j]
                                         for the k pairs of token t in one program, summed in a fixed order
@@ -30,9 +31,10 @@ kernels without the host branch (the `MAPPED` constexpr).
 
 Numerics: E2M1 and e4m3 decode from bits to the same values as `nvfp4_triton._weight_tile` (value * 2^-14, * 2^-8);
 each code times its bf16 activation is exact in fp32, summed over the 16 codes of a scale block, times the block's
-scale, summed over K; `scale_2 * 2^22` is applied to the fp32 accumulator and the gated activation is rounded to
-bf16 by `_to_bf16`. So the result equals the host-planned kernel's up to fp32 rounding order. Deterministic: no
-atomics, every sum (over K, over the k experts of a token, torch's sum for "pairs") runs in a fixed order.
+scale, summed over K; `scale_2 * 2^22` (2^22 for MXFP4) is applied to the fp32 accumulator, the biases added and the
+gated activation rounded to bf16 by `_to_bf16`. So the result equals the host-planned kernel's up to fp32 rounding
+order. Deterministic: no atomics, every sum (over K, over the k experts of a token, torch's sum for "pairs") runs in
+a fixed order.
 
 `_gemv_tile` (the former per-K-step decode GEMV) stays here for `dense_quant.py`.
 """
@@ -46,8 +48,9 @@ import triton.language as tl
 from ft.runtime.gpu.pdl import pdl_args, pdl_wait
 
 from .nvfp4_gemv import rows_dot
+from .fp4_format import _gated, _row_bias, _row_scale
 from .nvfp4_triton import _to_bf16, _weight_tile
-from .record_layout import COMPONENTS, RecordLayout
+from .record_layout import RecordLayout
 
 # Tiles: BLOCK_N_* weight rows per program (gate_up: BN gate + BN up rows), BLOCK_K_* K elements per unrolled chunk
 # (capped at K: whole-K tiles), WARPS_* warps. "BLOCK_K" / "num_warps" in a `blocks` dict set both kernels' values.
@@ -77,10 +80,13 @@ def _records(pool, slot_stride, host_base, host_stride, topk_ids, slot_row, p, p
 @triton.jit
 def _gate_up_kernel(
     pool, slot_stride, host_base, host_stride, x, act, topk_ids, slot_row, topk, H, I,
-    OFF_GU, OFF_GUS, OFF_GUS2, KB: tl.constexpr,
+    OFF_GU, OFF_GUS, OFF_GUS2, OFF_GUB, KB: tl.constexpr,
     BN: tl.constexpr, BKB: tl.constexpr, INTERP: tl.constexpr, MAPPED: tl.constexpr, PDL: tl.constexpr,
+    GPS: tl.constexpr, E8M0: tl.constexpr, S2: tl.constexpr, BIAS: tl.constexpr, SWIGLU: tl.constexpr,
+    ALPHA: tl.constexpr, LIMIT: tl.constexpr,
 ):
-    # act[p, n] = bf16(silu(g) * u), g = row n, u = row I + n of gate_up applied to x[p // topk]; 0 for a dead pair
+    # act[p, n] = bf16(act(g, u)), g = row n, u = row I + n of gate_up applied to x[p // topk] (+ their biases);
+    # 0 for a dead pair
     pdl_wait(PDL)
     p = tl.program_id(0)
     n0 = tl.program_id(1) * BN
@@ -92,14 +98,14 @@ def _gate_up_kernel(
     x_live = tl.arange(0, 1)[None, :, None] < live.to(tl.int32)  # [1, 1, 1]
     xrow = x + (p // topk).to(tl.int64) * H
     v = rows_dot(rec, OFF_GU, OFF_GUS, rows[:, :, None], r_live[:, None, None], xrow, x_live, KB, 2 * BN, 1, BKB,
-                 not INTERP)  # [2BN, 1]
-    s2 = tl.load((rec + OFF_GUS2).to(tl.pointer_type(tl.float32)) + rows, mask=r_live[:, None], other=0.0)
-    v = tl.reshape(v * (s2 * 4194304.0), [2, BN])  # [2BN, 1] -> gate [BN], up [BN]
+                 not INTERP, GPS, E8M0)  # [2BN, 1]
+    v = v * _row_scale(rec, OFF_GUS2, rows, r_live[:, None], S2) + _row_bias(rec, OFF_GUB, rows, r_live[:, None], BIAS)
+    v = tl.reshape(v, [2, BN])  # [2BN, 1] -> gate [BN], up [BN]
     half = tl.arange(0, 2)[:, None]
     g = tl.sum(tl.where(half == 0, v, 0.0), axis=0)
     u = tl.sum(tl.where(half == 1, v, 0.0), axis=0)
     n = n0 + tl.arange(0, BN)
-    a = g / (1.0 + tl.exp(-g)) * u
+    a = _gated(g, u, SWIGLU, ALPHA, LIMIT)
     a = tl.where(n < limit, a, 0.0)
     tl.store(act + p.to(tl.int64) * I + n, _to_bf16(a, INTERP), mask=n < I)
 
@@ -107,11 +113,13 @@ def _gate_up_kernel(
 @triton.jit
 def _down_kernel(
     pool, slot_stride, host_base, host_stride, act, out, pair_weight, topk_ids, slot_row, G, H, I,
-    OFF_D, OFF_DS, OFF_DS2, KB: tl.constexpr,
+    OFF_D, OFF_DS, OFF_DS2, OFF_DB, KB: tl.constexpr,
     GP: tl.constexpr, BN: tl.constexpr, BKB: tl.constexpr,
     INTERP: tl.constexpr, MAPPED: tl.constexpr, PDL: tl.constexpr,
+    GPS: tl.constexpr, E8M0: tl.constexpr, S2: tl.constexpr, BIAS: tl.constexpr,
 ):
-    # out[g, n] = sum over j < G of weight[g*G + j] * (down row n of pair g*G + j) . act[g*G + j]   (fp32 [*, H])
+    # out[g, n] = sum over j < G of weight[g*G + j] * ((down row n of pair g*G + j) . act[g*G + j] + bias[n])
+    # (fp32 [*, H])
     pdl_wait(PDL)
     g = tl.program_id(0)
     n = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -121,10 +129,11 @@ def _down_kernel(
     m2 = (n < H)[:, None] & live[None, :]  # [BN, GP]
     xrow = act + p.to(tl.int64)[None, :, None] * I
     v = rows_dot(rec[None, :, None], OFF_D, OFF_DS, n[:, None, None], m2[:, :, None], xrow, live[None, :, None],
-                 KB, BN, GP, BKB, not INTERP)  # [BN, GP]
-    s2 = tl.load((rec + OFF_DS2).to(tl.pointer_type(tl.float32))[None, :] + n[:, None], mask=m2, other=0.0)
+                 KB, BN, GP, BKB, not INTERP, GPS, E8M0)  # [BN, GP]
+    v = v * _row_scale(rec[None, :], OFF_DS2, n[:, None], m2, S2) + _row_bias(rec[None, :], OFF_DB, n[:, None], m2,
+                                                                              BIAS)
     w = tl.load(pair_weight + p, mask=live, other=0.0).to(tl.float32)
-    res = tl.where(m2, v * (s2 * 4194304.0) * w[None, :], 0.0)
+    res = tl.where(m2, v * w[None, :], 0.0)
     tl.store(out + g.to(tl.int64) * H + n, tl.sum(res, axis=1), mask=n < H)
 
 
@@ -193,7 +202,7 @@ def moe_nvfp4_device(
         raise ValueError(f"unknown combine {combine!r}; supported: {', '.join(COMBINES)}")
     if pool.shape[0] == 0:
         raise ValueError("the slot pool is empty")
-    extent = max(getattr(layout, "off_" + c) + layout.nbytes(c) for c in COMPONENTS)  # bytes a record read may touch
+    extent = layout.extent  # bytes a record read may touch
     if host_base < 0 or host_stride < 0 or host_base % 16 or (host_base and (host_stride < extent or host_stride % 16)):
         raise ValueError(f"host_base {host_base:#x} must be >= 0 and 16-byte aligned; with host_base != 0, "
                          f"host_stride {host_stride} must be a multiple of 16 and >= the record extent {extent}")
@@ -221,9 +230,9 @@ def launch_gate_up(pool, layout: RecordLayout, xb: torch.Tensor, ids: torch.Tens
     interp = xb.device.type != "cuda"  # only the interpreter runs kernels on CPU tensors
     kernel = _gate_up_kernel[(T * k, triton.cdiv(I, b["BLOCK_N_GU"]))](
         pool, layout.stride, host[0], host[1], xb, act, ids, row, k, H, I,
-        layout.off_gate_up, layout.off_gate_up_scale, layout.off_gate_up_scale_2,
-        KB=H // 16, BN=b["BLOCK_N_GU"], BKB=_words(b["BLOCK_K_GU"], H), INTERP=interp, MAPPED=host[0] != 0,
-        num_warps=b["WARPS_GU"], **pdl_args(xb.device),
+        layout.off_gate_up, layout.off_gate_up_scale, KB=H // 16, BN=b["BLOCK_N_GU"],
+        BKB=_words(b["BLOCK_K_GU"], H), INTERP=interp, MAPPED=host[0] != 0, num_warps=b["WARPS_GU"],
+        **layout.kernel_args("gate_up"), **pdl_args(xb.device),
     )
     if info is not None:
         info["gate_up"] = kernel
@@ -240,9 +249,9 @@ def launch_down(pool, layout: RecordLayout, act: torch.Tensor, wts: torch.Tensor
     out = torch.empty(groups, H, dtype=out_dtype, device=act.device)  # the store rounds the fp32 sum
     kernel = _down_kernel[(groups, triton.cdiv(H, b["BLOCK_N_D"]))](
         pool, layout.stride, host[0], host[1], act, out, wts, ids, row, G, H, I,
-        layout.off_down, layout.off_down_scale, layout.off_down_scale_2,
-        KB=I // 16, GP=triton.next_power_of_2(G), BN=b["BLOCK_N_D"], BKB=_words(b["BLOCK_K_D"], I),
-        INTERP=act.device.type != "cuda", MAPPED=host[0] != 0, num_warps=b["WARPS_D"], **pdl_args(act.device),
+        layout.off_down, layout.off_down_scale, KB=I // 16, GP=triton.next_power_of_2(G), BN=b["BLOCK_N_D"],
+        BKB=_words(b["BLOCK_K_D"], I), INTERP=act.device.type != "cuda", MAPPED=host[0] != 0, num_warps=b["WARPS_D"],
+        **layout.kernel_args("down"), **pdl_args(act.device),
     )
     if info is not None:
         info["down"] = kernel

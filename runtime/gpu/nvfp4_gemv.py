@@ -1,11 +1,12 @@
-"""NVFP4 weight-row GEMV tiles for decode (`rows_dot`): wide independent loads, few ALU ops per weight.
+"""FP4 weight-row GEMV tiles for decode (`rows_dot`): wide independent loads, few ALU ops per weight.
 
     v[r, a] = sum_k W_a[row(r, a), k] * x_a[k] * 2^-22          fp32 [R, A]   (the caller applies scale_2 * 2^22)
 
-W_a is the NVFP4 weight of record a (a pool slot or a mapped bank record), W[o, k] = E2M1(code[o, k]) *
-e4m3(scale[o, k // 16]); x_a is record a's bf16 activation row. A is a small record axis: 1 in gate_up (2*BN rows of
-one pair: its gate and up rows), the k pairs of a token in down (BN rows of each, every pair its own record and
-activation row).
+W_a is the FP4 weight of record a (a pool slot or a mapped bank record), W[o, k] = E2M1(code[o, k]) *
+scale[o, k // G]: NVFP4 e4m3 scales per G = 16 codes, or MXFP4 E8M0 scales per G = 32 (`GPS` = G / 16 words share
+one scale byte; `nvfp4_triton._scale_shifted`); x_a is record a's bf16 activation row. A is a small record axis:
+1 in gate_up (2*BN rows of one pair: its gate and up rows), the k pairs of a token in down (BN rows of each, every
+pair its own record and activation row).
 
 Memory. A row of K codes is K/16 little-endian u64 words; word b holds the 16 codes of scale block b (code 16b + i in
 nibble i, as `record_layout` stores them: element 2j in the low nibble of byte j). A K chunk of BKB words is one
@@ -40,7 +41,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .nvfp4_triton import _e4m3_shifted
+from .fp4_format import _scale_shifted
 
 
 @triton.jit
@@ -100,23 +101,25 @@ def _block_dot(words, xw, xm, R: tl.constexpr, A: tl.constexpr, BKB: tl.constexp
 
 @triton.jit
 def rows_dot(rec, OFF_C, OFF_S, rows, row_mask, xrow, x_mask, KB: tl.constexpr,
-             R: tl.constexpr, A: tl.constexpr, BKB: tl.constexpr, ASM: tl.constexpr):
+             R: tl.constexpr, A: tl.constexpr, BKB: tl.constexpr, ASM: tl.constexpr,
+             GPS: tl.constexpr = 1, E8M0: tl.constexpr = False):
     """R weight rows of each of A records against each record's activation row -> fp32 [R, A] (module docstring).
 
     rec u8 pointers, a scalar or [1, A, 1] (record bases); rows int [R, A or 1, 1]; row_mask bool broadcastable to
     [R, A, 1]; xrow bf16 pointers, a scalar or [1, A, 1], to activation rows of K = 16 * KB elements, 8-byte aligned;
-    x_mask bool broadcastable to [1, A, 1]. Codes at rec + OFF_C (u8 [rows, K/2]), scales at rec + OFF_S (e4m3
-    [rows, K/16]); BKB words (power of two) per unrolled K chunk. Exactly 0 where row_mask is false. ASM: CUDA only."""
+    x_mask bool broadcastable to [1, A, 1]. Codes at rec + OFF_C (u8 [rows, K/2]), scales at rec + OFF_S (u8
+    [rows, K/(16 GPS)]: e4m3 per 16 codes, GPS = 1, NVFP4; or E8M0 per 32, GPS = 2, E8M0, MXFP4); BKB words (power of
+    two) per unrolled K chunk. Exactly 0 where row_mask is false. ASM: CUDA only."""
     kb = tl.max_contiguous(tl.arange(0, BKB), 1)[None, None, :]  # one word per thread along K: see the docstring
     wp = (rec + OFF_C).to(tl.pointer_type(tl.uint64)) + rows.to(tl.int64) * KB  # row: KB words
-    sp = rec + OFF_S + rows.to(tl.int64) * KB  # row: KB scale bytes
+    sp = rec + OFF_S + rows.to(tl.int64) * (KB // GPS)  # row: KB / GPS scale bytes
     xw = xrow.to(tl.pointer_type(tl.uint64))  # 4 u64 of activations per word of codes
     acc = tl.zeros([R, A, BKB], dtype=tl.float32)
     for k0 in tl.static_range(0, KB, BKB):
         in_k = (k0 + kb) < KB
         m = row_mask & in_k
         words = tl.load(wp + (k0 + kb), mask=m, other=0)
-        sc = tl.load(sp + (k0 + kb), mask=m, other=0)
+        sc = tl.load(sp + (k0 + kb) // GPS, mask=m, other=0)  # GPS = 2: two words share a scale byte
         part = _block_dot(words, xw + 4 * (k0 + kb), x_mask & in_k, R, A, BKB, ASM)
-        acc += part * _e4m3_shifted(sc.to(tl.uint16))
+        acc += part * _scale_shifted(sc.to(tl.uint16), E8M0)
     return tl.sum(acc, axis=2)

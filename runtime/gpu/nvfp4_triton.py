@@ -1,4 +1,5 @@
-"""Fused NVFP4 MoE (W4A16) in Triton, reading FTW expert records straight from a pool of slots.
+"""Fused FP4 MoE (W4A16) in Triton, reading FTW expert records straight from a pool of slots (NVFP4, and MXFP4 with
+gpt-oss's biases and clamped SwiGLU: `fp4_format.py`, constexprs from `RecordLayout.kernel_args`).
 
 Shapes: T tokens, k = top-k, P = T*k (token, expert) pairs, pair p = t*k + j. The pool is uint8 [S, stride]: slot s
 holds one expert record (layout in `record_layout.py`). A plan groups the pairs by slot into blocks of BLOCK_M rows:
@@ -7,8 +8,9 @@ holds one expert record (layout in `record_layout.py`). A plan groups the pairs 
 `host_plan.plan_blocks` builds it on the host; `prefill_plan.plan_blocks_device` on the device, with NB a fixed bound
 (unused blocks: slot -1, all rows P). Both kernels run a 1-D grid of NB * (N tiles) programs, the N tile varying
 fastest, so consecutive programs share the block's activation rows and its expert's record (hot in L2):
-    gate_up: act[r, n]  = bf16(silu(x[t] . gate_n) * (x[t] . up_n))       r = padded row of the block, t = p // k
+    gate_up: act[r, n]  = bf16(act(x[t] . gate_n, x[t] . up_n))          r = padded row of the block, t = p // k
     down:    out[p, n]  = weight[p] * (act[r] . down_n)                     fp32 [P, H], the caller sums over k
+(with biases: + gate_n's / up_n's bias inside act, + down_n's bias before the weight).
 A block with slot < 0 exits at once in gate_up; in down, slot -1 writes 0 to its live rows (pairs whose expert has no
 slot: a device plan puts them there) and exits, so `out` needs no zero fill; slot SKIP = -2 writes nothing (a
 pipelined prefill runs one plan several times, each call giving slots to some experts' blocks only). The sum over k
@@ -18,14 +20,16 @@ order and padding compute every pair alike under the same tiles.
 
 Dequantization happens in registers, from bits, with no lookup table in memory:
 * E2M1 nibble `s eee`  -> fp16 bits `s 0 0 e e e 0...` equals the E2M1 value times 2^-14 (subnormal 0.5 included);
-* e4m3 byte `s eeee mmm` -> fp16 bits `s 0 eeee mmm 0...` equals the e4m3 value times 2^-8;
+* e4m3 byte `s eeee mmm` -> fp16 bits `s 0 eeee mmm 0...` equals the e4m3 value times 2^-8 (an MXFP4 E8M0 byte:
+  its power of two times 2^-8, `fp4_format._scale_shifted`);
 * their product has at most 5 significant bits, so it is exact in bf16; the dot runs bf16 x bf16 -> fp32 and the
-  per-row fp32 `scale_2` (times 2^22 to undo both shifts) is applied once to the fp32 accumulator.
+  per-row fp32 `scale_2` (times 2^22 to undo both shifts; 2^22 alone without one) is applied once to the fp32
+  accumulator.
 So the kernel differs from the exact reference only by fp32 summation order. `_weight_tile` (also used by the decode
 kernels) gives a K tile as even / odd columns; the tile kernels use `_weight_tile_k`, the same values in natural K
-order: codes loaded as [BN, BK/2] bytes viewed as [BN, BK/16, 8], one e4m3 scale per 16 columns decoded once and
-broadcast, low / high nibbles joined back into [BN, BK]. So each K step is one dot over BK against a contiguous
-activation tile.
+order: codes loaded as [BN, BK/2] bytes viewed as [BN, BK/16, 8], one block scale per 16 columns (MXFP4: two groups
+load the same byte) decoded once and broadcast, low / high nibbles joined back into [BN, BK]. So each K step is one
+dot over BK against a contiguous activation tile.
 
 Tiles (`TILE_CONFIGS`, picked by rows per expert in `pick_blocks`): every M block of an expert dequantizes its
 weight tiles again (~8-13 SASS instructions per weight element on sm_90), which at BLOCK_M = 128 issues longer than
@@ -43,23 +47,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp4_format import _e2m1_shifted, _e4m3_shifted, _gated, _row_bias, _row_scale, _scale_shifted
 from .record_layout import RecordLayout
 
 _UNSHIFT = 4194304.0  # 2^22 = 2^14 (E2M1 shift) * 2^8 (e4m3 shift)
-
-
-@triton.jit
-def _e2m1_shifted(nib):
-    # nib: uint16 in [0, 16) -> fp32 E2M1 value * 2^-14
-    bits = ((nib & 7) << 9) | ((nib & 8) << 12)
-    return bits.to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
-def _e4m3_shifted(b):
-    # b: uint16 e4m3 byte -> fp32 e4m3 value * 2^-8 (NaN encodings never occur in scales)
-    bits = ((b & 0x80) << 8) | ((b & 0x7F) << 7)
-    return bits.to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -98,17 +89,18 @@ def _to_bf16(v, DOT_F32: tl.constexpr):
 
 @triton.jit
 def _weight_tile_k(rec, OFF_W: tl.constexpr, OFF_S: tl.constexpr, rows, row_mask, K: tl.constexpr, k0,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GPS: tl.constexpr, E8M0: tl.constexpr):
     # rows [BN] output rows -> bf16 [BN, BK] = W[rows, k0:k0+BK] * 2^-22, natural K order (values as _weight_tile's)
     # The codes are loaded as a 2-D [BN, BK/2] tile (contiguous along K, so lanes run along K) and only then split
     # into scale groups. A 3-D load puts the lanes along rows, and Triton 3.6 then fails to build a wgmma B operand
     # from the joined tile ("Illegal shared layout" in TritonGPUOptimizeDotOperands) or stores it with 2-byte writes.
-    g = tl.arange(0, BLOCK_K // 16)  # scale groups of the tile: 8 code bytes each
+    g = tl.arange(0, BLOCK_K // 16)  # 16-column groups of the tile: 8 code bytes each, GPS groups per scale byte
     j = tl.arange(0, BLOCK_K // 2)
     c = tl.load(rec + OFF_W + rows[:, None] * (K // 2) + (k0 // 2 + j)[None, :], mask=row_mask[:, None], other=0)
     c = tl.reshape(c.to(tl.uint16), (BLOCK_N, BLOCK_K // 16, 8))  # [BN, BK/16, 8]
-    sc = tl.load(rec + OFF_S + rows[:, None] * (K // 16) + (k0 // 16 + g)[None, :], mask=row_mask[:, None], other=0)
-    s = _e4m3_shifted(sc.to(tl.uint16))[:, :, None]  # [BN, BK/16, 1]
+    sc = tl.load(rec + OFF_S + rows[:, None] * (K // (16 * GPS)) + ((k0 // 16 + g) // GPS)[None, :],
+                 mask=row_mask[:, None], other=0)
+    s = _scale_shifted(sc.to(tl.uint16), E8M0)[:, :, None]  # [BN, BK/16, 1]
     lo = (_e2m1_shifted(c & 15) * s).to(tl.bfloat16)  # element 2j of byte j
     hi = (_e2m1_shifted(c >> 4) * s).to(tl.bfloat16)
     return tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))  # [BN, BK/16, 8, 2] -> [BN, BK]
@@ -151,10 +143,13 @@ def _tile_dot(a, w, acc, SWAP: tl.constexpr, DOT_F32: tl.constexpr):
 def _gate_up_kernel(
     pool, slot_stride, x, act, sorted_pairs, block_slot, num_pairs,
     TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
-    OFF_GU: tl.constexpr, OFF_GUS: tl.constexpr, OFF_GUS2: tl.constexpr,
+    OFF_GU: tl.constexpr, OFF_GUS: tl.constexpr, OFF_GUS2: tl.constexpr, OFF_GUB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr, DOT_F32: tl.constexpr,
+    GPS: tl.constexpr, E8M0: tl.constexpr, S2: tl.constexpr, BIAS: tl.constexpr, SWIGLU: tl.constexpr,
+    ALPHA: tl.constexpr, LIMIT: tl.constexpr,
 ):
-    # act[r, n] = bf16(silu(g) * u), g = row n, u = row I + n of gate_up applied to x[pair // TOPK]; act [NB*BM, I]
+    # act[r, n] = bf16(act(g, u)), g = row n, u = row I + n of gate_up applied to x[pair // TOPK] (+ biases);
+    # act [NB*BM, I]
     slot, r, pairs, n = _block_rows(sorted_pairs, block_slot, tl.program_id(0), I, BLOCK_M, BLOCK_N)
     if slot < 0:  # no record: dead pairs (down writes their zeros) or an unused block
         return
@@ -170,9 +165,9 @@ def _gate_up_kernel(
     acc_u = tl.zeros_like(acc_g)
     for k0 in range(0, H, BLOCK_K):
         xt = tl.load(x + tok[:, None] * H + k0 + kk[None, :], mask=m_mask[:, None], other=0.0)  # [BM, BK]
-        wg = _weight_tile_k(rec, OFF_GU, OFF_GUS, n, n_mask, H, k0, BLOCK_N, BLOCK_K)  # [BN, BK]
+        wg = _weight_tile_k(rec, OFF_GU, OFF_GUS, n, n_mask, H, k0, BLOCK_N, BLOCK_K, GPS, E8M0)  # [BN, BK]
         acc_g = _tile_dot(xt, wg, acc_g, SWAP, DOT_F32)
-        wu = _weight_tile_k(rec, OFF_GU, OFF_GUS, I + n, n_mask, H, k0, BLOCK_N, BLOCK_K)
+        wu = _weight_tile_k(rec, OFF_GU, OFF_GUS, I + n, n_mask, H, k0, BLOCK_N, BLOCK_K, GPS, E8M0)
         acc_u = _tile_dot(xt, wu, acc_u, SWAP, DOT_F32)
     # rows and columns again rather than kept live over the loop: fewer registers (no spill on Triton 3.6)
     _, r, pairs, n = _block_rows(sorted_pairs, block_slot, tl.program_id(0), I, BLOCK_M, BLOCK_N)
@@ -180,10 +175,9 @@ def _gate_up_kernel(
     n_mask = n < I
     r_b, n_b = _outer(r, n, SWAP)
     mm_b, nm_b = _outer(m_mask, n_mask, SWAP)
-    s2 = (rec + OFF_GUS2).to(tl.pointer_type(tl.float32))
-    g = acc_g * (tl.load(s2 + n_b, mask=nm_b, other=0.0) * 4194304.0)
-    u = acc_u * (tl.load(s2 + I + n_b, mask=nm_b, other=0.0) * 4194304.0)
-    a = g / (1.0 + tl.exp(-g)) * u
+    g = acc_g * _row_scale(rec, OFF_GUS2, n_b, nm_b, S2) + _row_bias(rec, OFF_GUB, n_b, nm_b, BIAS)
+    u = acc_u * _row_scale(rec, OFF_GUS2, I + n_b, nm_b, S2) + _row_bias(rec, OFF_GUB, I + n_b, nm_b, BIAS)
+    a = _gated(g, u, SWIGLU, ALPHA, LIMIT)
     tl.store(act + r_b * I + n_b, _to_bf16(a, DOT_F32), mask=mm_b & nm_b)
 
 
@@ -191,9 +185,12 @@ def _gate_up_kernel(
 def _down_kernel(
     pool, slot_stride, act, out, pair_weight, sorted_pairs, block_slot, num_pairs,
     H: tl.constexpr, I: tl.constexpr, OFF_D: tl.constexpr, OFF_DS: tl.constexpr, OFF_DS2: tl.constexpr,
+    OFF_DB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP: tl.constexpr, DOT_F32: tl.constexpr,
+    GPS: tl.constexpr, E8M0: tl.constexpr, S2: tl.constexpr, BIAS: tl.constexpr,
 ):
-    # out[p, n] = weight[p] * (down row n) . act[r]   (fp32 [P, H]); 0 for the live rows of a block of slot -1
+    # out[p, n] = weight[p] * ((down row n) . act[r] + bias[n])   (fp32 [P, H]); 0 for the live rows of a block of
+    # slot -1
     slot, r, pairs, n = _block_rows(sorted_pairs, block_slot, tl.program_id(0), H, BLOCK_M, BLOCK_N)
     m_mask = pairs < num_pairs
     p64 = pairs.to(tl.int64)
@@ -211,17 +208,18 @@ def _down_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         at = tl.load(act + r[:, None] * I + k0 + kk[None, :], mask=m_mask[:, None], other=0.0)  # [BM, BK]
-        wd = _weight_tile_k(rec, OFF_D, OFF_DS, n, n_mask, I, k0, BLOCK_N, BLOCK_K)  # [BN, BK]
+        wd = _weight_tile_k(rec, OFF_D, OFF_DS, n, n_mask, I, k0, BLOCK_N, BLOCK_K, GPS, E8M0)  # [BN, BK]
         acc = _tile_dot(at, wd, acc, SWAP, DOT_F32)
     _, r, pairs, n = _block_rows(sorted_pairs, block_slot, tl.program_id(0), H, BLOCK_M, BLOCK_N)  # as in gate_up
     m_mask = pairs < num_pairs
     p64 = pairs.to(tl.int64)
     n_mask = n < H
-    s2 = tl.load((rec + OFF_DS2).to(tl.pointer_type(tl.float32)) + n, mask=n_mask, other=0.0) * 4194304.0
+    s2 = _row_scale(rec, OFF_DS2, n, n_mask, S2)
     w_b, s2_b = _outer(tl.load(pair_weight + pairs, mask=m_mask, other=0.0), s2, SWAP)
+    _, bias_b = _outer(m_mask, _row_bias(rec, OFF_DB, n, n_mask, BIAS), SWAP)
     p_b, n_b = _outer(p64, n, SWAP)
     mm_b, nm_b = _outer(m_mask, n_mask, SWAP)
-    tl.store(out + p_b * H + n_b, acc * s2_b * w_b, mask=mm_b & nm_b)
+    tl.store(out + p_b * H + n_b, (acc * s2_b + bias_b) * w_b, mask=mm_b & nm_b)
 
 
 # Tile configurations by name (values in TILE_KEYS order); `PICK` maps rows per expert (upper bound) to a name.
@@ -271,11 +269,11 @@ def moe_blocks(pool: torch.Tensor, layout: RecordLayout, x: torch.Tensor, topk: 
     bk_gu, bk_d = _fit_block_k(b["BLOCK_K"], H), _fit_block_k(b["BLOCK_K"], I)
     _gate_up_kernel[(nb * triton.cdiv(I, b["BLOCK_N_GU"]),)](
         pool, layout.stride, x, act, sorted_pairs, block_slot, P, topk, H, I,
-        layout.off_gate_up, layout.off_gate_up_scale, layout.off_gate_up_scale_2,
-        BLOCK_M=bm, BLOCK_N=b["BLOCK_N_GU"], BLOCK_K=bk_gu, SWAP=b["SWAP"], DOT_F32=interp, **launch,
+        layout.off_gate_up, layout.off_gate_up_scale, BLOCK_M=bm, BLOCK_N=b["BLOCK_N_GU"], BLOCK_K=bk_gu,
+        SWAP=b["SWAP"], DOT_F32=interp, **layout.kernel_args("gate_up"), **launch,
     )
     _down_kernel[(nb * triton.cdiv(H, b["BLOCK_N_D"]),)](
         pool, layout.stride, act, out, pair_weight, sorted_pairs, block_slot, P, H, I,
-        layout.off_down, layout.off_down_scale, layout.off_down_scale_2,
-        BLOCK_M=bm, BLOCK_N=b["BLOCK_N_D"], BLOCK_K=bk_d, SWAP=b["SWAP"], DOT_F32=interp, **launch,
+        layout.off_down, layout.off_down_scale, BLOCK_M=bm, BLOCK_N=b["BLOCK_N_D"], BLOCK_K=bk_d,
+        SWAP=b["SWAP"], DOT_F32=interp, **layout.kernel_args("down"), **launch,
     )

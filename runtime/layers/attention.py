@@ -6,7 +6,8 @@ rows into its cache at positions `[past, past + T)` and its queries attend to ca
 seeing keys up to `past + i`. Gated attention multiplies the attention output by `sigmoid(gate)` before `o_proj`.
 gpt_oss adds two things (`sink_attention`): per-head sinks (`sinks [nq]`, one more logit in each softmax row whose
 probability is dropped) and, on `sliding_attention` layers, a window: query i sees keys `(past + i - window, past + i]`.
-The cache still keeps every row (the window only masks); such layers always take the eager path below.
+The cache still keeps every row (the window only masks). Their prefill takes `sink_attention` below (on CUDA too);
+their decode batches take the fused kernel like any other layer (it handles sinks and the window).
 
 Decode batches (`batch.decode`, one token per segment, `past` taken from `batch.positions`): with `_fused` set, one
 Triton kernel (`ft.runtime.gpu.decode_attention`) does norm + RoPE + the KV write and split-K attention over each
@@ -39,7 +40,7 @@ class Attention(Op):
         if cfg.attn_sinks:
             self.sinks: torch.Tensor = REQUIRED            # [nq], compute dtype
         self._window = cfg.sliding_window if cfg.layer_types[layer] == "sliding_attention" else 0
-        self._eager = cfg.attn_sinks or self._window > 0  # no fused kernel for sinks / windows
+        self._eager = cfg.attn_sinks or self._window > 0  # prefill: sink_attention (decode: the fused kernel)
         self._layer = layer
         self._eps = cfg.rms_norm_eps
         self._nq, self._nkv, self._hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -54,7 +55,7 @@ class Attention(Op):
     def __call__(self, x: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         n = x.shape[0]                                              # x [N, H]
         qkv = self.qkv_proj(x)                                      # [N, rows]
-        if batch.decode and self._fused and not self._eager:
+        if batch.decode and self._fused:
             return self.o_proj(self._fused_decode(qkv, batch))
         parts = qkv.split(self._split, dim=-1)
         q = parts[0].reshape(n, self._nq, self._hd)
@@ -91,7 +92,7 @@ class Attention(Op):
         return decode_attention(qkv, self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,
                                 self._eps, batch.rope["cos"], batch.rope["sin"], batch.tables[self._layer],
                                 batch.positions, nq=self._nq, nkv=self._nkv, hd=self._hd, scale=self._hd ** -0.5,
-                                gated=self._gated)
+                                gated=self._gated, sinks=getattr(self, "sinks", None), window=self._window)
 
 
 # Not cuDNN: its SDPA builds an execution plan per new key length, i.e. at every decode step (63 ms of host time per

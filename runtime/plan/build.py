@@ -55,7 +55,7 @@ def make_plan(reader: FtwReader, settings: EngineSettings, routing: RoutingProfi
     cfg = reader.config
     moe = [i for i, t in enumerate(cfg.mlp_types) if t == "moe"]
     bank = reader.bank(f"layers.{moe[0]}.mlp.experts")
-    layout = RecordLayout.from_bank(bank, cfg.hidden_size, cfg.moe_intermediate_size)
+    layout = RecordLayout.for_model(bank, cfg)
     E, stride = cfg.num_experts, bank.stride
     dev = torch.device(settings.device)
     cuda = dev.type == "cuda"

@@ -249,3 +249,17 @@ def test_the_build_covers_what_the_runtime_passes_not_only_what_it_replays(ftw_f
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["decision"] == "installed" and out["compiled"] == 0, out
+
+
+def test_geometry_of_gpt_oss_names_its_expert_format_sinks_and_windows(ftw_for):
+    """The launches of a gpt_oss FTW use its MXFP4 records with the clamped SwiGLU, sinks, and both windows."""
+    from ft.compiler.kernels import launches
+    from ft.formats import FtwReader
+
+    r = FtwReader(ftw_for("gpt_oss", "mxfp4"))
+    cfg = r.config
+    g = launches.geometry(r)
+    assert g.experts == ("mxfp4", "clamped_swiglu", cfg.swiglu_alpha, cfg.swiglu_limit)
+    assert g.sinks and g.windows == (0, cfg.sliding_window)
+    q = launches.geometry(FtwReader(ftw_for("qwen3_moe", "nvfp4")))
+    assert q.experts[:2] == ("nvfp4", "silu") and not q.sinks and q.windows == (0,)

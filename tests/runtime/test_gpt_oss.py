@@ -154,14 +154,16 @@ def test_family_rules(ftw_for):
         model_class("qwen3_moe")(dataclasses.replace(qwen, rope_type="yarn", rope_original_max_position_embeddings=8))
 
 
-def test_gpu_scheduler_refuses_mxfp4_with_a_reason(ftw_for):
+def test_gpu_scheduler_takes_mxfp4_and_refuses_plain_experts_with_a_reason(ftw_for):
     from ft.runtime.engine import Engine
     from ft.runtime.gpu.engine_setup import unsupported_reason
     from ft.runtime.gpu.offload_config import OffloadConfig
 
-    reader = FtwReader(ftw_for("gpt_oss", "mxfp4"))
-    assert unsupported_reason(reader) == "expert scheme 'mxfp4' has no GPU kernel (supported: nvfp4)"
-    with pytest.raises(ValueError, match="GPU expert scheduler cannot serve this model: expert scheme 'mxfp4'"):
+    assert unsupported_reason(FtwReader(ftw_for("gpt_oss", "mxfp4"))) is None
+    reader = FtwReader(ftw_for("gpt_oss", "none"))
+    scheme = reader.quant["experts"]
+    assert unsupported_reason(reader) == f"expert scheme {scheme!r} has no GPU kernel (supported: nvfp4, mxfp4)"
+    with pytest.raises(ValueError, match=f"GPU expert scheduler cannot serve this model: expert scheme '{scheme}'"):
         Engine(reader, offload=OffloadConfig(vram_budget=1 << 30))
 
 
@@ -179,7 +181,8 @@ def test_summary_counts_mxfp4_parameters(ftw_for):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("quant", ["none", "mxfp4"])
 def test_cuda_matches_cpu(quant, ftw_for):
-    """Dense weights on the GPU (sink / sliding attention on the eager path), experts from the CPU bank."""
+    """Dense weights on the GPU (decode attention in the fused kernel, prefill's on the eager path), experts from the
+    CPU bank."""
     cpu, gpu = load_model(ftw_for("gpt_oss", quant)), load_model(ftw_for("gpt_oss", quant), device="cuda")
     ids = prompt(cpu, 24, seed=2)
     ours_gpu = run_all(gpu, ids.cuda(), [13, 1, 10])

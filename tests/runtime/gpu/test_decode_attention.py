@@ -31,11 +31,13 @@ class Case:
     p_b random and rows from p_b on NaN (a read of row p_b before its write, or past it, shows as NaN), and a twin
     copy of the buffers for the reference."""
 
-    def __init__(self, seed, lengths, nq, nkv, hd, *, rd=None, norm="both", gated=False, dtype=F32, scale=4.0):
+    def __init__(self, seed, lengths, nq, nkv, hd, *, rd=None, norm="both", gated=False, dtype=F32, scale=4.0,
+                 sinks=False, window=0):
         g = torch.Generator().manual_seed(seed)
         rd = hd if rd is None else rd
         B, cap = len(lengths), max(lengths) + 8
-        self.kw = dict(nq=nq, nkv=nkv, hd=hd, scale=hd ** -0.5 * scale, gated=gated)  # scale > 1: a peaked softmax
+        self.kw = dict(nq=nq, nkv=nkv, hd=hd, scale=hd ** -0.5 * scale, gated=gated, window=window,
+                       sinks=(torch.randn(nq, generator=g) * 4).to(DEV, dtype) if sinks else None)  # scale > 1: peaked
         self.dtype, self.lengths = dtype, lengths
         width = (nq + 2 * nkv + (nq if gated else 0)) * hd
         # a column slice of a wider row (a row stride other than the width), a non-trivial RMS
@@ -211,3 +213,83 @@ def test_attention_fused_decode_matches_reference(gated):
         k2, v2 = tw.kv[layer]
         _close(k2[: n + 1], k[: n + 1])
         _close(v2[: n + 1], v[: n + 1])
+
+
+# gpt_oss: per-head sinks and sliding windows. nq, nkv, hd, lengths, splits, window, sinks, dtype: windows shorter
+# and longer than the contexts, a window start inside a block, one live split and a merge
+SINK_CASES = [
+    (4, 2, 32, [37, 1, 70], 4, 0, True, F32),
+    (4, 2, 32, [37, 1, 70], 4, 16, True, F32),
+    (8, 2, 64, [300, 20], 8, 48, False, F32),
+    (4, 1, 32, [129, 5], 1, 33, True, F32),
+    (4, 2, 32, [90, 40], 4, 24, True, BF16),
+]
+
+
+@pytest.mark.parametrize("nq,nkv,hd,lengths,splits,window,sinks,dtype", SINK_CASES)
+def test_decode_attention_sinks_and_window_match_reference(nq, nkv, hd, lengths, splits, window, sinks, dtype):
+    c = Case(sum(lengths) + window, lengths, nq, nkv, hd, rd=16, sinks=sinks, window=window, dtype=dtype)
+    got = c.run(splits)
+    c.check(got)
+    _counters_zero()
+    if sinks and dtype == F32:  # the sinks change the result (a kernel ignoring them fails here)
+        plain = decode_attention_ref(c.qkv, c.q_norm, c.k_norm, 1e-6, c.cos, c.sin, c.kv_ref, c.pos,
+                                     **{**c.kw, "sinks": None})
+        assert (got.float() - plain.float()).abs().max() > 10 * TOL[dtype]
+
+
+def _oss_config(window):
+    return ModelConfig(
+        family="gpt_oss", vocab_size=16, hidden_size=48, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
+        rms_norm_eps=1e-6, rope_theta=10000.0, rotary_dim=32, max_position_embeddings=128,
+        layer_types=("full_attention", "sliding_attention"), mlp_types=("dense",) * 2, attn_qkv_bias=True,
+        attn_o_bias=True, attn_sinks=True, sliding_window=window, attn_qk_norm=False, attn_output_gate=False,
+        num_experts=0, num_experts_per_tok=0, moe_intermediate_size=0, norm_topk_prob=False,
+        shared_expert_intermediate_size=0, intermediate_size=8, linear_num_key_heads=0, linear_num_value_heads=0,
+        linear_key_head_dim=0, linear_value_head_dim=0, linear_conv_kernel_dim=0, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_ids=(1,))
+
+
+@pytest.mark.parametrize("layer", [0, 1])
+def test_gpt_oss_attention_fused_decode_matches_eager(layer):
+    """gpt_oss attention (q/k/v/o biases, sinks; layer 1 a sliding window of 8) on one decode batch: the fused kernel
+    against the eager `sink_attention` path, outputs and written cache rows."""
+    cfg = _oss_config(8)
+    g = torch.Generator().manual_seed(30 + layer)
+    attn = Attention(cfg, layer)
+    H, rows = cfg.hidden_size, Attention(cfg, layer).expected_rows
+    attn.qkv_proj.weight = (torch.randn(rows, H, generator=g) * 0.3).to(DEV, F32)
+    attn.qkv_proj.bias = (torch.randn(rows, generator=g) * 0.5).to(DEV, F32)
+    attn.o_proj.weight = (torch.randn(H, cfg.num_heads * cfg.head_dim, generator=g) * 0.3).to(DEV, F32)
+    attn.o_proj.bias = (torch.randn(H, generator=g) * 0.5).to(DEV, F32)
+    attn.sinks = (torch.randn(cfg.num_heads, generator=g) * 2).to(DEV, F32)
+    rotary = Rotary(cfg.rotary_dim, cfg.rope_theta)
+
+    def batch_of(segments, positions, tables=None):
+        pos = torch.tensor(positions, dtype=torch.int64, device=DEV)
+        b = ForwardBatch(segments, pos, tables=tables)
+        b.rope["cos"], b.rope["sin"] = rotary.cos_sin(pos, F32)
+        return b
+
+    lengths = [1, 6, 19, 40]  # inside and beyond the window
+    states = [SequenceState(cfg, 64, dtype=F32, device=torch.device(DEV)) for _ in lengths]
+    for st, n in zip(states, lengths):
+        x = torch.randn(n, H, generator=g).to(DEV, F32)
+        attn(x, batch_of([SegmentRows(0, n, 0, st)], list(range(n))))
+        st.length = n
+    twins = [SequenceState(cfg, 64, dtype=F32, device=torch.device(DEV)) for _ in lengths]
+    for st, tw in zip(states, twins):
+        for i, (k, v) in st.kv.items():
+            tw.kv[i][0].copy_(k)
+            tw.kv[i][1].copy_(v)
+    x = torch.randn(len(lengths), H, generator=g).to(DEV, F32)
+    outs = []
+    for fused, sts in [(False, states), (True, twins)]:
+        tables = torch.stack([state_addresses(s, cfg.num_layers) for s in sts], -1).to(DEV)   # [L, 2, B]
+        segs = [SegmentRows(b, 1, -1, s) for b, s in enumerate(sts)]
+        attn._fused = fused
+        outs.append(attn(x, batch_of(segs, lengths, tables)))
+    _close(outs[1], outs[0])
+    for st, tw, n in zip(states, twins, lengths):
+        _close(tw.kv[layer][0][: n + 1], st.kv[layer][0][: n + 1])
+        _close(tw.kv[layer][1][: n + 1], st.kv[layer][1][: n + 1])

@@ -1,0 +1,154 @@
+"""gpt_oss on the GPU expert scheduler: MXFP4 experts (biases, clamped SwiGLU) in the slot cache, resident or at a
+budget of a few slots (misses fetched: the CPU side has no native MXFP4 kernel, and the CPU lane stays off), through
+the scheduler's paths on the CPU emulation: the PyTorch reference, or the Triton kernels under the interpreter
+(device-planned decode, tensor-core decode, device-planned prefill, mode mapped's gather). On CUDA, the engine against
+the CPU engine with CUDA graphs (fused sink / sliding-window decode attention)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from ft.formats import FtwReader
+from ft.runtime.engine import Engine, EngineSettings, SamplingParams, generate
+from ft.runtime.experts import CpuExperts
+from ft.runtime.gpu import engine_setup
+from ft.runtime.gpu.device_path import uses_device_plan, uses_device_prefill
+from ft.runtime.gpu.engine_setup import _weight_bytes
+from ft.runtime.gpu.hybrid import GpuExperts
+from ft.runtime.gpu.offload_config import OffloadConfig
+from ft.runtime.gpu.sizing import LATE_OUTSIDE, state_bytes
+from ft.runtime.model import Segment, load_model
+
+from .gpu_fixtures import rel_err
+
+CUDA = torch.cuda.is_available()
+INTERP = os.environ.get("TRITON_INTERPRET") == "1" and not CUDA
+GIB = 1 << 30
+PROMPT = [5, 17, 3, 99, 42, 7, 11, 2, 9, 4]
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def _logits(model, prompt):
+    st = model.new_state(len(prompt) + 4)
+    out = model.forward(torch.tensor(prompt), [Segment(st, len(prompt), logits="all")])[0]
+    nxt = model.forward(torch.tensor([int(out[-1].argmax())]), [Segment(st, 1)])[0]
+    return torch.cat([out, nxt])
+
+
+def _calls(reader, tokens, seed):
+    """(layer, x bf16 [T, H], distinct top-k ids, weights) per entry of `tokens`, layers cycling."""
+    cfg = reader.config
+    g = torch.Generator().manual_seed(seed)
+    for i, T in enumerate(tokens):
+        x = (torch.randn(T, cfg.hidden_size, generator=g) * 2).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(cfg.num_experts, generator=g)[:cfg.num_experts_per_tok] for _ in range(T)])
+        yield i % cfg.num_layers, x, ids, torch.rand(T, cfg.num_experts_per_tok, generator=g)
+
+
+def test_layout_carries_the_models_format_and_activation(ftw_for):
+    reader = FtwReader(ftw_for("gpt_oss", "mxfp4"))
+    ex = GpuExperts(reader, OffloadConfig(mode="hybrid", num_slots=2), device="cpu")
+    cfg = reader.config
+    assert (ex.layout.scheme, ex.layout.act) == ("mxfp4", "clamped_swiglu")
+    assert (ex.layout.alpha, ex.layout.limit) == (cfg.swiglu_alpha, cfg.swiglu_limit)
+    assert ex.cpu.backend == "torch"  # the C kernel reads NVFP4 only; the reference computes MXFP4
+    ex.close()
+
+
+def test_scheduler_with_few_slots_matches_cpu_experts(ftw_for):
+    reader = FtwReader(ftw_for("gpt_oss", "mxfp4"))
+    ex = GpuExperts(reader, OffloadConfig(mode="hybrid", num_slots=3, b_pcie=1e9, b_cpu=1e9, prefill_tokens=4),
+                    device="cpu")
+    got = _logits(load_model(reader, device="cpu", experts=ex), PROMPT)
+    want = _logits(load_model(ftw_for("gpt_oss", "mxfp4")), PROMPT)
+    assert rel_err(got, want) < 1e-2 and torch.equal(got.argmax(-1), want.argmax(-1))
+    c = ex.counters
+    assert c["misses"] > 0 and c["cpu_experts"] == 0 and c["fetched"] + c["prefill_streamed"] > 0  # all fetched
+    ex.close()
+
+
+@pytest.mark.skipif(not INTERP, reason="needs Triton's interpreter on a machine without CUDA")
+def test_resident_kernels_through_the_scheduler(ftw_for):
+    """Resident, device-planned: 1-2 tokens take the per-pair GEMV kernels, 3 the tensor-core ones, 40 the device-
+    planned prefill tiles; each call against the CPU experts."""
+    reader = FtwReader(ftw_for("gpt_oss", "mxfp4"))
+    cfg = reader.config
+    ex = GpuExperts(reader, OffloadConfig(mode="resident", prefetch=False, prefill_tokens=16), device="cpu",
+                    device_plan=True, interpret=True)
+    ex.allocate()
+    cpu = CpuExperts(reader, cfg, dtype=torch.float32)
+    for layer, x, ids, w in _calls(reader, (1, 2, 3, 40), seed=3):
+        T = x.shape[0]
+        assert uses_device_plan(ex, layer, T) == (T * cfg.num_experts_per_tok <= 64)
+        assert uses_device_prefill(ex, layer, T) == (T == 40)
+        assert rel_err(ex(layer, x, ids, w).float(), cpu(layer, x.float(), ids, w)) < 1e-2
+    assert ex.device_plan and ex.counters["prefill_calls"] == 1 and ex._device_prefill_ok
+    ex.close()
+
+
+@pytest.mark.skipif(not INTERP, reason="needs Triton's interpreter on a machine without CUDA")
+def test_mapped_mode_reads_misses_from_the_bank_without_a_cpu_lane(ftw_for):
+    reader = FtwReader(ftw_for("gpt_oss", "mxfp4"))
+    opts = OffloadConfig(mode="mapped", num_slots=3, prefetch=False, admit_max=1, cpu_threads=2)
+    ex = GpuExperts(reader, opts, device="cpu", device_plan=True, interpret=True)
+    cpu = CpuExperts(reader, reader.config, dtype=torch.float32)
+    try:
+        for layer, x, ids, w in _calls(reader, (1, 2, 1, 3, 1, 1), seed=5):
+            assert rel_err(ex(layer, x, ids, w).float(), cpu(layer, x.float(), ids, w)) < 1e-2
+        ex.settle()
+        s = ex.stats()
+        assert ex.mapped.lane is None and s["cpu_experts"] == 0
+        assert s["misses"] > 0 and s["bytes_mapped"] == (s["misses"]) * ex.layout.payload_bytes
+        assert s["hits"] + s["misses"] == sum(len(np.unique(u)) for _, u in ex.trace)
+    finally:
+        ex.close()
+
+
+def test_engine_resident_and_at_a_budget(ftw_for):
+    ftw = ftw_for("gpt_oss", "mxfp4")
+    kw = dict(device="cpu", kv_reserve_tokens=256, max_prefill_length=8, max_running_requests=2)
+    want = generate(Engine(ftw, EngineSettings(**kw)), PROMPT, PARAMS).token_ids
+    eng = Engine(ftw, EngineSettings(vram_budget=64 * GIB, memory_ratio=0.9, **kw),
+                 offload=OffloadConfig(mode="resident", prefetch=False))
+    E, layers = eng.config.num_experts, eng.config.num_layers
+    assert eng._experts.num_slots == layers * E and generate(eng, PROMPT, PARAMS).token_ids == want
+    assert eng.stats()["moe"]["misses"] == 0
+    eng.close()
+    probe = Engine(ftw, EngineSettings(**kw), offload=OffloadConfig(mode="hybrid", num_slots=1, prefetch=False))
+    stride, dense = probe._experts.layout.stride, _weight_bytes(probe.model)
+    per_token, per_seq = state_bytes(probe.config, probe.model.dtype)
+    probe.close()
+    budget = dense + 256 * per_token + 2 * per_seq + 2 * 32 * stride + (1 << 20) + 5 * stride + stride // 2
+    eng = Engine(ftw, EngineSettings(vram_budget=budget, **kw),
+                 offload=OffloadConfig(mode="hybrid", prefetch=True, b_pcie=1e9, b_cpu=1e9, reserve_bytes=1 << 20))
+    assert eng._experts.num_slots == eng._experts.vram_plan.num_slots == 5
+    assert generate(eng, PROMPT, PARAMS).token_ids == want
+    moe = eng.stats()["moe"]
+    # every miss the free slots can take is fetched (an NVFP4 split at these rates sends about half to the CPU);
+    # only those beyond them run on the CPU reference
+    assert moe["misses"] > 0 and moe["fetched"] + moe["cpu_experts"] == moe["misses"]
+    assert moe["fetched"] > 4 * moe["cpu_experts"]
+    eng.close()
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_engine_resident_and_mapped(ftw_for, monkeypatch):
+    monkeypatch.setattr(engine_setup, "device_in_use", lambda dev: 0)
+    ftw = ftw_for("gpt_oss", "mxfp4")
+    kw = dict(device="cuda", kv_reserve_tokens=256, max_prefill_length=8, max_running_requests=2)
+    want = generate(Engine(ftw, EngineSettings(device="cpu", kv_reserve_tokens=256, max_prefill_length=8,
+                                               max_running_requests=2)), PROMPT, PARAMS).token_ids
+    eng = Engine(ftw, EngineSettings(memory_ratio=0.5, **kw))  # everything fits: resident, CUDA graphs
+    plan, stride = eng._experts.vram_plan, eng._experts.layout.stride
+    assert eng._experts.opts.mode == "resident" and eng.model.graphs is not None
+    assert generate(eng, PROMPT, PARAMS).token_ids[:4] == want[:4] and eng.stats()["moe"]["misses"] == 0
+    eng.close()
+    budget = LATE_OUTSIDE + plan.dense + plan.kv + plan.prefill_buffers + plan.reserve + 5 * stride + 4096
+    eng = Engine(ftw, EngineSettings(vram_budget=budget, **kw))  # the default mode (mapped), lane off
+    assert eng._experts.num_slots < eng.config.num_layers * eng.config.num_experts
+    assert generate(eng, PROMPT, PARAMS).token_ids[:4] == want[:4]
+    eng.close()
