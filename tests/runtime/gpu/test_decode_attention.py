@@ -188,7 +188,14 @@ def test_attention_fused_decode_matches_reference(gated):
         return b
 
     # three sequences prefilled eagerly to lengths 1, 19 and 40
-    lengths = [1, 19, 40]
+    _fused_step_matches_eager(attn, cfg, layer, [1, 19, 40], g, batch_of)
+
+
+def _fused_step_matches_eager(attn, cfg, layer, lengths, g, batch_of):
+    """Sequences prefilled eagerly to `lengths`, copied into twin states; one decode step of all of them on the PyTorch
+    path and on the fused kernel (device tables [L, 2, B]): outputs and the cache rows written agree.
+    batch_of(x, segments, positions, tables=None) -> ForwardBatch."""
+    H = cfg.hidden_size
     states = [SequenceState(cfg, 64, dtype=F32, device=torch.device(DEV)) for _ in lengths]
     for st, n in zip(states, lengths):
         x = torch.randn(n, H, generator=g).to(DEV, F32)
@@ -199,7 +206,6 @@ def test_attention_fused_decode_matches_reference(gated):
         for i, (k, v) in st.kv.items():
             tw.kv[i][0].copy_(k)
             tw.kv[i][1].copy_(v)
-
     x = torch.randn(len(lengths), H, generator=g).to(DEV, F32)
     outs = []
     for fused, sts in [(False, states), (True, twins)]:
@@ -209,10 +215,8 @@ def test_attention_fused_decode_matches_reference(gated):
         outs.append(attn(x, batch_of(x, segs, lengths, tables)))
     _close(outs[1], outs[0])
     for st, tw, n in zip(states, twins, lengths):
-        k, v = st.kv[layer]
-        k2, v2 = tw.kv[layer]
-        _close(k2[: n + 1], k[: n + 1])
-        _close(v2[: n + 1], v[: n + 1])
+        _close(tw.kv[layer][0][: n + 1], st.kv[layer][0][: n + 1])
+        _close(tw.kv[layer][1][: n + 1], st.kv[layer][1][: n + 1])
 
 
 # gpt_oss: per-head sinks and sliding windows. nq, nkv, hd, lengths, splits, window, sinks, dtype: windows shorter
@@ -271,25 +275,5 @@ def test_gpt_oss_attention_fused_decode_matches_eager(layer):
         b.rope["cos"], b.rope["sin"] = rotary.cos_sin(pos, F32)
         return b
 
-    lengths = [1, 6, 19, 40]  # inside and beyond the window
-    states = [SequenceState(cfg, 64, dtype=F32, device=torch.device(DEV)) for _ in lengths]
-    for st, n in zip(states, lengths):
-        x = torch.randn(n, H, generator=g).to(DEV, F32)
-        attn(x, batch_of([SegmentRows(0, n, 0, st)], list(range(n))))
-        st.length = n
-    twins = [SequenceState(cfg, 64, dtype=F32, device=torch.device(DEV)) for _ in lengths]
-    for st, tw in zip(states, twins):
-        for i, (k, v) in st.kv.items():
-            tw.kv[i][0].copy_(k)
-            tw.kv[i][1].copy_(v)
-    x = torch.randn(len(lengths), H, generator=g).to(DEV, F32)
-    outs = []
-    for fused, sts in [(False, states), (True, twins)]:
-        tables = torch.stack([state_addresses(s, cfg.num_layers) for s in sts], -1).to(DEV)   # [L, 2, B]
-        segs = [SegmentRows(b, 1, -1, s) for b, s in enumerate(sts)]
-        attn._fused = fused
-        outs.append(attn(x, batch_of(segs, lengths, tables)))
-    _close(outs[1], outs[0])
-    for st, tw, n in zip(states, twins, lengths):
-        _close(tw.kv[layer][0][: n + 1], st.kv[layer][0][: n + 1])
-        _close(tw.kv[layer][1][: n + 1], st.kv[layer][1][: n + 1])
+    _fused_step_matches_eager(attn, cfg, layer, [1, 6, 19, 40], g,  # inside and beyond the window
+                              lambda x, *args: batch_of(*args))

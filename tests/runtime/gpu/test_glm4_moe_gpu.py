@@ -12,13 +12,12 @@ from ft.runtime.engine import Engine, EngineSettings, SamplingParams, generate
 from ft.runtime.gpu import engine_setup
 from ft.runtime.gpu.hybrid import GpuExperts
 from ft.runtime.gpu.offload_config import OffloadConfig
-from ft.runtime.gpu.engine_setup import _weight_bytes
-from ft.runtime.gpu.sizing import LATE_OUTSIDE, state_bytes
+from ft.runtime.gpu.sizing import LATE_OUTSIDE
 from ft.runtime.model import Segment, load_model
 
+from .engine_checks import resident_then_budget
 from .gpu_fixtures import rel_err
 
-GIB = 1 << 30
 PROMPT = [5, 17, 3, 99, 42, 7, 11, 2, 9, 4]
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -43,26 +42,8 @@ def test_scheduler_with_few_slots_matches_cpu_experts(ftw_for):
 
 
 def test_engine_resident_and_at_a_budget(ftw_for):
-    ftw = ftw_for("glm4_moe", "nvfp4")
-    kw = dict(device="cpu", kv_reserve_tokens=256, max_prefill_length=8, max_running_requests=2)
-    want = generate(Engine(ftw, EngineSettings(**kw)), PROMPT, PARAMS).token_ids
-    eng = Engine(ftw, EngineSettings(vram_budget=64 * GIB, memory_ratio=0.9, **kw),
-                 offload=OffloadConfig(mode="resident", prefetch=False))
-    assert eng._experts.num_slots == 2 * 8 and generate(eng, PROMPT, PARAMS).token_ids == want
-    assert eng.stats()["moe"]["misses"] == 0
-    eng.close()
-    probe = Engine(ftw, EngineSettings(**kw), offload=OffloadConfig(mode="hybrid", num_slots=1, prefetch=False))
-    stride, dense = probe._experts.layout.stride, _weight_bytes(probe.model)
-    per_token, per_seq = state_bytes(probe.config, probe.model.dtype)
-    probe.close()
-    budget = dense + 256 * per_token + 2 * per_seq + 2 * 32 * stride + (1 << 20) + 5 * stride + stride // 2
-    eng = Engine(ftw, EngineSettings(vram_budget=budget, **kw),
-                 offload=OffloadConfig(mode="hybrid", prefetch=True, b_pcie=1e9, b_cpu=1e9, reserve_bytes=1 << 20))
-    assert eng._experts.num_slots == eng._experts.vram_plan.num_slots == 5
-    assert generate(eng, PROMPT, PARAMS).token_ids == want
-    moe = eng.stats()["moe"]
-    assert moe["misses"] > 0 and moe["fetched"] + moe["cpu_experts"] == moe["misses"]
-    eng.close()
+    slots, _ = resident_then_budget(ftw_for("glm4_moe", "nvfp4"), PROMPT, PARAMS)
+    assert slots == 2 * 8
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -17,17 +17,16 @@ from ft.runtime.engine import Engine, EngineSettings, SamplingParams, generate
 from ft.runtime.experts import CpuExperts
 from ft.runtime.gpu import engine_setup
 from ft.runtime.gpu.device_path import uses_device_plan, uses_device_prefill
-from ft.runtime.gpu.engine_setup import _weight_bytes
 from ft.runtime.gpu.hybrid import GpuExperts
 from ft.runtime.gpu.offload_config import OffloadConfig
-from ft.runtime.gpu.sizing import LATE_OUTSIDE, state_bytes
+from ft.runtime.gpu.sizing import LATE_OUTSIDE
 from ft.runtime.model import Segment, load_model
 
+from .engine_checks import resident_then_budget
 from .gpu_fixtures import rel_err
 
 CUDA = torch.cuda.is_available()
 INTERP = os.environ.get("TRITON_INTERPRET") == "1" and not CUDA
-GIB = 1 << 30
 PROMPT = [5, 17, 3, 99, 42, 7, 11, 2, 9, 4]
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
@@ -110,29 +109,12 @@ def test_mapped_mode_reads_misses_from_the_bank_without_a_cpu_lane(ftw_for):
 
 def test_engine_resident_and_at_a_budget(ftw_for):
     ftw = ftw_for("gpt_oss", "mxfp4")
-    kw = dict(device="cpu", kv_reserve_tokens=256, max_prefill_length=8, max_running_requests=2)
-    want = generate(Engine(ftw, EngineSettings(**kw)), PROMPT, PARAMS).token_ids
-    eng = Engine(ftw, EngineSettings(vram_budget=64 * GIB, memory_ratio=0.9, **kw),
-                 offload=OffloadConfig(mode="resident", prefetch=False))
-    E, layers = eng.config.num_experts, eng.config.num_layers
-    assert eng._experts.num_slots == layers * E and generate(eng, PROMPT, PARAMS).token_ids == want
-    assert eng.stats()["moe"]["misses"] == 0
-    eng.close()
-    probe = Engine(ftw, EngineSettings(**kw), offload=OffloadConfig(mode="hybrid", num_slots=1, prefetch=False))
-    stride, dense = probe._experts.layout.stride, _weight_bytes(probe.model)
-    per_token, per_seq = state_bytes(probe.config, probe.model.dtype)
-    probe.close()
-    budget = dense + 256 * per_token + 2 * per_seq + 2 * 32 * stride + (1 << 20) + 5 * stride + stride // 2
-    eng = Engine(ftw, EngineSettings(vram_budget=budget, **kw),
-                 offload=OffloadConfig(mode="hybrid", prefetch=True, b_pcie=1e9, b_cpu=1e9, reserve_bytes=1 << 20))
-    assert eng._experts.num_slots == eng._experts.vram_plan.num_slots == 5
-    assert generate(eng, PROMPT, PARAMS).token_ids == want
-    moe = eng.stats()["moe"]
+    slots, moe = resident_then_budget(ftw, PROMPT, PARAMS)
+    config = FtwReader(ftw).config
+    assert slots == config.num_layers * config.num_experts
     # every miss the free slots can take is fetched (an NVFP4 split at these rates sends about half to the CPU);
     # only those beyond them run on the CPU reference
-    assert moe["misses"] > 0 and moe["fetched"] + moe["cpu_experts"] == moe["misses"]
     assert moe["fetched"] > 4 * moe["cpu_experts"]
-    eng.close()
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
