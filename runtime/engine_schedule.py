@@ -27,8 +27,8 @@ class Scheduling:
     def _admit(self) -> None:
         while self._waiting and len(self._running) < self.max_running_requests:
             req = self._waiting[0]
-            hit = self.prefix.take(req.prefill_ids) if self.prefix is not None else None
             size = self.kv.rounded(req.prefill_length + 1, req.max_length)  # prefill + the first decode
+            hit = self.prefix.take(req.prefill_ids, capacity=size) if self.prefix is not None else None
             # A block of headroom for the running requests' growth: a request just preempted is not re-admitted (and
             # recomputed) straight away. Kept prefixes give way first.
             while not self.kv.try_reserve(req.request_id, size, headroom=self.kv.block if self._running else 0):
@@ -42,9 +42,8 @@ class Scheduling:
             else:
                 req.state, req.num_prefilled = hit.state, hit.length
                 req.snapshots.update(hit.snapshots)  # the conversation's earlier chunk ends stay reusable
+                req.prefix_source = hit.source
                 req.state.max_tokens = max(req.state.max_tokens, req.max_length)
-                if req.state.capacity > size:  # KV buffers within the reservation (and max_length)
-                    req.state.resize(size)
                 if not req.output_ids:  # what usage reports: the first admission's reuse (not a recompute's)
                     req.num_cached = hit.length
             self._running.append(req)
@@ -114,7 +113,8 @@ class Scheduling:
         if self.prefix is not None and req.state is not None:  # kept for a later prompt that starts the same way
             state, req.state = req.state, None
             self.kv.release(req.request_id)
-            self.prefix.put((req.prompt_ids + req.output_ids)[:state.length], state, req.snapshots)
+            self.prefix.put((req.prompt_ids + req.output_ids)[:state.length], state, req.snapshots,
+                            replaces=req.prefix_source)
         self._release(req)
         self._ids.discard(req.request_id)
         self._counters.add("requests_finished")

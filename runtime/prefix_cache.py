@@ -2,8 +2,8 @@
 tokens prefills only the rest. Coding agents resend the whole conversation on every turn, most of it unchanged.
 
     cache = PrefixCache(kv, max_entries=8)
-    cache.put(tokens, state, snapshots)       # a finished request: `tokens` are the ones its state consumed
-    hit = cache.take(prompt_ids)              # -> PrefixHit(state, length) or None: the state holds prompt[:length]
+    hit = cache.take(prompt_ids, capacity=n)  # -> PrefixHit(state, length, ...) or None: a copy of prompt[:length]
+    cache.put(tokens, state, snapshots, replaces=hit.source)  # a finished request: its state consumed `tokens`
 
 An entry is a `SequenceState` that consumed `tokens` (prompt + output but the last sampled token), its KV rows still
 on the device and held in the KV budget under a reservation of its own ("prefix:N"), plus `snapshots`: host copies of
@@ -14,10 +14,17 @@ entry on their longest common token prefix L, capped at len(prompt) - 1 (one tok
   * models with recurrent layers (Gated DeltaNet) reuse the largest length <= L at which a state is known exactly:
     the entry's own length (the next turn continues the whole conversation) or a snapshot's (the client re-rendered
     the assistant's reply differently, e.g. without its thinking: the prompt end before it still matches).
-The entry with the longest usable prefix wins; taking it removes it (a state serves one request at a time).
+The entry with the longest usable prefix wins; the request gets a copy of its state (`SequenceState.clone`, a device
+copy of the KV rows) and the entry stays, so requests that share a prefix at the same time all reuse it (an agent's
+parallel calls share their system prompt and tools; a conversation forks). When the request finishes its state
+replaces the entry it was copied from (if still kept: the first of several sharers to finish replaces it), so a
+conversation holds one entry, as when a state served one request at a time; a stored state also supersedes the
+entries whose tokens it extends when it can resume from every length they could (attention only, or it holds a
+snapshot at their length).
 The cache gives way to running requests: `evict` (least recently used first) frees an entry and its reservation,
 and the engine calls it whenever an admission or a request's growth does not fit. Entries park their recurrent states
-in host memory (`SequenceState.park`), so they hold device memory only for the KV rows the budget counts.
+in host memory (`SequenceState.park`), so they hold device memory only for the KV rows the budget counts; an
+entry's state is never run again, only copied.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ class PrefixHit:
     state: SequenceState
     length: int  # tokens of the prompt the state already holds
     snapshots: dict[int, tuple[dict, dict]]  # the entry's snapshots at lengths <= length, still valid for the prompt
+    source: str  # the entry copied (`put(..., replaces=source)`)
 
 
 @dataclass
@@ -56,18 +64,25 @@ class PrefixCache:
     max_entries: int = 8
     entries: list[_Entry] = field(default_factory=list)
     counters: dict = field(default_factory=lambda: dict.fromkeys(("hits", "hit_tokens", "misses", "stored",
-                                                                    "evicted"), 0))
+                                                                    "superseded", "evicted"), 0))
 
     def __post_init__(self) -> None:
         self._ids = itertools.count()
         self._clock = itertools.count()
 
-    def put(self, tokens: list[int], state: SequenceState, snapshots: dict[int, tuple[dict, dict]]) -> bool:
-        """Keep `state` (it consumed exactly `tokens`); False (and the state freed) when the budget has no room for
-        its KV rows even after evicting older entries."""
+    def put(self, tokens: list[int], state: SequenceState, snapshots: dict[int, tuple[dict, dict]], *,
+            replaces: str | None = None) -> bool:
+        """Keep `state` (it consumed exactly `tokens`) in place of the entry `replaces` (the one it was copied from,
+        if still kept); False (and the state freed) when the budget has no room for its KV rows even after evicting
+        older entries."""
         if state.freed or state.length != len(tokens) or not tokens or self.max_entries < 1:
             state.free()
             return False
+        snaps = {n: snapshots[n] for n in sorted(n for n in snapshots if 0 < n <= len(tokens))[-MAX_SNAPSHOTS:]}
+        ids = np.asarray(tokens, np.int64)
+        for old in [e for e in self.entries if e.key == replaces or _supersedes(ids, snaps, state, e)]:
+            self._drop(old)
+            self.counters["superseded"] += 1
         while len(self.entries) >= self.max_entries:
             self.evict()
         key = f"prefix:{next(self._ids)}"
@@ -76,14 +91,14 @@ class PrefixCache:
                 state.free()
                 return False
         state.park()
-        snaps = {n: snapshots[n] for n in sorted(n for n in snapshots if 0 < n <= len(tokens))[-MAX_SNAPSHOTS:]}
-        self.entries.append(_Entry(key, np.asarray(tokens, np.int64), state, snaps, next(self._clock)))
+        self.entries.append(_Entry(key, ids, state, snaps, next(self._clock)))
         self.counters["stored"] += 1
         return True
 
-    def take(self, prompt: list[int]) -> PrefixHit | None:
-        """The entry holding the longest usable prefix of `prompt` (removed from the cache, its reservation
-        released: the caller reserves what the request needs), rewound to that prefix; None if none has one."""
+    def take(self, prompt: list[int], *, capacity: int | None = None) -> PrefixHit | None:
+        """A copy of the entry holding the longest usable prefix of `prompt`, at that prefix, with KV buffers of
+        `capacity` rows (the caller reserves what the request needs; the entry keeps its own reservation); None if no
+        entry has one."""
         best, best_len = None, 0
         ids = np.asarray(prompt, np.int64)
         for entry in self.entries:
@@ -93,25 +108,29 @@ class PrefixCache:
         if best is None:
             self.counters["misses"] += 1
             return None
-        self.entries.remove(best)
-        self.kv.release(best.key)
-        state = best.state
-        state.unpark()
-        state.rewind(best_len, best.snapshots.get(best_len) if best_len != state.length else None)
+        src = best.state
+        state = src.clone(best_len, best.snapshots.get(best_len) if best_len != src.length else None,
+                          capacity=capacity)
+        best.used = next(self._clock)
+        snaps = {n: v for n, v in best.snapshots.items() if n <= best_len}
+        if src.recurrent and best_len == src.length:  # the entry's own end, resumable later too (its parked states
+            snaps[best_len] = (src.conv, src.recurrent)  # are host copies that are never written again)
         self.counters["hits"] += 1
         self.counters["hit_tokens"] += best_len
-        return PrefixHit(state, best_len, {n: v for n, v in best.snapshots.items() if n <= best_len})
+        return PrefixHit(state, best_len, snaps, best.key)
 
     def evict(self) -> bool:
-        """Free the least recently stored entry and its reservation; False if there is none."""
+        """Free the least recently used entry and its reservation; False if there is none."""
         if not self.entries:
             return False
-        entry = min(self.entries, key=lambda e: e.used)
+        self._drop(min(self.entries, key=lambda e: e.used))
+        self.counters["evicted"] += 1
+        return True
+
+    def _drop(self, entry: _Entry) -> None:
         self.entries.remove(entry)
         self.kv.release(entry.key)
         entry.state.free()
-        self.counters["evicted"] += 1
-        return True
 
     def clear(self) -> None:
         while self.evict():
@@ -124,6 +143,18 @@ class PrefixCache:
     def stats(self) -> dict:
         return {**self.counters, "entries": len(self.entries), "tokens": sum(len(e.tokens) for e in self.entries),
                 "kv_tokens_held": self.held(), "snapshots": sum(len(e.snapshots) for e in self.entries)}
+
+
+def _supersedes(tokens: np.ndarray, snapshots: dict, state: SequenceState, entry: _Entry) -> bool:
+    """Whether a state that consumed `tokens` (with `snapshots`) serves every prompt `entry` serves, as far: the
+    entry's tokens start `tokens`, and a recurrent model can resume at the entry's length and at each of its
+    snapshots' lengths."""
+    n = len(entry.tokens)
+    if n > len(tokens) or not np.array_equal(entry.tokens, tokens[:n]):
+        return False
+    if not state.recurrent:
+        return True
+    return all(m == len(tokens) or m in snapshots for m in (n, *entry.snapshots))
 
 
 def _usable(entry: _Entry, prompt: np.ndarray) -> int:

@@ -103,34 +103,39 @@ class SequenceState:
         return ({i: t.to("cpu", copy=True) for i, t in self.conv.items()},
                 {i: t.to("cpu", copy=True) for i, t in self.recurrent.items()})
 
-    def rewind(self, length: int, snapshot: tuple[dict, dict] | None = None) -> None:
-        """Go back to the first `length` tokens: KV rows past it are stale from now on (never read); the recurrent
-        layers' states are only valid at one length, so a model that has them needs `snapshot` taken at `length`
-        (`recurrent_snapshot`) unless `length` is the current one."""
+    def clone(self, length: int, snapshot: tuple[dict, dict] | None = None, *,
+              capacity: int | None = None) -> SequenceState:
+        """A new state holding this one's first `length` tokens, with KV buffers of `capacity` rows (default: this
+        state's capacity; at least `length`): the KV rows copied, the recurrent layers' states copied too, or taken
+        from `snapshot` (taken at `length`: `recurrent_snapshot`), which a model that has them needs unless `length`
+        is the current one. This state is left as it is (a kept prefix serves several requests)."""
         if self._freed:
             raise ValueError("the state was freed")
         if not 0 <= length <= self.length:
-            raise ValueError(f"can only rewind to 0..{self.length} tokens, not {length}")
-        if self.recurrent and length != self.length:
-            if snapshot is None:
-                raise ValueError("a model with recurrent layers rewinds only to a snapshot of its state")
-            conv, rec = snapshot
-            for i, t in conv.items():
-                self.conv[i].copy_(t)
-            for i, t in rec.items():
-                self.recurrent[i].copy_(t)
-        self.length = length
+            raise ValueError(f"can only copy 0..{self.length} tokens, not {length}")
+        rewound = self.recurrent and length != self.length
+        if rewound and snapshot is None:
+            raise ValueError("a model with recurrent layers is copied at another length only from a snapshot")
+        capacity = max(length, self._capacity if capacity is None else capacity)
+        dtype = next(iter(self.kv.values()))[0].dtype if self.kv else next(iter(self.conv.values())).dtype
+        new = SequenceState(self.config, max(self.max_tokens, capacity), dtype=dtype, device=self.device,
+                            capacity=capacity)
+        for i, pair in self.kv.items():
+            for dst, src in zip(new.kv[i], pair):
+                dst[:length] = src[:length]
+        conv, rec = snapshot if rewound else (self.conv, self.recurrent)
+        for i, t in conv.items():
+            new.conv[i].copy_(t)
+        for i, t in rec.items():
+            new.recurrent[i].copy_(t)
+        new.length = length
+        return new
 
     def park(self) -> None:
         """Move the recurrent layers' states to host memory (a state kept for reuse holds device memory only for its
-        KV rows, which the KV budget counts); `unpark` brings them back before the state runs again."""
+        KV rows, which the KV budget counts); it is then only read (`clone`)."""
         self.conv = {i: t.to("cpu") for i, t in self.conv.items()}
         self.recurrent = {i: t.to("cpu") for i, t in self.recurrent.items()}
-        self._addresses = None
-
-    def unpark(self) -> None:
-        self.conv = {i: t.to(self.device) for i, t in self.conv.items()}
-        self.recurrent = {i: t.to(self.device) for i, t in self.recurrent.items()}
         self._addresses = None
 
     @property

@@ -5,8 +5,10 @@ DeltaNet) families; kept states give way to running requests."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from ft.runtime.engine import Engine, EngineSettings, SamplingParams
+from ft.runtime.model import Segment
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
 FIRST = [(11 * i + 5) % 180 + 12 for i in range(30)]
@@ -102,6 +104,46 @@ def test_kept_states_give_way_to_running_requests(ftw_for):
     stats = eng.stats()
     assert stats["prefix_cache"]["evicted"] >= 1 and stats["preemptions"] == 0
     assert stats["kv_tokens_used"] == 0 and eng.kv.used == stats["kv_tokens_cached"] <= eng.kv.total
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_requests_running_together_share_a_kept_prefix(ftw_for, arch):
+    """An agent's parallel calls (or a forked conversation) start with the same kept conversation: every one of them
+    reuses it, each decodes as without the cache, and only the states they leave behind stay (the one they forked
+    from is superseded)."""
+    ftw = ftw_for(arch, "none")
+    eng, plain = _engine(ftw, 4), _engine(ftw, 0)
+    first, _ = _turn(eng, FIRST, "t1")
+    forks = {f"f{i}": FIRST + first + tail for i, tail in enumerate(([17, 23, 29], [40, 41], [7, 7, 7, 7]))}
+    for rid, prompt in forks.items():
+        eng.add_request(rid, prompt, GREEDY)
+    outs, cached = {rid: [] for rid in forks}, {}
+    while eng.has_unfinished():
+        for ev in eng.step():
+            if ev.token_id is not None:
+                outs[ev.request_id].append(ev.token_id)
+            cached[ev.request_id] = ev.num_cached_tokens
+    for rid, prompt in forks.items():
+        assert len(FIRST) + len(first) - 1 <= cached[rid] <= len(FIRST) + len(first)
+        assert outs[rid] == _turn(plain, prompt, rid)[0]
+    stats = eng.stats()["prefix_cache"]
+    assert stats["hits"] == 3 and stats["superseded"] >= 1 and stats["entries"] == 3
+
+
+def test_a_copied_state_is_independent_of_the_kept_one(ftw_for):
+    eng = Engine(ftw_for("qwen3_5_moe", "none"), EngineSettings(prefix_cache_entries=0))
+    st = eng.model.new_state(32)
+    eng.model.forward(torch.tensor(FIRST[:12]), [Segment(st, 12)])
+    copy = st.clone(12, capacity=20)
+    assert copy.capacity == 20 and copy.length == 12
+    eng.model.forward(torch.tensor(FIRST[12:16]), [Segment(copy, 4)])  # the copy goes on, the kept one stays
+    assert copy.length == 16 and st.length == 12
+    for i, (k, _) in st.kv.items():
+        assert torch.equal(copy.kv[i][0][:12], k[:12])
+    for i, r in st.recurrent.items():
+        assert not torch.equal(copy.recurrent[i], r)
+    with pytest.raises(ValueError, match="snapshot"):
+        st.clone(8)  # a recurrent model resumes at another length only from a snapshot
 
 
 def test_a_conversation_keeps_its_earlier_snapshots(ftw_for):
