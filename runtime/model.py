@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from ft.formats import FtwReader, ModelConfig
 from ft.runtime.layers.base import REQUIRED, Op, place, resolve_slot
-from ft.runtime.layers.batch import ForwardBatch, SegmentRows
+from ft.runtime.layers.batch import ForwardBatch, SegmentRows, decode_inputs
 from ft.runtime.layers.linear import Linear
 from ft.runtime.layers.moe import BoundExperts, ExpertsFn
 from ft.runtime.layers.norm import RMSNorm
@@ -189,9 +189,9 @@ class CausalLM(Op):
         positions = torch.cat([torch.arange(r.past, r.past + r.num_tokens) for r in rows])
         if tables:  # positions and tables in one host buffer: one copy
             both = torch.cat([positions, torch.stack([seg.state.addresses() for seg in segments], -1).reshape(-1)])
-            both = _to_device(both, self._device)
-            n = len(segments)
-            return ForwardBatch(rows, both[:n], tables=both[n:].view(self._config.num_layers, 2, n))
+            _, pos, tables = decode_inputs(_to_device(both, self._device), len(segments), self._config.num_layers,
+                                           ids=False)
+            return ForwardBatch(rows, pos, tables=tables)
         return ForwardBatch(rows, _to_device(positions, self._device))
 
     # -- loading ----------------------------------------------------------------------------------------------

@@ -7,8 +7,9 @@ DeltaNet decode kernels up to MAX_BATCH sequences), prefill chunks of every leng
 class up to `max_prefill` (1..64, then around each power of two: integers specialize on == 1 and divisibility by 16,
 and the launchers derive tile sizes from powers of two), every MoE layer index, attention split counts (a function of
 the GPU's SM count), resident and mapped expert paths, and the buffers the runtime really passes where their layout
-changes a specialization (decode positions and tables inside one buffer, int32 pair ids of the mapped path, the CPU
-lane's calibration gathers). A launch repeated with the same specialization costs a lookup.
+changes a specialization (decode positions and tables inside one buffer, `decode_inputs`; int32 pair ids of the
+mapped path; the CPU lane's calibration gathers), in the dtypes it passes (cos / sin in the compute dtype, norms in
+fp32; both output dtypes of the decode MoE kernels). A launch repeated with the same specialization costs a lookup.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ F32 = torch.float32
 class Geometry:
     H: int
     I: int
+    layers: int
     E: int
     k: int
     nq: int
@@ -68,10 +70,11 @@ def geometry(reader) -> Geometry:
         hk, hv, dk, dv, _ = gdn  # in_proj_qkvz and in_proj_ba run as one stacked GEMV when both are plain
         linears.add((None, 2 * hk * dk + 2 * hv * dv + 2 * hv, c.hidden_size))
     moe_layers = tuple(i for i, m in enumerate(c.mlp_types) if m == "moe")
-    return Geometry(H=c.hidden_size, I=c.moe_intermediate_size, E=c.num_experts, k=c.num_experts_per_tok,
-                    nq=c.num_heads, nkv=c.num_kv_heads, hd=c.head_dim, rd=c.rotary_dim, gated=c.attn_output_gate,
-                    qk_norm=c.attn_qk_norm, shared_I=c.shared_expert_intermediate_size or c.intermediate_size,
-                    moe_layers=moe_layers, dtype=dtype, gdn=gdn, linears=tuple(sorted(linears, key=str)),
+    return Geometry(H=c.hidden_size, I=c.moe_intermediate_size, layers=c.num_layers, E=c.num_experts,
+                    k=c.num_experts_per_tok, nq=c.num_heads, nkv=c.num_kv_heads, hd=c.head_dim, rd=c.rotary_dim,
+                    gated=c.attn_output_gate, qk_norm=c.attn_qk_norm,
+                    shared_I=c.shared_expert_intermediate_size or c.intermediate_size, moe_layers=moe_layers,
+                    dtype=dtype, gdn=gdn, linears=tuple(sorted(linears, key=str)),
                     experts=((reader.quant or {}).get("experts"), c.expert_act, c.swiglu_alpha, c.swiglu_limit),
                     record=_record(reader, moe_layers),
                     sinks=c.attn_sinks, windows=tuple(sorted({c.sliding_window if t == "sliding_attention" else 0
@@ -109,14 +112,18 @@ def _addr(n: int) -> torch.Tensor:  # int64 "device addresses" (16-byte aligned)
     return (torch.arange(n, dtype=torch.int64) + 1) << 20
 
 
-def _decode_tables(B: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(positions int64 [B], one layer's tables int64 [2, B]) as a decode step passes them, in both of its layouts:
-    eager, one buffer [positions B | tables L*2*B] (`CausalLM._plan`), and a CUDA graph's [ids G | positions G |
-    tables L*2*G] (`graphs`). For odd B the tables (eager) or the positions (graph) start 8 bytes off 16-byte
-    alignment, which Triton specializes on; a layer's rows are 16*B bytes apart, so every layer has its layout's
-    alignment."""
-    eager, graph = _addr(3 * B), _addr(4 * B)
-    return [(eager[:B], eager[B:].view(2, B)), (graph[B:2 * B], graph[2 * B:].view(2, B))]
+def _decode_tables(B: int, layers: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(positions int64 [B], one layer's tables int64 [2, B]) as a decode step passes them, in both layouts of
+    `decode_inputs`: eager ([positions | tables], `CausalLM._plan`) and a CUDA graph's ([ids | positions | tables],
+    `graphs`). Layer 0's tables stand for every layer's: a layer's rows are 16 * B bytes after the previous one's, so
+    all layers share their layout's alignment and strides (B, 1) (both equal to 1 for B = 1)."""
+    from ft.runtime.layers.batch import decode_inputs, decode_inputs_size
+
+    out = []
+    for ids in (False, True):
+        _, pos, tables = decode_inputs(_addr(decode_inputs_size(B, layers, ids=ids)), B, layers, ids=ids)
+        out.append((pos, tables[0]))
+    return out
 
 
 def fused(g: Geometry, lengths: list[int]) -> None:
@@ -154,18 +161,14 @@ def router(g: Geometry, lengths: list[int]) -> None:
 def attention(g: Geometry, lengths: list[int]) -> None:
     from ft.runtime.gpu import decode_attention as da
 
-    cfg = da.CONFIG
-    splits, s = [], cfg["min_splits"]
-    while s <= cfg["max_splits"]:
-        splits.append(s)
-        s *= 2
+    splits = da.split_counts()  # which one num_splits picks depends on the GPU's SM count
     for B in (t for t in lengths if t <= MAX_BATCH):
         rows = (g.nq + 2 * g.nkv) * g.hd + (g.nq * g.hd if g.gated else 0)
         qkv = torch.zeros(B, rows, dtype=g.dtype)
         norm = torch.ones(g.hd) if g.qk_norm else None
-        cos = torch.zeros(B, g.rd) if g.rd else None
+        cos = torch.zeros(B, g.rd, dtype=g.dtype) if g.rd else None  # `Rotary.cos_sin`: in the compute dtype
         sinks = torch.zeros(g.nq, dtype=g.dtype) if g.sinks else None
-        for pos, tables in _decode_tables(B):
+        for pos, tables in _decode_tables(B, g.layers):
             for S, window in ((S, w) for S in splits for w in g.windows):  # num_splits depends on the SM count
                 da.decode_attention(qkv, norm, norm, 1e-6, cos, cos, tables, pos, nq=g.nq, nkv=g.nkv, hd=g.hd,
                                     scale=g.hd ** -0.5, gated=g.gated, splits=S, sinks=sinks, window=window)
@@ -181,7 +184,7 @@ def deltanet(g: Geometry, lengths: list[int]) -> None:
     C = 2 * hk * dk + hv * dv
     for B in (t for t in lengths if t <= MAX_BATCH):
         ba = torch.zeros(B, 2 * hv, dtype=g.dtype)
-        for _, tables in _decode_tables(B):
+        for _, tables in _decode_tables(B, g.layers):
             gdn_decode(torch.zeros(B, C, dtype=g.dtype), torch.zeros(B, hv * dv, dtype=g.dtype), ba[:, :hv],
                        ba[:, hv:], torch.zeros(C, K, dtype=g.dtype), torch.zeros(hv), torch.zeros(hv), torch.ones(dv),
                        1e-6, tables, hk=hk, hv=hv, dk=dk, dv=dv)
@@ -250,9 +253,10 @@ def moe(g: Geometry, lengths: list[int]) -> None:
             moe_nvfp4_device(pool, layout, x, ids, row, w, host_base=ADDR, host_stride=layout.stride,
                              out_dtype=out_dtype)
         if T > 1:  # the tensor-core decode kernels, resident and mapped
-            for host in (0, ADDR):
-                moe_nvfp4_mma(pool, layout, x, ids, row, w, out_dtype=g.dtype, host_base=host,
-                              host_stride=layout.stride if host else 0)
+            for host in (0, ADDR):  # fp32 out: the first call's check (`device_path._checked`), mode mapped
+                for out_dtype in (F32, g.dtype):
+                    moe_nvfp4_mma(pool, layout, x, ids, row, w, out_dtype=out_dtype, host_base=host,
+                                  host_stride=layout.stride if host else 0)
         P = T * k
         if P <= W:
             entry = torch.full((3, W), -1, dtype=torch.int32)  # `MappedPath.entry` / one layer's `graph_buf` row

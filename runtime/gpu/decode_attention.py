@@ -266,6 +266,12 @@ def num_splits(batch: int, nkv: int, device: torch.device) -> int:
     return max(CONFIG["min_splits"], min(CONFIG["max_splits"], triton.next_power_of_2(want)))
 
 
+def split_counts() -> list[int]:
+    """Every S `num_splits` can pick, whatever the batch and the SM count: its clamp of each power of two."""
+    lo, hi = CONFIG["min_splits"], CONFIG["max_splits"]
+    return sorted({max(lo, min(hi, 1 << i)) for i in range(hi.bit_length() + 1)})
+
+
 def _counters(n: int, device: torch.device) -> torch.Tensor:
     """A zeroed int32 [>= n] counter buffer for `device`, one per (device, size), kept for the process lifetime: every
     call leaves it zeroed again, so CUDA graphs that captured it replay with no reset of their own. Sized to a power

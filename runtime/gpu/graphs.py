@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from ft.runtime.layers.batch import ForwardBatch, SegmentRows
+from ft.runtime.layers.batch import ForwardBatch, SegmentRows, decode_inputs, decode_inputs_size
 
 from .device_path import count_call, device_kernel, uses_device_plan
 from .mapped_path import uses_mapped
@@ -95,14 +95,11 @@ class _Captured:
         dev, L = model.device, model.config.num_layers
         self.size = size
         pin = dev.type == "cuda"
-        self.inputs = torch.zeros(2 * size + 2 * L * size, dtype=torch.int64, device=dev)
+        self.inputs = torch.zeros(decode_inputs_size(size, L, ids=True), dtype=torch.int64, device=dev)
         self.staging = torch.zeros(self.inputs.shape, dtype=torch.int64, pin_memory=pin)
         self.copied = torch.cuda.Event() if pin else None
-        self.ids, self.pos, self.tables = self.inputs[:size], self.inputs[size:2 * size], \
-            self.inputs[2 * size:].view(L, 2, size)
-        staged = self.staging.numpy()
-        self._ids, self._pos = staged[:size], staged[size:2 * size]
-        self._tables = staged[2 * size:].reshape(L, 2, size)
+        self.ids, self.pos, self.tables = decode_inputs(self.inputs, size, L, ids=True)
+        self._ids, self._pos, self._tables = (t.numpy() for t in decode_inputs(self.staging, size, L, ids=True))
         self._scratch = scratch.addresses().numpy()
         self.batch = ForwardBatch([SegmentRows(i, 1, 0, scratch) for i in range(size)], self.pos, tables=self.tables)
         self.graph: torch.cuda.CUDAGraph | None = None

@@ -54,6 +54,26 @@ class ForwardBatch:
         return self.tables is not None
 
 
+def decode_inputs(buf: torch.Tensor, n: int, num_layers: int, *, ids: bool) -> tuple[torch.Tensor | None,
+                                                                                   torch.Tensor, torch.Tensor]:
+    """The one int64 buffer a decode step of n sequences is copied to the device in, split into its views:
+    [ids n (a CUDA graph's, with `ids`) | positions n | tables L*2*n] -> (ids [n] or None, positions [n],
+    tables [L, 2, n]). One layout for the eager step (`CausalLM._plan`), the graphs (`ft.runtime.gpu.graphs`) and
+    the kernels build, which replays launches on these views: their strides (n, 1) and their offsets (8 bytes off
+    16-byte alignment for odd n: the positions of a graph, every layer's tables of an eager step) are what Triton
+    specializes the decode kernels on."""
+    head, size = (2 if ids else 1) * n, decode_inputs_size(n, num_layers, ids=ids)
+    if buf.dtype != torch.int64 or tuple(buf.shape) != (size,):
+        raise ValueError(f"decode inputs of {n} sequences and {num_layers} layers need int64 [{size}], "
+                         f"got {buf.dtype} {tuple(buf.shape)}")
+    return (buf[:n] if ids else None), buf[head - n:head], buf[head:].view(num_layers, 2, n)
+
+
+def decode_inputs_size(n: int, num_layers: int, *, ids: bool) -> int:
+    """Elements of `decode_inputs`' buffer."""
+    return (2 if ids else 1) * n + 2 * num_layers * n
+
+
 def state_addresses(state: Any, num_layers: int) -> torch.Tensor:
     """int64 [L, 2]: the (k, v) or (conv, recurrent) buffer addresses of one SequenceState, per layer (0 for a layer
     without either). A decode batch's `tables` is these, stacked over its sequences along the last dim."""

@@ -192,14 +192,17 @@ RUNTIME_CALLS = """
 import json, sys, torch
 from triton import knobs
 from ft.formats import FtwReader
-from ft.runtime.gpu import cpu_lane
-from ft.runtime.gpu.decode_attention import decode_attention
+from ft.runtime.gpu import cpu_lane, decode_attention as da
 from ft.runtime.gpu.gather import gather_missing
+from ft.runtime.gpu.graphs import bucket_sizes
 from ft.runtime.gpu.nvfp4_decode import moe_nvfp4_device
+from ft.runtime.gpu.nvfp4_decode_mma import MMA_MIN_TOKENS, decode_kernel
 from ft.runtime.gpu.prebuilt import use_prebuilt
 from ft.runtime.gpu.record_layout import RecordLayout
+from ft.runtime.layers.batch import decode_inputs, decode_inputs_size
+from ft.runtime.layers.rope import Rotary
 from ft.compiler.kernels.stand_in import cuda_target
-ftw, cache = sys.argv[1], sys.argv[2]
+ftw, cache, max_batch = sys.argv[1], sys.argv[2], int(sys.argv[3])
 knobs.cache.dir = cache
 r = FtwReader(ftw)
 status = use_prebuilt(r, 90)
@@ -207,18 +210,25 @@ c = r.config
 L, E, k, H, I = c.num_layers, c.num_experts, c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size
 layout = RecordLayout.from_bank(r.bank("layers.0.mlp.experts"), H, I)
 dt = r.tensor("embed_tokens.weight").dtype  # the compute dtype
+rotary, cuda = Rotary.for_config(c), torch.device("cuda", 0)
 pool = torch.zeros(E + 80, layout.stride, dtype=torch.uint8)
 with cuda_target(90, cache_dir=cache):
-    for B in (1, 2, 3):  # a decode step's buffers as CausalLM._plan (eager) and a CUDA graph lay them out
-        eager, graph = torch.zeros(B + 2 * L * B, dtype=torch.int64), torch.zeros(2 * B + 2 * L * B, dtype=torch.int64)
-        steps = ((eager[:B], eager[B:].view(L, 2, B)[L - 1]), (graph[B:2 * B], graph[2 * B:].view(L, 2, B)[0]))
-        for pos, tables in steps:
-            qkv = torch.zeros(B, (c.num_heads * (2 if c.attn_output_gate else 1) + 2 * c.num_kv_heads) * c.head_dim,
-                              dtype=dt)
-            cos = torch.zeros(B, c.rotary_dim) if c.rotary_dim else None
-            norm = torch.ones(c.head_dim) if c.attn_qk_norm else None
-            decode_attention(qkv, norm, norm, 1e-6, cos, cos, tables, pos, nq=c.num_heads, nkv=c.num_kv_heads,
-                             hd=c.head_dim, scale=1.0, gated=c.attn_output_gate, splits=4)
+    # decode steps of 1..max_batch sequences: eager (CausalLM._plan) and the CUDA graphs of every bucket, in the
+    # buffers they use, S as num_splits picks it on GPUs of 132 (H100 SXM, H200) and 114 (H100 PCIe) SMs
+    steps = [(B, False) for B in range(1, max_batch + 1)] + [(G, True) for G in bucket_sizes(max_batch)]
+    for B, ids in steps:
+        _, pos, tables = decode_inputs(torch.zeros(decode_inputs_size(B, L, ids=ids), dtype=torch.int64), B, L,
+                                       ids=ids)
+        cos, sin = rotary.cos_sin(torch.arange(B), dt)
+        qkv = torch.zeros(B, (c.num_heads * (2 if c.attn_output_gate else 1) + 2 * c.num_kv_heads) * c.head_dim,
+                          dtype=dt)
+        norm = torch.ones(c.head_dim) if c.attn_qk_norm else None
+        for sms in (132, 114):
+            da._SMS[0] = sms
+            for layer in (0, L - 1):
+                da.decode_attention(qkv, norm, norm, 1e-6, cos, sin, tables[layer], pos, nq=c.num_heads,
+                                    nkv=c.num_kv_heads, hd=c.head_dim, scale=1.0, gated=c.attn_output_gate,
+                                    splits=da.num_splits(B, c.num_kv_heads, cuda))
     table = torch.full((L, E), -1, dtype=torch.int32)
     for n in cpu_lane.COPY_RATE_MISSES:  # the CPU lane's calibration at start
         gather_missing(pool, layout, torch.arange(n, dtype=torch.int32).view(1, n), table, 0, 1 << 40,
@@ -227,28 +237,39 @@ with cuda_target(90, cache_dir=cache):
     P = 2 * k  # mode mapped: the resident kernel over the pairs the gather planned (MappedPath._kernel)
     moe_nvfp4_device(pool, layout, torch.zeros(2, H, dtype=dt),
                      torch.arange(P, dtype=torch.int32).view(2, k), entry[1, :P], torch.ones(2, k))
+    row = torch.arange(E, dtype=torch.int32)
+    for T in range(MMA_MIN_TOKENS, max_batch + 1):  # the tensor-core decode kernels, as device_path calls them:
+        ids, w, x = torch.arange(T * k).view(T, k) % E, torch.ones(T, k), torch.zeros(T, H, dtype=dt)
+        decode_kernel(T)(pool, layout, x, ids, row, w)  # the first call's check (fp32 out)
+        decode_kernel(T)(pool, layout, x, ids, row, w, out_dtype=dt)  # then the compute dtype
+        decode_kernel(T)(pool, layout, x, ids, row, w, host_base=1 << 40, host_stride=layout.stride)  # mapped
 print(json.dumps({"decision": status.decision, "compiled": status.counter.compiled, "names": status.counter.names}))
 """
 
 
 def test_the_build_covers_what_the_runtime_passes_not_only_what_it_replays(ftw_for, tmp_path):
     """Launch classes that compiled at start on a GPU although the build ran: decode positions and tables inside one
-    buffer (8 bytes off alignment for odd batches), the CPU lane's calibration gathers (int32 ids, a fresh entry),
-    mode mapped's resident kernel over int32 pair ids. Each is made here the way the runtime makes it."""
+    buffer (8 bytes off alignment for odd batches; strides equal to 1 for one sequence), cos / sin in the compute
+    dtype, the CPU lane's calibration gathers (int32 ids, a fresh entry), mode mapped's resident kernel over int32
+    pair ids, the tensor-core decode kernels' fp32 output. Each is made here the way the runtime makes it, for the
+    default --max-running-requests, on a bf16 model (an fp32 one hides the compute dtype's classes)."""
     pytest.importorskip("triton.backends.nvidia.compiler")
+    from ft.runtime.settings import EngineSettings
+
     ftw = tmp_path / "m"
-    shutil.copytree(ftw_for("qwen3_moe", "nvfp4"), ftw)
+    shutil.copytree(ftw_for("qwen3_moe", "nvfp4", synth_dtype="bf16"), ftw)
     env = _env(tmp_path)
     res = subprocess.run([*FT, "kernels", "build", "--ftw", str(ftw), "--arch", "90", "--groups", "attention,moe",
                           "--max-prefill-length", "4"], env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     cache = tmp_path / "triton-cache"
     cache.mkdir()
-    res = subprocess.run([sys.executable, "-c", RUNTIME_CALLS, str(ftw), str(cache)], env=env, capture_output=True,
-                         text=True, timeout=600)
+    res = subprocess.run([sys.executable, "-c", RUNTIME_CALLS, str(ftw), str(cache),
+                          str(EngineSettings().max_running_requests)],
+                         env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert out["decision"] == "installed" and out["compiled"] == 0, out
+    assert out["decision"] == "installed" and out["compiled"] == 0, json.dumps(out, indent=1)  # every name
 
 
 def test_geometry_of_gpt_oss_names_its_expert_format_sinks_and_windows(ftw_for):

@@ -157,6 +157,19 @@ def test_num_splits_fills_the_device_with_a_power_of_two():
         assert s & (s - 1) == 0 and s >= 1
 
 
+def test_split_counts_are_every_s_num_splits_picks(monkeypatch):
+    """The kernels build compiles decode attention for `split_counts()`, not knowing the serving GPU's SM count."""
+    monkeypatch.setattr(da, "_SMS", {})
+    picked = set()
+    for sms in (1, 7, 78, 114, 132, 170, 1000):
+        da._SMS[0] = sms
+        picked |= {num_splits(b, nkv, torch.device("cuda", 0)) for b in range(1, 65) for nkv in (1, 2, 4, 8)}
+    assert picked == set(da.split_counts())
+    monkeypatch.setitem(da.CONFIG, "min_splits", 2)
+    monkeypatch.setitem(da.CONFIG, "max_splits", 16)
+    assert da.split_counts() == [2, 4, 8, 16]
+
+
 def _config(gated):
     return ModelConfig(
         family="qwen3_5_moe" if gated else "qwen3_moe", vocab_size=16, hidden_size=48, num_layers=2, num_heads=4,

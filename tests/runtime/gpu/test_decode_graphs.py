@@ -14,6 +14,7 @@ from ft.formats import FtwReader
 from ft.runtime.gpu.graphs import DecodeGraphs
 from ft.runtime.gpu.hybrid import GpuExperts
 from ft.runtime.gpu.offload_config import OffloadConfig
+from ft.runtime.layers.batch import decode_inputs, decode_inputs_size
 from ft.runtime.model import Segment, load_model
 
 CUDA = torch.cuda.is_available()
@@ -185,3 +186,18 @@ def test_cuda_graph_decode_matches_eager(ftw, mode, keep_quantized):
     assert c["captures"] == 1 and c["capture_s"] > 0
     for e in (ex, ex0):
         e.close()
+
+
+def test_decode_inputs_are_views_of_one_buffer():
+    """The layout the graphs, the eager step and the kernels build share: [ids | positions | tables], no copies."""
+    buf = torch.arange(decode_inputs_size(3, 2, ids=True))
+    ids, pos, tables = decode_inputs(buf, 3, 2, ids=True)
+    assert ids.tolist() == [0, 1, 2] and pos.tolist() == [3, 4, 5]
+    assert tables[1, 0].tolist() == [12, 13, 14] and tables.stride() == (6, 3, 1)
+    assert tables.data_ptr() == buf.data_ptr() + 6 * 8  # the offset Triton specializes a decode kernel on
+    none, pos, tables = decode_inputs(torch.arange(decode_inputs_size(1, 2, ids=False)), 1, 2, ids=False)
+    assert none is None and pos.tolist() == [0] and tables[0].stride() == (1, 1) and tables[1, 1].tolist() == [4]
+    with pytest.raises(ValueError, match=r"need int64 \[18\]"):
+        decode_inputs(torch.zeros(16, dtype=torch.int64), 3, 2, ids=True)
+    with pytest.raises(ValueError, match="int32"):
+        decode_inputs(torch.zeros(18, dtype=torch.int32), 3, 2, ids=True)

@@ -25,7 +25,9 @@ from ft.runtime.gpu.sizing import LATE_OUTSIDE
 ftw = sys.argv[1]
 params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 prompt = [(7 * i + 3) % 500 for i in range(40)]  # one prefill chunk of 40 tokens, then decode steps
-kw = dict(device="cuda", kv_reserve_tokens=256, max_running_requests=2)
+# the default max running requests (4): graphs of 1, 2 and 4 rows captured at start (the tensor-core MoE kernels
+# from 3 rows: their first call's check in fp32, then the compute dtype)
+kw = dict(device="cuda", kv_reserve_tokens=256)
 eng = Engine(ftw, EngineSettings(memory_ratio=0.5, **kw))
 plan, ex = eng._experts.vram_plan, eng._experts
 generate(eng, prompt, params)
