@@ -36,7 +36,7 @@ def unsupported_reason(reader: FtwReader) -> str | None:
     decode kernels and graphs cover GQA and Gated DeltaNet layers, not MLA / DSA yet)."""
     if "mla_attention" in reader.config.layer_types:
         return (f"family {reader.config.family}: multi-head latent attention with the DSA indexer has no GPU decode "
-                "kernel yet; it runs on the CPU path (--device cpu)")
+                "kernel or CUDA graph yet (its layers run as PyTorch ops)")
     scheme = (reader.quant or {}).get("experts")
     if scheme not in SCHEMES:
         return f"expert scheme {scheme!r} has no GPU kernel (supported: {', '.join(SCHEMES)})"
