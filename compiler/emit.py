@@ -86,6 +86,8 @@ class Emitter:
             t = self.read(item.src, torch.float32)
             if item.kind == "norm_1p":
                 t = t + 1.0  # zero-centred RMSNorm: the runtime multiplies by (1 + w), folded here in fp32
+        if item.perm is not None:
+            t = t.index_select(0, item.perm)
         self.w.add_tensor(item.name, t.contiguous())
 
     def linear(self, item: LinearItem, sns: list[Sniffed]) -> None:

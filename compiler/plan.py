@@ -21,12 +21,13 @@ from ft.compiler.experts import ExpertSource
 KINDS = ("keep", "conv", "fp32", "norm", "norm_1p")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class TensorItem:
     name: str  # FTW name
     src: str  # HF tensor name
     shape: tuple[int, ...]  # expected source shape
     kind: str
+    perm: torch.Tensor | None = None  # int64 index into dim 0 (glm_moe_dsa's LayerNorm beside a reordered linear)
 
 
 @dataclass(frozen=True, eq=False)

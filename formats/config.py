@@ -10,9 +10,11 @@ import math
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
 
-FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "qwen3_5_moe", "gpt_oss", "glm4_moe")
-LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention")
-ATTENTION_TYPES = ("full_attention", "sliding_attention")  # layers with a softmax attention and a KV cache
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "qwen3_5_moe", "gpt_oss", "glm4_moe", "glm_moe_dsa")
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "mla_attention")
+# layers with a softmax attention and a KV cache (mla_attention: the cache holds the compressed latent, see families.md)
+ATTENTION_TYPES = ("full_attention", "sliding_attention", "mla_attention")
+INDEXER_TYPES = ("full", "shared")  # DSA: run the layer's own indexer, or reuse the previous full layer's selection
 EXPERT_ACTS = ("silu", "clamped_swiglu")
 ROPE_TYPES = ("default", "yarn")
 ROUTER_SCORINGS = ("softmax", "sigmoid")
@@ -75,6 +77,15 @@ class ModelConfig:
     router_topk_group: int = 1          # ... of which the topk_group best (sum of each group's top-2) stay eligible
     routed_scaling_factor: float = 1.0  # multiplies the routed experts' weights (after any renormalisation)
     shared_expert_gate: bool = True     # the shared expert is scaled by σ(shared_expert_gate · x); false: added as is
+    # Keys added with glm_moe_dsa (absent = 0 / empty: no MLA layer, no indexer). mla_attention layers: head_dim is
+    # the query/key width qk_nope + qk_rope, rotary_dim the rope part (qk_rope), num_kv_heads == num_heads.
+    q_lora_rank: int = 0                # MLA: rank of the query compression (q_a_proj -> q_a_layernorm -> q_b_proj)
+    kv_lora_rank: int = 0               # MLA: width of the cached key/value latent
+    v_head_dim: int = 0                 # MLA: value width per head
+    index_n_heads: int = 0              # DSA indexer heads (0 = no indexer)
+    index_head_dim: int = 0             # DSA indexer head width (its first rotary_dim dims rotated)
+    index_topk: int = 0                 # DSA: keys each query attends (its top-k by indexer score, causal)
+    indexer_types: tuple[str, ...] = ()  # per layer full | shared (empty without an indexer)
 
     def __post_init__(self) -> None:
         problems = list(self._problems())
@@ -116,6 +127,7 @@ class ModelConfig:
             yield ("yarn rope needs rope_factor >= 1, rope_original_max_position_embeddings > 0 and positive "
                    "rope_attention_factor, rope_beta_fast, rope_beta_slow")
         yield from self._router_problems()
+        yield from self._mla_problems()
         if len(self.mlp_types) != self.num_layers or any(t not in MLP_TYPES for t in self.mlp_types):
             yield f"mlp_types must list {self.num_layers} entries from {MLP_TYPES}"
         if self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads:
@@ -130,6 +142,32 @@ class ModelConfig:
                 yield "linear_attention layers need positive linear_* geometry"
             elif self.linear_num_value_heads % self.linear_num_key_heads:
                 yield "linear_num_value_heads must be a multiple of linear_num_key_heads"
+
+    def _mla_problems(self):
+        mla = "mla_attention" in self.layer_types
+        if not mla:
+            if (self.q_lora_rank, self.kv_lora_rank, self.v_head_dim, self.index_n_heads, self.index_head_dim,
+                    self.index_topk, self.indexer_types) != (0, 0, 0, 0, 0, 0, ()):
+                yield "q_lora_rank, kv_lora_rank, v_head_dim and the index_* keys belong to mla_attention layers"
+            return
+        if min(self.q_lora_rank, self.kv_lora_rank, self.v_head_dim) <= 0:
+            yield "mla_attention layers need positive q_lora_rank, kv_lora_rank and v_head_dim"
+        if self.num_kv_heads != self.num_heads:
+            yield "mla_attention layers need num_kv_heads == num_heads"
+        if not 0 < self.rotary_dim < self.head_dim:
+            yield "mla_attention layers need 0 < rotary_dim (qk_rope) < head_dim (qk_nope + qk_rope)"
+        indexed = (self.index_n_heads, self.index_head_dim, self.index_topk)
+        if indexed == (0, 0, 0) and not self.indexer_types:
+            return
+        if min(indexed) <= 0:
+            yield "the DSA indexer needs positive index_n_heads, index_head_dim and index_topk"
+        elif self.index_head_dim < self.rotary_dim:
+            yield f"index_head_dim {self.index_head_dim} must hold the rotary_dim {self.rotary_dim} rotated dims"
+        kinds = self.indexer_types
+        if len(kinds) != self.num_layers or any(t not in INDEXER_TYPES for t in kinds):
+            yield f"indexer_types must list {self.num_layers} entries from {INDEXER_TYPES}"
+        elif kinds[0] != "full":
+            yield "indexer_types[0] must be full (a shared layer reuses the previous full layer's selection)"
 
     def _router_problems(self):
         if self.router_scoring not in ROUTER_SCORINGS:
@@ -162,8 +200,8 @@ class ModelConfig:
         if missing:
             raise ValueError(f"missing config keys {missing}")
         kw = {f.name: f.default for f in fields(cls) if f.name in optional} | d
-        for name in ("layer_types", "mlp_types", "eos_token_ids"):
-            if not isinstance(kw[name], list):
+        for name in ("layer_types", "mlp_types", "eos_token_ids", "indexer_types"):
+            if not isinstance(kw[name], (list, tuple)):
                 raise ValueError(f"config key {name} must be a list")
             kw[name] = tuple(kw[name])
         for f in fields(cls):
@@ -174,11 +212,12 @@ class ModelConfig:
         """JSON-ready; an optional key (one added after FTW 1.0) is written only when it differs from its default,
         so a model that uses none of them has the same manifest config as before they existed."""
         d = asdict(self)
-        for name in ("layer_types", "mlp_types", "eos_token_ids"):
-            d[name] = list(d[name])
         for f in fields(self):
             if f.default is not MISSING and d[f.name] == f.default:
                 del d[f.name]
+        for name in ("layer_types", "mlp_types", "eos_token_ids", "indexer_types"):
+            if name in d:
+                d[name] = list(d[name])
         return d
 
     # Derived facts, used by the runtime and by `ft inspect`.

@@ -32,8 +32,9 @@ from ft.runtime.state import Segment, SequenceState
 
 __all__ = ["CausalLM", "Segment", "SequenceState", "load_model"]
 
-FP32_WEIGHTS = ("norm.weight", ".dt_bias", ".A_log", ".e_score_correction_bias")  # name suffixes kept in fp32 (every
-# RMSNorm weight: norm.weight; the sigmoid router's correction bias)
+FP32_WEIGHTS = ("norm.weight", ".dt_bias", ".A_log", ".e_score_correction_bias", ".k_norm.bias",
+                ".weights_proj.weight")  # name suffixes kept in fp32 (every RMSNorm weight: norm.weight; the sigmoid
+# router's correction bias; the DSA indexer's LayerNorm and head weights)
 
 
 class Embedding(Op):

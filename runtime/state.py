@@ -2,7 +2,8 @@
 
 A `SequenceState` holds, for one sequence of at most `max_tokens` tokens:
 * attention layer i (full or sliding window, which keeps every row too): `kv[i] = (k, v)`, each
-  `[capacity, nkv, hd]` in the compute dtype;
+  `[capacity, nkv, hd]` in the compute dtype; an `mla_attention` layer's pair is (latent, index keys) instead,
+  `[capacity, 1, kv_lora_rank + rotary_dim]` and `[capacity, 1, index_head_dim or 0]` (`kv_row_shapes`);
 * linear-attention layer i: `conv[i]` `[conv_dim, K-1]` (the last K-1 conv inputs, compute dtype) and
   `recurrent[i]` `[Hv, dk, dv]` fp32 (the DeltaNet state), fixed size.
 `length` is the number of tokens already consumed; `forward` appends after it and advances it, and the layers write
@@ -39,14 +40,13 @@ class SequenceState:
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.conv: dict[int, torch.Tensor] = {}
         self.recurrent: dict[int, torch.Tensor] = {}
-        kv_shape = (capacity, config.num_kv_heads, config.head_dim)
         conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim + \
             config.linear_num_value_heads * config.linear_value_head_dim
         rec_shape = (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
         for i, kind in enumerate(config.layer_types):
             if config.is_attention(i):  # rows past `length` are never read: no initialisation
-                self.kv[i] = (torch.empty(kv_shape, dtype=dtype, device=device),
-                              torch.empty(kv_shape, dtype=dtype, device=device))
+                self.kv[i] = tuple(torch.empty((capacity, *shape), dtype=dtype, device=device)
+                                   for shape in kv_row_shapes(config, i))
             else:
                 self.conv[i] = torch.zeros(conv_dim, config.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
                 self.recurrent[i] = torch.zeros(rec_shape, dtype=torch.float32, device=device)
@@ -152,6 +152,17 @@ class SequenceState:
     def __repr__(self) -> str:
         status = "freed" if self._freed else f"{self.length}/{self._capacity}/{self.max_tokens} tokens"
         return f"SequenceState({status})"
+
+
+def kv_row_shapes(config: ModelConfig, layer: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The per-token shapes of an attention layer's two cache buffers: GQA (k, v) `[nkv, hd]` each; mla_attention
+    (latent, index keys) `[1, kv_lora_rank + rotary_dim]` (the normed latent and the rotated shared key) and
+    `[1, index_head_dim]` on layers with their own indexer, else `[1, 0]` (no bytes)."""
+    cfg = config
+    if cfg.layer_types[layer] != "mla_attention":
+        return (cfg.num_kv_heads, cfg.head_dim), (cfg.num_kv_heads, cfg.head_dim)
+    own = bool(cfg.indexer_types) and cfg.indexer_types[layer] == "full"
+    return (1, cfg.kv_lora_rank + cfg.rotary_dim), (1, cfg.index_head_dim if own else 0)
 
 
 @dataclass

@@ -3,11 +3,12 @@
 
 A family module subclasses `Family`, says which architectures it serves, maps its config (`normalize`) and lists its
 tensors (`plan`). Adding deepseek_v3 means: new ModelConfig keys and families.md names for what it adds (MLA
-projections; gpt_oss added sinks, biases, sliding windows and YaRN, glm4_moe the sigmoid group-limited router with its
-correction bias as a `TensorItem`), a new `ExpertSource` (ft.compiler.experts) for FP8 block scales with its bank
-scheme (GLM's FP8 releases need the same), an encoding in `linear.sniff` for FP8 block-scaled linears, and one module
-built from these blocks (`first_k_dense_replace` gives `mlp_types`, as in glm4_moe); the executor, source reading, quant
-declaration, metadata and verification stay as they are.
+exists since glm_moe_dsa: without an indexer, `index_topk` 0; gpt_oss added sinks, biases, sliding windows and
+YaRN, glm4_moe the sigmoid group-limited router with its correction bias as a `TensorItem`), a new `ExpertSource`
+(ft.compiler.experts) for FP8 block scales with its bank scheme (GLM's FP8 releases need the same), an encoding in
+`linear.sniff` for FP8 block-scaled linears, and one module built from these blocks (`first_k_dense_replace` gives
+`mlp_types`, as in glm4_moe); the executor, source reading, quant declaration, metadata and verification stay as they
+are.
 """
 
 from __future__ import annotations

@@ -29,7 +29,8 @@ __all__ = ["ARCHS", "PRESETS", "FULL_SIZE", "QUANTS", "LAYOUTS", "SynthError", "
            "resolve_layout"]
 
 QUANTS = ("none", "nvfp4", "mxfp4")
-_QUANTS_OF = {"gpt_oss": ("none", "mxfp4")}  # every other arch: none, nvfp4
+# every other arch: none, nvfp4 (glm_moe_dsa: no NVFP4 layout of GLM-5's MLA projections defined yet)
+_QUANTS_OF = {"gpt_oss": ("none", "mxfp4"), "glm_moe_dsa": ("none",)}
 LAYOUTS = ("auto", "fused", "per_expert")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
 

@@ -21,13 +21,14 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 
 def tokenizer_ranks(arch: str, preset: str, vocab_size: int | None) -> int | None:
-    """BPE ranks to keep: TINY_RANKS for tiny presets; mixtral and glm4_moe keep their real embedding size (32000,
-    151552); else all ranks."""
+    """BPE ranks to keep: TINY_RANKS for tiny presets; mixtral, glm4_moe and glm_moe_dsa keep their real embedding
+    size (32000, 151552, 154880) with the Qwen3 ranks that fit below 32000 / 151552; else all ranks."""
     if preset == "tiny":
         return TINY_RANKS
-    if arch in ("mixtral", "glm4_moe"):
+    if arch in ("mixtral", "glm4_moe", "glm_moe_dsa"):
         default = MIXTRAL_VOCAB if arch == "mixtral" else GLM_VOCAB
-        return (vocab_size or default) - 64  # leaves room for the Qwen3 specials below the embedding size
+        # leaves room for the Qwen3 specials below the embedding size (GLM-5's 154880 rows: GLM-4.5's ids and more)
+        return min(vocab_size or default, default) - 64
     return None
 
 

@@ -23,6 +23,7 @@ FAMILIES = {
     "qwen3_5_moe": ("Qwen3_5MoeConfig", "Qwen3_5MoeForConditionalGeneration"),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),  # built by synth.gpt_oss
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
+    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM"),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -92,6 +93,8 @@ def realistic_config(arch: str, saved: dict, dtype: torch.dtype) -> dict:
         t["rope_scaling"] = None
         if arch in ("qwen3_next", "glm4_moe"):
             t["partial_rotary_factor"] = rope.get("partial_rotary_factor", 0.25 if arch == "qwen3_next" else 0.5)
+    elif arch == "glm_moe_dsa":  # GLM-5 configs carry rope_parameters (theta, type) and nothing else about RoPE
+        t["rope_parameters"] = rope
     else:
         t["rope_parameters"] = rope
         t["partial_rotary_factor"] = rope.get("partial_rotary_factor", 0.25)
@@ -121,10 +124,10 @@ def realistic_config(arch: str, saved: dict, dtype: torch.dtype) -> dict:
 
 def generation_config(arch: str, tok: dict) -> dict:
     """generation_config.json in the style of the Qwen releases (stop on <|im_end|> and <|endoftext|>); GLM's stops on
-    <|endoftext|>, <|user|> and <|observation|>."""
+    <|endoftext|>, <|user|> and <|observation|> (GLM-4.5 and GLM-5 alike)."""
     import transformers
 
-    if arch == "glm4_moe":
+    if arch in ("glm4_moe", "glm_moe_dsa"):
         return {"eos_token_id": [tok["endoftext_token_id"], tok["user_token_id"], tok["observation_token_id"]],
                 "pad_token_id": tok["pad_token_id"], "transformers_version": transformers.__version__}
     base = {"bos_token_id": tok["bos_token_id"], "pad_token_id": tok["pad_token_id"],

@@ -13,6 +13,11 @@ GLM-4.5 / GLM-4.5-Air copy the published configs. Their BPE ranks are not availa
 GLM's special tokens and chat format (tokenizer flavor `glm`), truncated so that every id stays below the real
 151552-row embedding (like mixtral).
 
+glm_moe_dsa presets keep GLM-5's structure at small sizes (MLA with q/kv low-rank projections, rope width a quarter
+of the query width, value heads wider than the rope part, the DSA indexer, leading dense layers, sigmoid router with
+correction bias and routed_scaling_factor 2.5, an ungated shared expert, one MTP layer); tiny has an `index_topk` of 8,
+so test prompts exceed it, and a `shared` indexer layer (GLM-5.2's IndexShare); small is GLM-5-like (every layer full).
+
 gpt_oss presets keep the release's structure (biased attention with sinks, alternating sliding / full layers, YaRN,
 biased router and experts; hidden and intermediate sizes multiples of 32 for MXFP4); gpt-oss-20b / gpt-oss-120b copy
 the published configs (tensors written by `synth.gpt_oss_stream`).
@@ -28,12 +33,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "qwen3_5_moe", "gpt_oss", "glm4_moe")
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "qwen3_5_moe", "gpt_oss", "glm4_moe", "glm_moe_dsa")
 TOKENIZER_FLAVOR = {"qwen3_moe": "qwen3", "qwen2_moe": "qwen3", "mixtral": "qwen3", "qwen3_next": "qwen3",
-                    "qwen3_5_moe": "qwen3_5", "gpt_oss": "harmony", "glm4_moe": "glm"}
+                    "qwen3_5_moe": "qwen3_5", "gpt_oss": "harmony", "glm4_moe": "glm", "glm_moe_dsa": "glm"}
 TINY_RANKS = 512  # BPE ranks kept by tiny presets (the 256 single bytes + 256 merges)
 MIXTRAL_VOCAB = 32000
 GLM_VOCAB = 151552
+GLM5_VOCAB = 154880  # GLM-5's embedding rows
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,14 @@ def _tiny() -> dict[str, dict]:
                          first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, use_qk_norm=True,
                          attention_bias=True, partial_rotary_factor=0.5, rope_theta=1e6, rms_norm_eps=1e-5,
                          num_nextn_predict_layers=1),
+        # 4 layers: dense, MoE x3; indexer full, full, shared, full; 2 groups of 4 experts, the best group only
+        "glm_moe_dsa": dict(attn, num_hidden_layers=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32,
+                            qk_nope_head_dim=12, qk_rope_head_dim=4, v_head_dim=16, index_n_heads=8,
+                            index_head_dim=16, index_topk=8, indexer_types=["full", "full", "shared", "full"],
+                            intermediate_size=128, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
+                            num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
+                            routed_scaling_factor=2.5, norm_topk_prob=True, rope_theta=1e6, rms_norm_eps=1e-5,
+                            num_nextn_predict_layers=1),
     }
 
 
@@ -123,6 +137,13 @@ def _small() -> dict[str, dict]:
                          routed_scaling_factor=1.0, norm_topk_prob=True, use_qk_norm=False, attention_bias=True,
                          partial_rotary_factor=0.5, rope_theta=1e6, rms_norm_eps=1e-5, vocab_size=GLM_VOCAB,
                          max_position_embeddings=131072, num_nextn_predict_layers=1),
+        "glm_moe_dsa": dict(base, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=128,
+                            kv_lora_rank=64, qk_nope_head_dim=48, qk_rope_head_dim=16, v_head_dim=64,
+                            index_n_heads=8, index_head_dim=32, index_topk=256, intermediate_size=768,
+                            moe_intermediate_size=128, n_routed_experts=64, n_shared_experts=1, num_experts_per_tok=8,
+                            n_group=1, topk_group=1, first_k_dense_replace=3, routed_scaling_factor=2.5,
+                            norm_topk_prob=True, rope_theta=1e6, rms_norm_eps=1e-5, vocab_size=GLM5_VOCAB,
+                            max_position_embeddings=202752, num_nextn_predict_layers=1),
     }
 
 

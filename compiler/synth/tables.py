@@ -98,8 +98,8 @@ def meta_table(arch: str, cfg, dtype: torch.dtype, fused: bool) -> list[TensorSp
 
 def mtp_table(arch: str, cfg, dtype: torch.dtype, fused: bool) -> list[TensorSpec]:
     """Fake MTP head of Qwen3-Next / Qwen3.5-family / GLM checkpoints (empty for other families)."""
-    if arch == "glm4_moe":
-        return _glm_mtp_table(cfg, dtype, fused)
+    if arch in ("glm4_moe", "glm_moe_dsa"):
+        return _glm_mtp_table(arch, cfg, dtype, fused)
     if arch not in _TEXT_ONLY:
         return []
     import transformers
@@ -124,9 +124,9 @@ def mtp_table(arch: str, cfg, dtype: torch.dtype, fused: bool) -> list[TensorSpe
     return _natural_order(out)
 
 
-def _glm_mtp_table(cfg, dtype: torch.dtype, fused: bool) -> list[TensorSpec]:
-    """GLM-4.5's MTP layers `model.layers.{L + j}.*`: an MoE decoder layer plus eh_proj, enorm, hnorm and
-    shared_head.norm (transformers ignores them on load)."""
+def _glm_mtp_table(arch: str, cfg, dtype: torch.dtype, fused: bool) -> list[TensorSpec]:
+    """GLM-4.5's / GLM-5's MTP layers `model.layers.{L + j}.*`: an MoE decoder layer (GLM-5: with its indexer) plus
+    eh_proj, enorm, hnorm and shared_head.norm (transformers ignores them on load)."""
     from transformers.core_model_loading import revert_weight_conversion
 
     n = getattr(cfg, "num_nextn_predict_layers", 0) or 0
@@ -134,7 +134,9 @@ def _glm_mtp_table(cfg, dtype: torch.dtype, fused: bool) -> list[TensorSpec]:
         return []
     one = copy.deepcopy(cfg)
     one.num_hidden_layers, one.first_k_dense_replace = 1, 0
-    model = _meta_model(model_class("glm4_moe"), one, dtype)
+    if arch == "glm_moe_dsa":  # per-layer lists derived at construction: one sparse, indexed layer
+        one.mlp_layer_types, one.indexer_types, one.layer_types = ["sparse"], ["full"], ["indexed_attention"]
+    model = _meta_model(model_class(arch), one, dtype)
     state = model.state_dict()
     if not fused:
         state = revert_weight_conversion(model, state)

@@ -83,6 +83,8 @@ def spec_for(name: str, shape: tuple[int, ...], ctx: ValueContext) -> Spec:
         return Spec("alog")
     if name.endswith("dt_bias"):
         return Spec("noise", value=1.0, std=0.1)
+    if name.endswith("norm.bias"):  # LayerNorm bias (GLM-5's DSA indexer)
+        return Spec("normal", std=0.1)
     if len(shape) == 1 and "norm" in name:
         centred = ctx.arch in ZERO_CENTRED and "linear_attn.norm" not in name
         return Spec("noise", value=0.0 if centred else 1.0, std=NORM_NOISE)

@@ -32,7 +32,11 @@ log = logging.getLogger("ft.gpu")
 
 
 def unsupported_reason(reader: FtwReader) -> str | None:
-    """None if the GPU scheduler can serve this FTW, else why not (the expert kernels read NVFP4 and MXFP4 banks)."""
+    """None if the GPU scheduler can serve this FTW, else why not (the expert kernels read NVFP4 and MXFP4 banks; the
+    decode kernels and graphs cover GQA and Gated DeltaNet layers, not MLA / DSA yet)."""
+    if "mla_attention" in reader.config.layer_types:
+        return (f"family {reader.config.family}: multi-head latent attention with the DSA indexer has no GPU decode "
+                "kernel or CUDA graph yet (its layers run as PyTorch ops)")
     scheme = (reader.quant or {}).get("experts")
     if scheme not in SCHEMES:
         return f"expert scheme {scheme!r} has no GPU kernel (supported: {', '.join(SCHEMES)})"

@@ -48,6 +48,9 @@ class ForwardBatch:
     positions: torch.Tensor                       # [N] int64 absolute positions
     rope: dict[str, torch.Tensor] = field(default_factory=dict)   # cos/sin [N, rotary_dim], set by the model
     tables: torch.Tensor | None = None            # decode batch: int64 [L, 2, N] buffer addresses (module docstring)
+    # DSA (ft.runtime.layers.mla): segment index -> bool [num_tokens, past + num_tokens], the keys the last full
+    # indexer layer of this forward selected for each query (shared layers reuse it)
+    selection: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def decode(self) -> bool:

@@ -17,6 +17,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "qwen3_5_moe": ("ft.runtime.models.qwen3_5_moe", "Qwen3_5MoeForCausalLM"),
     "gpt_oss": ("ft.runtime.models.gpt_oss", "GptOssForCausalLM"),
     "glm4_moe": ("ft.runtime.models.glm4_moe", "Glm4MoeForCausalLM"),
+    "glm_moe_dsa": ("ft.runtime.models.glm_moe_dsa", "GlmMoeDsaForCausalLM"),
 }
 
 SUPPORTED_FAMILIES = tuple(_REGISTRY)

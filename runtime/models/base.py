@@ -1,7 +1,7 @@
 """The decoder layer every first-wave family is built from, and the family rules checked at load.
 
 Layer i (pre-norm residual):
-    h = x + mixer(input_layernorm(x))            mixer = self_attn (full_ / sliding_attention) | linear_attn
+    h = x + mixer(input_layernorm(x))            mixer = self_attn (full_ / sliding_ / mla_attention) | linear_attn
     y = h + mlp(post_attention_layernorm(h))     mlp = SparseMoe (moe) | GatedMLP (dense)
 A layer call leaves the final add pending: it takes the previous layer's pair (x, delta) and returns (h, mlp_out), whose
 sum is y, so each residual add runs inside the norm that follows it (`RMSNorm.add`: one fused launch per layer
@@ -22,6 +22,7 @@ from ft.runtime.layers.attention import Attention
 from ft.runtime.layers.base import Op
 from ft.runtime.layers.batch import ForwardBatch
 from ft.runtime.layers.deltanet import GatedDeltaNet
+from ft.runtime.layers.mla import MlaAttention
 from ft.runtime.layers.mlp import GatedMLP
 from ft.runtime.layers.moe import SparseMoe
 from ft.runtime.layers.norm import RMSNorm
@@ -31,7 +32,9 @@ class DecoderLayer(Op):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.rms_norm_eps)
-        if cfg.is_attention(layer):
+        if cfg.layer_types[layer] == "mla_attention":
+            self.self_attn: Attention | MlaAttention = MlaAttention(cfg, layer)
+        elif cfg.is_attention(layer):
             self.self_attn = Attention(cfg, layer)
         else:
             self.linear_attn = GatedDeltaNet(cfg, layer)
@@ -39,7 +42,7 @@ class DecoderLayer(Op):
         self.mlp: SparseMoe | GatedMLP = SparseMoe(cfg) if cfg.mlp_types[layer] == "moe" else GatedMLP()
 
     @property
-    def mixer(self) -> Attention | GatedDeltaNet:
+    def mixer(self) -> Attention | MlaAttention | GatedDeltaNet:
         return self.self_attn if hasattr(self, "self_attn") else self.linear_attn
 
     def __call__(self, x: torch.Tensor, delta: torch.Tensor | None,
@@ -101,7 +104,9 @@ def expected_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
     """Shapes of layer `layer`'s weights after dequantization (names relative to `layers.{layer}.`)."""
     h = cfg.hidden_size
     shapes: dict[str, tuple[int, ...]] = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
-    if cfg.is_attention(layer):
+    if cfg.layer_types[layer] == "mla_attention":
+        shapes |= _mla_shapes(cfg, layer)
+    elif cfg.is_attention(layer):
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         rows = q + 2 * kv + (q if cfg.attn_output_gate else 0)
         shapes |= {"self_attn.qkv_proj.weight": (rows, h), "self_attn.o_proj.weight": (h, q)}
@@ -137,4 +142,18 @@ def expected_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
     else:
         shapes |= {"mlp.gate_up_proj.weight": (2 * cfg.intermediate_size, h),
                    "mlp.down_proj.weight": (h, cfg.intermediate_size)}
+    return shapes
+
+
+def _mla_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    h, nq, hd, r, v = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.rotary_dim, cfg.v_head_dim
+    ql, c = cfg.q_lora_rank, cfg.kv_lora_rank
+    shapes = {"self_attn.qkv_a_proj.weight": (ql + c + r, h), "self_attn.q_a_layernorm.weight": (ql,),
+              "self_attn.q_b_proj.weight": (nq * hd, ql), "self_attn.kv_a_layernorm.weight": (c,),
+              "self_attn.kv_b_proj.weight": (nq * (hd - r + v), c), "self_attn.o_proj.weight": (h, nq * v)}
+    if cfg.indexer_types and cfg.indexer_types[layer] == "full":
+        n, d = cfg.index_n_heads, cfg.index_head_dim
+        shapes |= {"self_attn.indexer.wq_b.weight": (n * d, ql), "self_attn.indexer.wk.weight": (d, h),
+                   "self_attn.indexer.k_norm.weight": (d,), "self_attn.indexer.k_norm.bias": (d,),
+                   "self_attn.indexer.weights_proj.weight": (n, h)}
     return shapes

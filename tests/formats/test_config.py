@@ -122,3 +122,37 @@ def test_reports_every_problem_at_once() -> None:
     with pytest.raises(ValueError) as info:
         tiny_config(family="llama", hidden_size=0, rotary_dim=3)
     assert all(w in str(info.value) for w in ("unknown family", "hidden_size must be positive", "rotary_dim 3"))
+
+
+def _mla(**over: Any) -> ModelConfig:
+    """One mla_attention layer with its DSA indexer (glm_moe_dsa's keys)."""
+    kw: dict[str, Any] = dict(family="glm_moe_dsa", layer_types=("mla_attention",), num_kv_heads=4, head_dim=12,
+                              rotary_dim=4, q_lora_rank=16, kv_lora_rank=8, v_head_dim=8, index_n_heads=2,
+                              index_head_dim=8, index_topk=4, indexer_types=("full",), attn_qk_norm=False)
+    kw.update(over)
+    return moe_config(**kw)
+
+
+def test_mla_keys_round_trip_and_default_when_absent() -> None:
+    cfg = _mla()
+    d = json.loads(json.dumps(cfg.to_dict()))
+    assert d["indexer_types"] == ["full"] and d["kv_lora_rank"] == 8
+    assert ModelConfig.from_dict(d) == cfg
+    assert "indexer_types" not in moe_config().to_dict()
+    assert ModelConfig.from_dict(moe_config().to_dict()).indexer_types == ()
+
+
+@pytest.mark.parametrize("over, message", [
+    (dict(layer_types=("full_attention",), rotary_dim=4), "belong to mla_attention layers"),
+    (dict(kv_lora_rank=0), "need positive q_lora_rank, kv_lora_rank and v_head_dim"),
+    (dict(num_kv_heads=2), "num_kv_heads == num_heads"),
+    (dict(rotary_dim=12), "0 < rotary_dim"),
+    (dict(index_topk=0), "positive index_n_heads, index_head_dim and index_topk"),
+    (dict(index_head_dim=2), "must hold the rotary_dim 4"),
+    (dict(indexer_types=("full", "shared")), "indexer_types must list 1 entries"),
+    (dict(indexer_types=("shared",)), "indexer_types\\[0\\] must be full"),
+    (dict(indexer_types=("sparse",)), "indexer_types must list 1 entries from"),
+])
+def test_refuses_inconsistent_mla_geometry(over: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _mla(**over)

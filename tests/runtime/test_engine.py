@@ -94,7 +94,7 @@ def test_kv_budget_grows_in_blocks_then_takes_what_is_left():
 
 # ---- with a model ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("arch", [ARCH, "qwen3_5_moe"])
+@pytest.mark.parametrize("arch", [ARCH, "qwen3_5_moe", "glm_moe_dsa"])
 def test_chunked_prefill_gives_identical_greedy_tokens(ftw_for, arch):
     path = ftw_for(arch, "none")
     prompt = PROMPTS[0]

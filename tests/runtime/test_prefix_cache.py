@@ -12,7 +12,7 @@ from ft.runtime.model import Segment
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
 FIRST = [(11 * i + 5) % 180 + 12 for i in range(30)]
-ARCHS = ["qwen3_moe", "qwen3_5_moe"]  # attention only; DeltaNet + attention
+ARCHS = ["qwen3_moe", "qwen3_5_moe", "glm_moe_dsa"]  # attention only; DeltaNet + attention; MLA + DSA
 
 
 def _engine(ftw, entries: int, **kw) -> Engine:

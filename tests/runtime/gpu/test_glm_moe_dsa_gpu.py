@@ -1,0 +1,39 @@
+"""glm_moe_dsa and the GPU path: the expert scheduler refuses MLA by name (no decode kernel or CUDA graph for it yet);
+on CUDA the engine then runs the model's layers as PyTorch ops on the device with the experts on the CPU, and its
+greedy tokens equal the CPU engine's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ft.formats import FtwReader
+from ft.runtime.engine import Engine, EngineSettings, SamplingParams, generate
+from ft.runtime.gpu import engine_setup
+
+PROMPT = [5, 17, 3, 99, 42, 7, 11, 2, 9, 4, 31, 8, 60, 21]  # longer than the tiny preset's index_topk (8)
+PARAMS = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+def test_the_gpu_scheduler_refuses_mla_by_name(ftw_for):
+    why = engine_setup.unsupported_reason(FtwReader(ftw_for("glm_moe_dsa")))
+    assert why is not None and "glm_moe_dsa" in why and "latent attention" in why
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_engine_matches_the_cpu_engine(ftw_for, monkeypatch):
+    monkeypatch.setattr(engine_setup, "device_in_use", lambda dev: 0)
+    ftw = ftw_for("glm_moe_dsa")
+    kw = dict(kv_reserve_tokens=256, max_prefill_length=8, max_running_requests=2)
+    want = generate(Engine(ftw, EngineSettings(device="cpu", **kw)), PROMPT, PARAMS).token_ids
+    eng = Engine(ftw, EngineSettings(device="cuda", **kw))
+    assert eng._experts is None  # the CPU experts of load_model
+    assert generate(eng, PROMPT, PARAMS).token_ids == want
+    eng.close()
+
+
+def test_kernels_build_refuses_mla(ftw_for):
+    from ft.compiler.kernels.build import build_kernel_set
+
+    with pytest.raises(ValueError, match="glm_moe_dsa has no GPU kernels yet"):
+        build_kernel_set(FtwReader(ftw_for("glm_moe_dsa")), 90)
