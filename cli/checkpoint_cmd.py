@@ -21,8 +21,9 @@ def checkpoint(
                                                           "--dtype, else of the checkpoint's dtype (bf16 for ModelOpt "
                                                           "releases)."),
     quantize: Optional[str] = typer.Option(None, "--quantize", help="Quantize the routed experts of a BF16/FP16/FP32 "
-                                                                    "checkpoint at compile time: nvfp4 (ModelOpt's "
-                                                                    "NVFP4 recipe; the GPU expert cache needs it)."),
+                                                                    "or block-FP8 checkpoint at compile time: nvfp4 "
+                                                                    "(ModelOpt's NVFP4 recipe; the GPU expert cache "
+                                                                    "needs it)."),
     force: bool = typer.Option(False, "--force", help="Replace --out if it exists."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar on stderr."),
     verify: str = typer.Option("sample", "--verify", help="Final check before the output is moved into place. "

@@ -4,8 +4,9 @@ Pipeline: locate → index headers → family config → quant declaration → p
 headers (nothing is written before this passes) → stream tensors into the FtwWriter (temp dir) → check what was
 written, then rename the temp dir into place (a failed check leaves nothing at the output path).
 
-`--quantize nvfp4` quantizes the routed experts of an unquantized source per expert while streaming
-(`ft.compiler.quant.nvfp4`, specs/families.md "Quantizing at compile time"); the rest of the pipeline is unchanged.
+`--quantize nvfp4` quantizes the routed experts of an unquantized (or block-FP8, from its dequantized values) source
+per expert while streaming (`ft.compiler.quant.nvfp4`, specs/families.md "Quantizing at compile time"); the rest of
+the pipeline is unchanged.
 
 The final check (`verify`): "sample" (default) opens the result with every structural rule of `ft verify` (V1-V19)
 and re-reads from disk the first and last region of each data file, the first and last record of each expert bank
@@ -39,7 +40,7 @@ from ft.formats.verify import check, full_plan, plan_bytes, sample_plan
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 VERIFY_MODES = ("sample", "full")
-QUANTIZE = ("nvfp4",)  # --quantize: schemes the routed experts of an unquantized source can be quantized to
+QUANTIZE = ("nvfp4",)  # --quantize: schemes the routed experts of an unquantized/block-FP8 source can be quantized to
 _CONFIG_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -79,8 +80,9 @@ def compile_checkpoint(model: str | Path, out_dir: str | Path, *, revision: str 
     """Compile `model` (a directory or a hub repo id) into the FTW directory `out_dir`; returns `out_dir`.
     `verify`: the final check, "sample" or "full" (module doc). Raises CheckpointError with a one-line reason for
     any bad or unsupported input, and for a failed final check (then nothing is left at `out_dir`).
-    `quantize` ("nvfp4"): quantize the routed experts of an unquantized source to NVFP4 (ModelOpt's recipe,
-    `ft.compiler.quant.nvfp4`); dense linears, routers and embeddings keep their dtype."""
+    `quantize` ("nvfp4"): quantize the routed experts of an unquantized or block-FP8 source to NVFP4 (ModelOpt's
+    recipe, `ft.compiler.quant.nvfp4`); dense linears, routers and embeddings keep their dtype (block-FP8 dense
+    linears are dequantized, as without `quantize`)."""
     if verify not in VERIFY_MODES:
         raise CheckpointError(f"--verify {verify!r} is not supported; supported: {', '.join(VERIFY_MODES)}")
     # The work is streaming copies of at most a few MB per op: torch's intra-op thread pool only adds barrier
@@ -133,9 +135,10 @@ def _emit(loc, ck: Checkpoint, out_dir: Path, hasher: Hasher, stream: SourceStre
         reader.close()
     decl = parse_quant(ck.config, read_json_if_exists(loc.root, "hf_quant_config.json"))
     pol = dtype_policy(dtype, dequant, ck.config, quantize)
-    if quantize and decl.quantized:
+    if quantize and decl.quantized and decl.default != "fp8_block":
         raise CheckpointError(f"--quantize {quantize}: {loc.root.name} is already quantized "
-                              f"({_quant_name(decl.source)}); --quantize takes an unquantized BF16/FP16/FP32 source")
+                              f"({_quant_name(decl.source)}); --quantize takes an unquantized BF16/FP16/FP32 source "
+                              "or a block-FP8 one")
     prep = prepare(family.plan(cfg, ck), ck, decl, pol, family.skip_prefixes + tied_skip)
     if quantize and prep.bank_scheme != quantize:
         raise CheckpointError(f"--quantize {quantize}: {loc.root.name} has no routed experts to quantize")

@@ -93,7 +93,8 @@ class Emitter:
     def linear(self, item: LinearItem, sns: list[Sniffed]) -> None:
         dtype = None if item.router else self.pol.dtype
         parts = [self.rows(sn, dtype) for sn in sns]
-        if self.pol.dequant or len({p.scheme for p in parts}) > 1:
+        # FTW has no block-FP8 scheme: such linears are always dequantized (exact, rounded once to pol.plain)
+        if self.pol.dequant or len({p.scheme for p in parts}) > 1 or any(p.scheme == "fp8_block" for p in parts):
             parts = [Rows("plain", {"weight": self.dequant_to(p, self.pol.plain, item.name)}) if p.scheme != "plain"
                      else p for p in parts]
         r = cat(parts)

@@ -17,6 +17,7 @@ import torch
 
 from ft.compiler.errors import CheckpointError
 from ft.compiler.linear import PLAIN_SCHEME, DtypePolicy, Rows, Sniffed, sniff, to_dtype
+from ft.compiler.quant import fp8_block
 from ft.compiler.quant.modelopt import QuantDecl
 from ft.compiler.quant.nvfp4 import quantize_rows
 from ft.compiler.source import Checkpoint
@@ -62,39 +63,69 @@ class ExpertSource(ABC):
 
 @dataclass(frozen=True)
 class FusedExperts(ExpertSource):
-    """transformers' fused 3-D tensors: gate_up [E, 2I, H] (gate rows first), down [E, H, I] (official Qwen3.5 BF16)."""
+    """transformers' fused 3-D tensors: gate_up [E, 2I, H] (gate rows first), down [E, H, I] (official Qwen3.5 BF16),
+    plain or block-FP8 (F8_E4M3 with `{name}_scale_inv` F32 [E, ceil(rows/128), ceil(cols/128)] per expert, the
+    layout of transformers' FP8 experts; dequantized per expert to the bank dtype, or re-quantized with --quantize)."""
 
     gate_up: str
     down: str
 
     def resolve(self, ck: Checkpoint, decl: QuantDecl, pol: DtypePolicy, item: BankItem) -> Bank:
         E, I, H = item.num_experts, item.intermediate, item.hidden
-        dts = {ck.float_dtype(self.gate_up), ck.float_dtype(self.down)}
         for name, want in ((self.gate_up, (E, 2 * I, H)), (self.down, (E, H, I))):
             if ck.info(name).shape != want:
                 raise CheckpointError(f"{name}: shape {list(ck.info(name).shape)} does not match the config's "
                                       f"{list(want)}")
+        if ck.has(f"{self.gate_up}_scale_inv"):
+            return self._resolve_fp8(ck, decl, pol, item)
+        dts = {ck.float_dtype(self.gate_up), ck.float_dtype(self.down)}
         if pol.quantize:
             _check_quantizable(self.gate_up, item)
             return _FusedBank(item, pol.quantize, [self.gate_up, self.down], self)
         dt = pol.dtype or (dts.pop() if len(dts) == 1 else torch.float32)
         return _FusedBank(item, PLAIN_SCHEME[dt], [self.gate_up, self.down], self)
 
+    def _resolve_fp8(self, ck: Checkpoint, decl: QuantDecl, pol: DtypePolicy, item: BankItem) -> Bank:
+        E, I, H = item.num_experts, item.intermediate, item.hidden
+        for name, (rows, cols) in ((self.gate_up, (2 * I, H)), (self.down, (H, I))):
+            s = f"{name}_scale_inv"
+            if ck.info(name).dtype != "F8_E4M3" or not ck.has(s):
+                raise CheckpointError(f"{name}: block-FP8 fused experts need F8_E4M3 {self.gate_up} and {self.down} "
+                                      f"with their _scale_inv tensors; got {ck.info(name).dtype}")
+            want = (E, *fp8_block.grid(rows, cols))
+            if ck.info(s).dtype != "F32" or ck.info(s).shape != want:
+                raise CheckpointError(f"{s}: {ck.info(s).dtype} {list(ck.info(s).shape)}; 128x128 block-FP8 "
+                                      f"experts [{E}, {rows}, {cols}] need F32 {list(want)}")
+        module = self.gate_up.rsplit(".", 1)[0]
+        if "fp8_block" not in decl.allowed(module):
+            raise CheckpointError(f"{module}: stored as fp8_block, but the checkpoint's quantization config allows "
+                                  f"{sorted(decl.allowed(module))} for it")
+        if pol.quantize:
+            _check_quantizable(self.gate_up, item)
+        names = [self.gate_up, f"{self.gate_up}_scale_inv", self.down, f"{self.down}_scale_inv"]
+        return _FusedBank(item, pol.quantize or PLAIN_SCHEME[pol.plain], names, self, fp8=True)
+
 
 class _FusedBank(Bank):
-    def __init__(self, item: BankItem, scheme: str, names: list[str], src: FusedExperts) -> None:
+    def __init__(self, item: BankItem, scheme: str, names: list[str], src: FusedExperts, *, fp8: bool = False) -> None:
         super().__init__(item, scheme, names)
-        self.src = src
+        self.src, self.fp8 = src, fp8
+
+    def _values(self, em: Emitter, e: int, dt: torch.dtype) -> list[torch.Tensor]:
+        """Expert e's gate_up [2I, H] and down [H, I] in `dt` (block FP8: the float32 dequantization, rounded once)."""
+        rows, names = (e, e + 1), (self.src.gate_up, self.src.down)
+        if not self.fp8:
+            return [em.read(n, dt, rows)[0] for n in names]
+        return [to_dtype(fp8_block.dequantize(em.read(n, None, rows)[0], em.read(f"{n}_scale_inv", None, rows)[0]), dt,
+                         f"{n} expert {e}") for n in names]
 
     def expert(self, em: Emitter, e: int) -> dict[str, torch.Tensor]:
         if self.scheme == "nvfp4":  # --quantize: gate rows first, then up rows (one global for the pair)
-            gate_up = em.read(self.src.gate_up, torch.float32, (e, e + 1))[0]
+            gate_up, down = self._values(em, e, torch.float32)
             gate, up = gate_up.split(self.item.intermediate)
-            down = em.read(self.src.down, torch.float32, (e, e + 1))[0]
             return _nvfp4_expert(*quantize_rows(gate, up), *quantize_rows(down))
-        dt = _DTYPE_OF[self.scheme]
-        return {"gate_up": em.read(self.src.gate_up, dt, (e, e + 1))[0],
-                "down": em.read(self.src.down, dt, (e, e + 1))[0]}
+        gate_up, down = self._values(em, e, _DTYPE_OF[self.scheme])
+        return {"gate_up": gate_up, "down": down}
 
 
 @dataclass(frozen=True)
@@ -122,7 +153,7 @@ class PerExpert(ExpertSource):
         schemes = {sn.scheme for trio in trios for sn in trio}
         if schemes == {"nvfp4"} and not pol.dequant:
             return _PerExpertBank(item, "nvfp4", names, trios)
-        if pol.quantize and schemes == {"plain"}:
+        if pol.quantize and schemes <= {"plain", "fp8_block"}:  # block FP8 is re-quantized from its float32 values
             _check_quantizable(self.gate.format(e=0), item)
             return _PerExpertBank(item, pol.quantize, names, trios, quantize=True)
         if "fp8" in schemes and not pol.dequant:
@@ -131,7 +162,7 @@ class PerExpert(ExpertSource):
         if schemes == {"plain"}:
             dts = {ck.info(f"{sn.module}.weight").torch_dtype for trio in trios for sn in trio}
             dt = pol.dtype or (dts.pop() if len(dts) == 1 else torch.float32)
-        else:  # dequantized: --dequant, or a layer mixing encodings
+        else:  # dequantized: --dequant, block FP8 (no FTW bank scheme), or a layer mixing encodings
             dt = pol.plain
         return _PerExpertBank(item, PLAIN_SCHEME[dt], names, trios)
 
@@ -145,16 +176,18 @@ class _PerExpertBank(Bank):
     def expert(self, em: Emitter, e: int) -> dict[str, torch.Tensor]:
         em.prefetch([n for sn in self.trios[e] for n in sn.names])  # ~9 small tensors side by side in the file
         gate, up, down = (em.rows(sn, torch.float32 if self.quantize else None) for sn in self.trios[e])
-        if self.quantize:  # --quantize: exactly the tensors a ModelOpt export would hold for this expert
-            return _nvfp4_expert(*quantize_rows(gate.t["weight"], up.t["weight"]), *quantize_rows(down.t["weight"]))
-        if self.scheme == "nvfp4":
-            return _nvfp4_expert(gate.t, up.t, down.t)
-        dt, what = _DTYPE_OF[self.scheme], f"{self.item.name} expert {e}"
+        what = f"{self.item.name} expert {e}"
 
-        def plain(r: Rows) -> torch.Tensor:
+        def plain(r: Rows, dt: torch.dtype) -> torch.Tensor:
             return to_dtype(r.t["weight"], dt, what) if r.scheme == "plain" else em.dequant_to(r, dt, what)
 
-        return {"gate_up": torch.cat([plain(gate), plain(up)]), "down": plain(down)}
+        if self.quantize:  # --quantize: exactly the tensors a ModelOpt export would hold for these float32 values
+            f32 = torch.float32
+            return _nvfp4_expert(*quantize_rows(plain(gate, f32), plain(up, f32)), *quantize_rows(plain(down, f32)))
+        if self.scheme == "nvfp4":
+            return _nvfp4_expert(gate.t, up.t, down.t)
+        dt = _DTYPE_OF[self.scheme]
+        return {"gate_up": torch.cat([plain(gate, dt), plain(up, dt)]), "down": plain(down, dt)}
 
 
 def _check_quantizable(name: str, item: BankItem) -> None:

@@ -5,6 +5,8 @@ A `Rows` holds one linear's tensors with the output rows as dim 0 of every tenso
   plain  {"weight": [out, in] float}
   nvfp4  {"weight": u8 [out, in/2], "weight_scale": f8_e4m3 [out, in/16], "weight_scale_2": f32 [out]}
   fp8    {"weight": f8_e4m3 [out, in], "weight_scale": f32 [out]}
+  fp8_block {"weight": f8_e4m3 [out, in], "weight_scale_inv": f32 [out, ceil(in/128)]}  (128x128 tiles; the tile
+         grid [ceil(out/128), ceil(in/128)] is expanded along the rows on load, ft.compiler.quant.fp8_block)
 
 Per-tensor globals are broadcast to one value per row on load. Row concatenation (q|k|v, gate|up) and row
 permutation (de-interleaving, per-head regrouping) are then plain `cat`/`index_select` on each tensor: exact, bit for
@@ -19,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from ft.compiler.errors import CheckpointError
-from ft.compiler.source import Checkpoint
+from ft.compiler.quant import fp8_block
+from ft.compiler.source import Checkpoint, TensorInfo
 
 # FTW scheme names for plain float linears and banks
 PLAIN_SCHEME = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
@@ -32,7 +35,7 @@ class Sniffed:
     """What the header says about one HF linear module: its scheme, logical [out, in] and its tensor names."""
 
     module: str
-    scheme: str  # plain | nvfp4 | fp8
+    scheme: str  # plain | nvfp4 | fp8 | fp8_block
     out_features: int
     in_features: int
     names: tuple[str, ...]
@@ -44,11 +47,10 @@ def sniff(ck: Checkpoint, module: str) -> Sniffed:
         raise CheckpointError(f"{ck.root.name}: tensor {w!r} not found in the checkpoint")
     info = ck.info(w)
     s, s2 = f"{module}.weight_scale", f"{module}.weight_scale_2"
-    if ck.has(f"{module}.weight_scale_inv"):
-        raise CheckpointError(f"{w}: block-scaled FP8 (weight_scale_inv) is not supported; supported: plain, "
-                              "ModelOpt NVFP4, ModelOpt FP8 per-tensor")
     if len(info.shape) != 2:
         raise CheckpointError(f"{w}: expected a 2-D linear weight, got shape {list(info.shape)}")
+    if ck.has(f"{module}.weight_scale_inv"):
+        return _sniff_block(ck, module, info)
     out, cols = info.shape
     if info.dtype in ("F32", "F16", "BF16") and not ck.has(s):
         return Sniffed(module, "plain", out, cols, (w,))
@@ -68,7 +70,23 @@ def sniff(ck: Checkpoint, module: str) -> Sniffed:
                                   f"per-tensor scalar or per-row [{out}]")
         return Sniffed(module, "fp8", out, cols, (w, s))
     raise CheckpointError(f"{w}: dtype {info.dtype} with the tensors present is not a supported encoding; supported: "
-                          "F32/F16/BF16, ModelOpt NVFP4 (U8 + weight_scale + weight_scale_2), FP8 + F32 weight_scale")
+                          "F32/F16/BF16, ModelOpt NVFP4 (U8 + weight_scale + weight_scale_2), FP8 + F32 weight_scale, "
+                          "FP8 + F32 weight_scale_inv (128x128 blocks)")
+
+
+def _sniff_block(ck: Checkpoint, module: str, info: TensorInfo) -> Sniffed:
+    """128x128 block-scaled FP8: weight F8_E4M3 [N, K] + weight_scale_inv F32 [ceil(N/128), ceil(K/128)]."""
+    w, si = f"{module}.weight", f"{module}.weight_scale_inv"
+    out, cols = info.shape
+    sinfo = ck.info(si)
+    if info.dtype != "F8_E4M3":
+        raise CheckpointError(f"{w}: dtype {info.dtype} next to a weight_scale_inv; block-scaled FP8 weights are "
+                              "F8_E4M3")
+    want = fp8_block.grid(out, cols)
+    if sinfo.dtype != "F32" or tuple(sinfo.shape) != want:
+        raise CheckpointError(f"{si}: {sinfo.dtype} {list(sinfo.shape)}; a {fp8_block.BLOCK}x{fp8_block.BLOCK} "
+                              f"block-FP8 weight [{out}, {cols}] needs F32 {list(want)}")
+    return Sniffed(module, "fp8_block", out, cols, (w, si))
 
 
 @dataclass
@@ -89,6 +107,8 @@ def load(ck: Checkpoint, read, sn: Sniffed) -> Rows:
         t["weight_scale_2"] = t["weight_scale_2"].reshape(1).expand(out).contiguous()
     elif sn.scheme == "fp8":
         t["weight_scale"] = t["weight_scale"].reshape(-1).expand(out).contiguous()
+    elif sn.scheme == "fp8_block":
+        t["weight_scale_inv"] = fp8_block.rows_of(t["weight_scale_inv"], out)
     return Rows(sn.scheme, t)
 
 
@@ -100,6 +120,8 @@ def dequantize(r: Rows) -> torch.Tensor:
         from ft.formats.quant import nvfp4
 
         return nvfp4.dequantize(r.t["weight"], r.t["weight_scale"], r.t["weight_scale_2"])
+    if r.scheme == "fp8_block":
+        return fp8_block.dequantize_rows(r.t["weight"], r.t["weight_scale_inv"])
     from ft.formats.quant import fp8
 
     return fp8.dequantize(r.t["weight"], r.t["weight_scale"])
@@ -150,11 +172,14 @@ class DtypePolicy:
 
 def finalize(r: Rows, pol: DtypePolicy, what: str) -> tuple[str, dict[str, torch.Tensor]]:
     """The FTW encoding of a linear: (scheme, {suffix: tensor}); scheme is fp32/fp16/bf16, nvfp4 or fp8_row.
-    (Dequantization, when asked for, has already happened: see Emitter.linear.)"""
+    (Dequantization, when asked for or when FTW has no such scheme (fp8_block), has already happened: see
+    Emitter.linear.)"""
     if r.scheme == "plain":
         w = r.t["weight"] if pol.dtype is None else to_dtype(r.t["weight"], pol.dtype, what)
         return PLAIN_SCHEME[w.dtype], {"weight": w}
     if r.scheme == "nvfp4":
         return "nvfp4", {"weight": r.t["weight"], "weight_scale": r.t["weight_scale"],
                          "weight_scale_2": r.t["weight_scale_2"]}
+    if r.scheme != "fp8":
+        raise ValueError(f"{what}: {r.scheme} linears have no FTW scheme; they are dequantized before finalize")
     return "fp8_row", {"weight": r.t["weight"], "weight_scale": r.t["weight_scale"]}

@@ -3,8 +3,11 @@
 Supported: unquantized checkpoints, gpt-oss MXFP4 (`quant_method: "mxfp4"`: the expert bank's blocks and scales,
 read by `ft.compiler.experts.GptOssExperts`; every linear stays plain), and NVIDIA ModelOpt exports (`config.json` →
 `quantization_config` with `quant_method: "modelopt"`, and/or the legacy `hf_quant_config.json`) whose algorithms are
-NVFP4 / W4A16_NVFP4 (E2M1 codes + e4m3 block-16 scales + fp32 global), FP8 per-tensor, or MIXED_PRECISION of those.
-Everything else is refused here, before any tensor is read, with one message listing what is supported.
+NVFP4 / W4A16_NVFP4 (E2M1 codes + e4m3 block-16 scales + fp32 global), FP8 per-tensor, or MIXED_PRECISION of those,
+and block-scaled FP8 releases (`quant_method: "fp8"`, `fmt: "e4m3"`, `weight_block_size: [128, 128]`: DeepSeek-V3,
+Qwen3-*-FP8, GLM-*-FP8), whose `modules_to_not_convert` / `ignored_layers` use transformers' matching (a regex from the
+start of the module path up to a module boundary, or a suffix). Everything else is refused here, before any tensor
+is read, with one message listing what is supported.
 
 Per-module schemes are still read off the tensors themselves (`linear.sniff`); this module only says which schemes
 the declaration allows for a module, so a checkpoint that contradicts its own config is refused by name.
@@ -13,6 +16,8 @@ the declaration allows for a module, so a checkpoint that contradicts its own co
 from __future__ import annotations
 
 import fnmatch
+import functools
+import re
 from dataclasses import dataclass
 
 from ft.compiler.errors import CheckpointError
@@ -20,7 +25,8 @@ from ft.compiler.errors import CheckpointError
 # ModelOpt quant_algo -> the scheme of the stored weights ("nvfp4": packed E2M1; "fp8": e4m3 per-tensor scale)
 ALGOS = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "FP8": "fp8"}
 SUPPORTED = ("unquantized bf16/fp16/fp32, quant_method 'modelopt' with quant_algo NVFP4, W4A16_NVFP4, "
-             "FP8 (per-tensor) or MIXED_PRECISION of these, or quant_method 'mxfp4' (gpt-oss experts)")
+             "FP8 (per-tensor) or MIXED_PRECISION of these, quant_method 'fp8' with fmt 'e4m3' and "
+             "weight_block_size [128, 128], or quant_method 'mxfp4' (gpt-oss experts)")
 
 
 @dataclass(frozen=True)
@@ -30,7 +36,8 @@ class QuantDecl:
     source: dict | None
     default: str  # scheme of modules not excluded ("plain" when unquantized or MIXED_PRECISION)
     layers: dict[str, str]  # MIXED_PRECISION: module path -> scheme
-    excluded: tuple[str, ...]  # fnmatch patterns of modules left unquantized
+    excluded: tuple[str, ...]  # patterns of modules left unquantized: fnmatch, or transformers' rule (`hf_match`)
+    hf_match: bool = False  # block FP8: transformers' `should_convert_module` matching instead of fnmatch
 
     @property
     def quantized(self) -> bool:
@@ -43,6 +50,8 @@ class QuantDecl:
         for path in _self_and_ancestors(module):
             if path in self.layers:
                 return {self.layers[path]}
+        if self.hf_match:
+            return {"plain"} if _hf_excluded(module, self.excluded) else {self.default, "plain"}
         if self.layers or any(fnmatch.fnmatchcase(p, pat)
                               for p in _self_and_ancestors(module) for pat in self.excluded):
             return {"plain"}
@@ -53,6 +62,49 @@ class QuantDecl:
 def _self_and_ancestors(module: str) -> list[str]:
     parts = module.split(".")
     return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
+
+
+def _hf_excluded(module: str, patterns: tuple[str, ...]) -> bool:
+    """transformers' rule: a pattern as a regex from the start of the path ending at a module boundary ("layers.1"
+    matches "layers.1.mlp", not "layers.11"; "mlp.gate" not "mlp.gate_proj"), or a plain suffix of the path."""
+    return bool(patterns) and (bool(_hf_regex(patterns).match(module)) or module.endswith(patterns))
+
+
+@functools.cache
+def _hf_regex(patterns: tuple[str, ...]) -> re.Pattern:
+    """All patterns as one alternation (matches iff one of them does: the boundary is tried after each)."""
+    return re.compile("(?:" + "|".join(f"(?:{p})" for p in patterns) + r")(?:(?<=\.)|(?=\.|$))")
+
+
+def _fp8_block(qc: dict, where: str) -> QuantDecl:
+    """quant_method 'fp8' (transformers' FineGrainedFP8Config): e4m3 weights with 128x128 float32 tile scales."""
+    fmt, block = qc.get("fmt", "e4m3"), qc.get("weight_block_size")
+    if fmt != "e4m3":
+        raise CheckpointError(f"{where}: FP8 fmt {fmt!r} is not supported; supported: 'e4m3'")
+    if block is None or list(block) != [128, 128]:
+        raise CheckpointError(f"{where}: FP8 weight_block_size {block!r} is not supported; supported: [128, 128]")
+    if qc.get("activation_scheme", "dynamic") not in ("dynamic", "static"):
+        raise CheckpointError(f"{where}: FP8 activation_scheme {qc.get('activation_scheme')!r} is not supported; "
+                              "supported: 'dynamic', 'static' (weights are read alone either way)")
+    if qc.get("scale_fmt", "float") != "float":
+        raise CheckpointError(f"{where}: FP8 scale_fmt {qc.get('scale_fmt')!r} is not supported; supported: 'float' "
+                              "(F32 weight_scale_inv)")
+    if qc.get("expert_dtype", "fp8") != "fp8":
+        raise CheckpointError(f"{where}: FP8 expert_dtype {qc.get('expert_dtype')!r} is not supported; supported: "
+                              "'fp8'")
+    if qc.get("modules_to_convert"):
+        raise CheckpointError(f"{where}: FP8 modules_to_convert (quantized embeddings) is not supported")
+    excluded = qc.get("modules_to_not_convert")
+    excluded = qc.get("ignored_layers") if excluded is None else excluded
+    excluded = [] if excluded is None else excluded
+    if not isinstance(excluded, list) or not all(isinstance(p, str) for p in excluded):
+        raise CheckpointError(f"{where}: 'modules_to_not_convert'/'ignored_layers' must be a list of module names")
+    for pat in excluded:
+        try:
+            re.compile(pat)
+        except re.error as e:
+            raise CheckpointError(f"{where}: module pattern {pat!r} is not a valid regex ({e})") from None
+    return QuantDecl(qc, "fp8_block", {}, tuple(excluded), hf_match=True)
 
 
 def _algo(value, where: str) -> str:
@@ -82,6 +134,8 @@ def parse_quant(config: dict, hf_quant: dict | None) -> QuantDecl:
                 raise CheckpointError(f"{where}: quant_method 'mxfp4' is supported for gpt_oss checkpoints only, "
                                       f"not model_type {config.get('model_type')!r}")
             return QuantDecl(qc, "plain", {}, ())
+        if method == "fp8":
+            return _fp8_block(qc, where)
         if method != "modelopt":
             raise CheckpointError(f"{where}: quant_method {method!r} is not supported; supported: {SUPPORTED}")
         source, algo = qc, qc.get("quant_algo")

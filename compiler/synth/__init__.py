@@ -7,7 +7,8 @@
 
 Writes sharded safetensors + index, a config.json / generation_config.json in the style of the real release, the real
 Qwen tokenizer files, the fake extra tensors real checkpoints carry (mtp.*, model.visual.*), and with
-`quant="nvfp4"` the ModelOpt NVFP4 layout (`quant="mxfp4"`: gpt_oss's MXFP4 experts, `synth.gpt_oss`) plus its exact
+`quant="nvfp4"` the ModelOpt NVFP4 layout (`quant="mxfp4"`: gpt_oss's MXFP4 experts, `synth.gpt_oss`; `quant="fp8"`:
+the 128x128 block-FP8 layout of Qwen3-*-FP8 / GLM-*-FP8, in-memory presets, `fp8_checkpoint`) plus its exact
 BF16 twin in `<out_dir>-twin` (`twin=False` writes the
 quantized checkpoint alone: the qwen3.6-35b-a3b twin is 72 GB). Both directories are written into temporary siblings
 and renamed into place when complete. How values are chosen: `weights`; expert
@@ -28,8 +29,8 @@ from ft.compiler.synth.routing import ROUTINGS
 __all__ = ["ARCHS", "PRESETS", "FULL_SIZE", "QUANTS", "LAYOUTS", "SynthError", "synth", "tensor_table",
            "resolve_layout"]
 
-QUANTS = ("none", "nvfp4", "mxfp4")
-# every other arch: none, nvfp4 (glm_moe_dsa: no NVFP4 layout of GLM-5's MLA projections defined yet)
+QUANTS = ("none", "nvfp4", "mxfp4", "fp8")
+# every other arch: none, nvfp4, fp8 (glm_moe_dsa: no quantized layout of GLM-5's MLA projections defined yet)
 _QUANTS_OF = {"gpt_oss": ("none", "mxfp4"), "glm_moe_dsa": ("none",)}
 LAYOUTS = ("auto", "fused", "per_expert")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
@@ -47,7 +48,8 @@ def resolve_layout(arch: str, quant: str, expert_layout: str) -> bool:
         raise SynthError(f"expert_layout 'fused' exists only for qwen3_5_moe; {arch} checkpoints store experts per "
                          f"expert (use auto or per_expert)")
     if expert_layout == "fused" and quant != "none":
-        raise SynthError("expert_layout 'fused' exists only unquantized; NVFP4 releases store experts per expert")
+        raise SynthError("expert_layout 'fused' exists only unquantized; NVFP4 and FP8 releases store experts per "
+                         "expert")
     if expert_layout == "auto":
         return arch == "qwen3_5_moe" and quant == "none"
     return expert_layout == "fused"
@@ -112,9 +114,12 @@ def _resolve(arch: str, preset: str, dtype: str | None, quant: str, routing: str
     if arch == "gpt_oss" and (routing != "uniform" or expert_layout != "auto"):
         raise SynthError("gpt_oss checkpoints have uniform routing only and their experts are always fused 3-D on "
                          "disk (routing 'uniform', expert_layout 'auto')")
-    allowed = _QUANTS_OF.get(arch, ("none", "nvfp4"))
+    allowed = _QUANTS_OF.get(arch, ("none", "nvfp4", "fp8"))
     if quant not in allowed:
         raise SynthError(f"quant {quant!r} does not exist for {arch}; supported: {', '.join(allowed)}")
+    if quant == "fp8" and p.kind != "hf":
+        raise SynthError(f"quant 'fp8' is written for the in-memory presets only "
+                         f"({', '.join(n for n, q in PRESETS.items() if q.kind == 'hf')}), not {preset!r}")
     if routing not in ROUTINGS:
         raise SynthError(f"unknown routing {routing!r}; supported: {', '.join(ROUTINGS)}")
     dtype = dtype or p.dtype
@@ -148,12 +153,12 @@ def synth(arch: str, preset: str, out_dir: Path, *, dtype: str | None = None, qu
           routing: str = "uniform", seed: int = 0, force: bool = False, expert_layout: str = "auto",
           overrides: dict | None = None, max_shard_size: str | None = None, num_layers: int | None = None,
           twin: bool = True) -> Path:
-    """Write a synthetic checkpoint of `arch` at `preset` into out_dir (and `<out_dir>-twin` for NVFP4 unless
+    """Write a synthetic checkpoint of `arch` at `preset` into out_dir (and `<out_dir>-twin` when quantized unless
     `twin` is False; the flag has no effect on unquantized checkpoints, which are their own reference)."""
     p, keys, torch_dtype, fused = _resolve(arch, preset, dtype, quant, routing, expert_layout, overrides, num_layers)
     out_dir = Path(out_dir).absolute()
     twin_dir = out_dir.with_name(out_dir.name + "-twin")
-    write_twin = quant in ("nvfp4", "mxfp4") and twin
+    write_twin = quant in ("nvfp4", "mxfp4", "fp8") and twin
     _check_out(out_dir, force)
     if write_twin:
         _check_out(twin_dir, force)

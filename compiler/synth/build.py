@@ -1,4 +1,4 @@
-"""One synthetic checkpoint (and its NVFP4 twin) into prepared temporary directories: the steps behind `synth`."""
+"""One synthetic checkpoint (and its NVFP4 / FP8 twin) into prepared temporary directories: the steps behind `synth`."""
 
 from __future__ import annotations
 
@@ -61,7 +61,12 @@ def _entries(arch: str, preset: Preset, cfg, dtype: torch.dtype, quant: str, fus
         state = build_state(table, ctx)
         if quant == "none":
             return table, [tensor_entry(n, t) for n, t in state.items()], None, None
-        q, twin = quantize_state(arch, state, ctx.seed)
+        if quant == "fp8":
+            from ft.compiler.synth import fp8_checkpoint
+
+            q, twin = fp8_checkpoint.quantize_state(state)
+        else:
+            q, twin = quantize_state(arch, state, ctx.seed)
         return table, [tensor_entry(n, t) for n, t in q.items()], [tensor_entry(n, t) for n, t in twin.items()], None
     from ft.compiler.synth.full_size import FullSizeWriter
 
@@ -97,6 +102,10 @@ def plan_table(*, arch: str, preset: Preset, keys: dict, dtype: torch.dtype, qua
     if quant == "nvfp4":
         _check_quantizable(arch, table)
     ctx = ValueContext(arch, text.hidden_size, text.num_hidden_layers, 0, "uniform")
+    if quant == "fp8":  # in-memory presets only (checked by synth._resolve)
+        from ft.compiler.synth.fp8_checkpoint import quantized_table
+
+        return quantized_table(table)
     main, _ = FullSizeWriter(arch, ctx, quant).entries(table)
     return [TensorSpec(e.name, e.shape, e.dtype) for e in main]
 
@@ -110,9 +119,9 @@ def _meta_tables(arch: str, cfg, dtype: torch.dtype, fused: bool) -> list[Tensor
 
 def build_checkpoint(*, arch: str, preset: Preset, keys: dict, dtype: torch.dtype, quant: str, routing: str,
                      seed: int, fused: bool, shard: int, out: Path, twin: Path | None) -> None:
-    """Write the checkpoint into `out` and, when `twin` is a directory, its exact BF16 twin (NVFP4 only).
+    """Write the checkpoint into `out` and, when `twin` is a directory, its exact BF16 twin (NVFP4 / FP8 only).
 
-    Without a twin directory an NVFP4 checkpoint is written alone; in-memory presets (tiny/small/demo) still write
+    Without a twin directory a quantized checkpoint is written alone; in-memory presets (tiny/small/demo) still write
     their twin into a temporary directory, because the coverage report runs transformers on it (<= 380 MB)."""
     console = _console()
     tok, cfg = _config(arch, preset, keys, dtype, out)
@@ -121,7 +130,7 @@ def build_checkpoint(*, arch: str, preset: Preset, keys: dict, dtype: torch.dtyp
     table, main, twin_entries, writer = _entries(arch, preset, cfg, dtype, quant, fused, ctx)
 
     with tempfile.TemporaryDirectory(prefix="ft-synth-twin-") as scratch:
-        if quant == "nvfp4" and twin is None and writer is None:
+        if quant in ("nvfp4", "fp8") and twin is None and writer is None:
             twin = Path(scratch)
         _write_files(arch, cfg, tok, table, dtype, quant, out, twin)
         total = total_bytes(main) + (total_bytes(twin_entries) if twin is not None else 0)
@@ -137,7 +146,7 @@ def build_checkpoint(*, arch: str, preset: Preset, keys: dict, dtype: torch.dtyp
 
 def _write_files(arch: str, cfg, tok: dict, table: list[TensorSpec], dtype: torch.dtype, quant: str, out: Path,
                  twin: Path | None) -> None:
-    """config.json / generation_config.json (+ NVFP4 quant configs) in `out`; the twin's unquantized copies."""
+    """config.json / generation_config.json (+ NVFP4 / FP8 quant configs) in `out`; the twin's unquantized copies."""
     cfg.save_pretrained(out)  # transformers' own config.json, then rewritten like the real release
     config = hf_config.realistic_config(arch, json.loads((out / "config.json").read_text()), dtype)
     gen = hf_config.generation_config(arch, tok)
@@ -150,6 +159,10 @@ def _write_files(arch: str, cfg, tok: dict, table: list[TensorSpec], dtype: torc
         qc, legacy = quant_configs(arch, [t.name for t in table])
         config = dict(config, quantization_config=qc)
         (out / "hf_quant_config.json").write_text(json.dumps(legacy) + "\n")
+    elif quant == "fp8":
+        from ft.compiler.synth.fp8_checkpoint import quant_config
+
+        config = dict(config, quantization_config=quant_config(arch, table))
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", gen)
 

@@ -73,7 +73,7 @@ def test_unsupported_architecture(copy, tmp_path: Path, arch: str, model_type: s
 
 @pytest.mark.parametrize("qc", [
     {"quant_method": "gptq", "bits": 4}, {"quant_method": "awq"}, {"quant_method": "compressed-tensors"},
-    {"quant_method": "fp8", "weight_block_size": [128, 128]},
+    {"quant_method": "fbgemm_fp8"},
     {"quant_method": "modelopt", "quant_algo": "W4A8_AWQ"},
 ])
 def test_unsupported_quant_method(copy, tmp_path: Path, qc: dict) -> None:

@@ -306,3 +306,40 @@ def test_configs_look_like_real_releases(made):
     assert gen["eos_token_id"] == [qids["<|im_end|>"], qids["<|endoftext|>"]]
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"):
         assert (made("qwen3_moe") / f).is_file()
+
+
+# Block-FP8 releases quantize every decoder Linear (MTP heads included) but routers, gates and in_proj_a/b/ba
+FP8_BLOCK = re.compile(r"^(model\.(language_model\.)?layers\.\d+|mtp\.layers\.\d+)\.(self_attn\.[qkvo]_proj|"
+                       r"mlp\.experts\.\d+\.(gate|up|down)_proj|mlp\.shared_experts?\.(gate|up|down)_proj|"
+                       r"mlp\.(gate|up|down)_proj|block_sparse_moe\.experts\.\d+\.w[123]|"
+                       r"linear_attn\.(in_proj_qkvz|in_proj_qkv|in_proj_z|out_proj))\.weight$")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fp8_block_table_and_config(made, arch):
+    from ft.compiler.synth import tensor_table
+
+    d = made(arch, "fp8")
+    cfg = json.loads((d / "config.json").read_text())
+    got = headers(d)
+    want = {}
+    for name, shape in expected_shapes(arch, cfg, False).items():
+        if FP8_BLOCK.match(name):
+            want.update({name: ("F8_E4M3", shape), name[: -len("weight")] + "weight_scale_inv":
+                         ("F32", (-(-shape[0] // 128), -(-shape[1] // 128)))})
+        else:
+            want[name] = ("F32", shape)
+    assert {k: v for k, v in got.items() if not k.startswith("model.visual.")} == want
+    assert {t.name: (t.shape, t.dtype) for t in tensor_table(arch, "tiny", quant="fp8")} == \
+        {k: (s, {"F32": torch.float32, "F8_E4M3": torch.float8_e4m3fn}[dt]) for k, (dt, s) in got.items()}
+    qc = cfg["quantization_config"]
+    assert qc["quant_method"] == "fp8" and qc["weight_block_size"] == [128, 128] and qc["fmt"] == "e4m3"
+    if arch == "glm4_moe":
+        assert "modules_to_not_convert" not in qc
+    else:
+        first_moe = "model.language_model.layers.0.mlp.gate" if arch == "qwen3_5_moe" else \
+            f"model.layers.0.{'block_sparse_moe' if arch == 'mixtral' else 'mlp'}.gate"
+        assert "lm_head" in qc["modules_to_not_convert"] and first_moe in qc["modules_to_not_convert"]
+    twin = d.with_name(d.name + "-twin")
+    assert "quantization_config" not in json.loads((twin / "config.json").read_text())
+    assert set(headers(twin)) == {k for k in got if not k.endswith("_scale_inv")}
