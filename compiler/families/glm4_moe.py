@@ -37,29 +37,14 @@ class Glm4Moe(Family):
         dense = c.int("first_k_dense_replace", 1)
         if not 0 <= dense <= L:
             raise CheckpointError(f"{c.where}: first_k_dense_replace must be in 0..{L}, got {dense}")
-        shared = c.int("n_shared_experts", 1)
-        if shared < 1:
-            raise CheckpointError(f"{c.where}: n_shared_experts={shared} is not supported (glm4_moe has a shared "
-                                  "expert)")
-        moe_inter = c.int("moe_intermediate_size")
         mtp = c.int("num_nextn_predict_layers", c.int("num_mtp_layers", 0))
         if mtp < 0:
             raise CheckpointError(f"{c.where}: num_nextn_predict_layers must be >= 0, got {mtp}")
         self.skip_prefixes = tuple(f"{self.prefix}layers.{L + j}." for j in range(mtp))
-        scale = c.get("routed_scaling_factor", 1.0)
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-            raise CheckpointError(f"{c.where}: routed_scaling_factor must be a number, got {scale!r}")
         f.update(
             layer_types=("full_attention",) * L, mlp_types=("dense",) * dense + ("moe",) * (L - dense),
             attn_qkv_bias=_flag(c, "attention_bias", False), attn_qk_norm=_flag(c, "use_qk_norm", False),
-            attn_output_gate=False,
-            num_experts=c.int("n_routed_experts", c.int("num_local_experts", 128)),
-            num_experts_per_tok=c.int("num_experts_per_tok"), moe_intermediate_size=moe_inter,
-            norm_topk_prob=_flag(c, "norm_topk_prob", True), shared_expert_intermediate_size=shared * moe_inter,
-            intermediate_size=c.int("intermediate_size", 0),
-            tie_word_embeddings=_flag(c, "tie_word_embeddings", False),
-            router_scoring="sigmoid", router_correction_bias=True, router_n_group=c.int("n_group", 1),
-            router_topk_group=c.int("topk_group", 1), routed_scaling_factor=float(scale), shared_expert_gate=False,
+            attn_output_gate=False, **moe_fields(c, self.name, experts=128, scale=1.0),
         )
         return make_config(f, c.where)
 
@@ -75,6 +60,26 @@ class Glm4Moe(Family):
         if cfg.has_shared_expert:
             items += self.gated_mlp(f"{p}shared_experts.", f"{o}shared_expert.", cfg.shared_expert_intermediate_size, H)
         return items
+
+
+def moe_fields(c: HFConfig, family: str, *, experts: int, scale: float) -> dict:
+    """The normalized config's MoE fields of GLM's MoE (glm4_moe, glm_moe_dsa): sigmoid router with the correction
+    bias and group-limited top-k, routed scaling (`scale`, `experts`: the defaults when the config omits them), one
+    ungated shared expert of `n_shared_experts` x the expert width."""
+    shared = c.int("n_shared_experts", 1)
+    if shared < 1:
+        raise CheckpointError(f"{c.where}: n_shared_experts={shared} is not supported ({family} has a shared expert)")
+    routed = c.get("routed_scaling_factor", scale)
+    if isinstance(routed, bool) or not isinstance(routed, (int, float)):
+        raise CheckpointError(f"{c.where}: routed_scaling_factor must be a number, got {routed!r}")
+    moe_inter = c.int("moe_intermediate_size")
+    return dict(
+        num_experts=c.int("n_routed_experts", c.int("num_local_experts", experts)),
+        num_experts_per_tok=c.int("num_experts_per_tok"), moe_intermediate_size=moe_inter,
+        norm_topk_prob=_flag(c, "norm_topk_prob", True), shared_expert_intermediate_size=shared * moe_inter,
+        intermediate_size=c.int("intermediate_size", 0), tie_word_embeddings=_flag(c, "tie_word_embeddings", False),
+        router_scoring="sigmoid", router_correction_bias=True, router_n_group=c.int("n_group", 1),
+        router_topk_group=c.int("topk_group", 1), routed_scaling_factor=float(routed), shared_expert_gate=False)
 
 
 def _flag(c: HFConfig, key: str, default: bool) -> bool:

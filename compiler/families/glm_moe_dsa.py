@@ -17,7 +17,7 @@ import torch
 
 from ft.compiler.errors import CheckpointError
 from ft.compiler.families.base import HFConfig, common_fields, make_config
-from ft.compiler.families.glm4_moe import Glm4Moe, _flag
+from ft.compiler.families.glm4_moe import Glm4Moe, moe_fields
 from ft.compiler.plan import Item, LinearItem, TensorItem
 from ft.formats import ModelConfig
 from ft.formats.config import INDEXER_TYPES
@@ -70,26 +70,13 @@ class GlmMoeDsa(Glm4Moe):
         if mtp < 0:
             raise CheckpointError(f"{c.where}: num_nextn_predict_layers must be >= 0, got {mtp}")
         self.skip_prefixes = tuple(f"{self.prefix}layers.{L + j}." for j in range(mtp))
-        shared = c.int("n_shared_experts", 1)
-        if shared < 1:
-            raise CheckpointError(f"{c.where}: n_shared_experts={shared} is not supported (GLM-5 has a shared expert)")
-        scale = c.get("routed_scaling_factor", 2.5)
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-            raise CheckpointError(f"{c.where}: routed_scaling_factor must be a number, got {scale!r}")
-        moe_inter = c.int("moe_intermediate_size")
         f.update(
             head_dim=nope + rope, rotary_dim=rope, layer_types=("mla_attention",) * L, mlp_types=_mlp_types(c, L),
             attn_qkv_bias=False, attn_qk_norm=False, attn_output_gate=False,
             q_lora_rank=c.int("q_lora_rank"), kv_lora_rank=c.int("kv_lora_rank"), v_head_dim=v,
             index_n_heads=c.int("index_n_heads"), index_head_dim=c.int("index_head_dim"),
             index_topk=c.int("index_topk"), indexer_types=_indexer_types(c, L),
-            num_experts=c.int("n_routed_experts", c.int("num_local_experts", 256)),
-            num_experts_per_tok=c.int("num_experts_per_tok"), moe_intermediate_size=moe_inter,
-            norm_topk_prob=_flag(c, "norm_topk_prob", True), shared_expert_intermediate_size=shared * moe_inter,
-            intermediate_size=c.int("intermediate_size", 0),
-            tie_word_embeddings=_flag(c, "tie_word_embeddings", False),
-            router_scoring="sigmoid", router_correction_bias=True, router_n_group=c.int("n_group", 1),
-            router_topk_group=c.int("topk_group", 1), routed_scaling_factor=float(scale), shared_expert_gate=False,
+            **moe_fields(c, self.name, experts=256, scale=2.5),
         )
         return make_config(f, c.where)
 

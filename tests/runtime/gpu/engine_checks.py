@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
-from ft.runtime.engine import Engine, EngineSettings, generate
+import torch
+
+from ft.runtime.engine import Engine, EngineSettings, SamplingParams, generate
 from ft.runtime.gpu.engine_setup import _weight_bytes
 from ft.runtime.gpu.offload_config import OffloadConfig
 from ft.runtime.gpu.sizing import state_bytes
+from ft.runtime.model import Segment
 
 GIB = 1 << 30
+PROMPT = [5, 17, 3, 99, 42, 7, 11, 2, 9, 4]
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+def prompt_logits(model, prompt):
+    """fp32 [len(prompt) + 1, V]: the prompt's logits, then one greedy decode step's."""
+    st = model.new_state(len(prompt) + 4)
+    out = model.forward(torch.tensor(prompt), [Segment(st, len(prompt), logits="all")])[0]
+    nxt = model.forward(torch.tensor([int(out[-1].argmax())]), [Segment(st, 1)])[0]
+    return torch.cat([out, nxt])
 
 
 def resident_then_budget(ftw, prompt, params) -> tuple[int, dict]:

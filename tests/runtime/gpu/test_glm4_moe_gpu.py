@@ -8,25 +8,16 @@ import pytest
 import torch
 
 from ft.formats import FtwReader
-from ft.runtime.engine import Engine, EngineSettings, SamplingParams, generate
+from ft.runtime.engine import Engine, EngineSettings, generate
 from ft.runtime.gpu import engine_setup
 from ft.runtime.gpu.hybrid import GpuExperts
 from ft.runtime.gpu.offload_config import OffloadConfig
 from ft.runtime.gpu.sizing import LATE_OUTSIDE
-from ft.runtime.model import Segment, load_model
+from ft.runtime.model import load_model
 
-from .engine_checks import resident_then_budget
+from .engine_checks import PARAMS, PROMPT, prompt_logits, resident_then_budget
 from .gpu_fixtures import rel_err
 
-PROMPT = [5, 17, 3, 99, 42, 7, 11, 2, 9, 4]
-PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-
-
-def _logits(model, prompt):
-    st = model.new_state(len(prompt) + 4)
-    out = model.forward(torch.tensor(prompt), [Segment(st, len(prompt), logits="all")])[0]
-    nxt = model.forward(torch.tensor([int(out[-1].argmax())]), [Segment(st, 1)])[0]
-    return torch.cat([out, nxt])
 
 
 def test_scheduler_with_few_slots_matches_cpu_experts(ftw_for):
@@ -35,7 +26,8 @@ def test_scheduler_with_few_slots_matches_cpu_experts(ftw_for):
     ex = GpuExperts(reader, OffloadConfig(mode="hybrid", num_slots=3, b_pcie=1e9, b_cpu=1e9, prefill_tokens=4),
                     device="cpu")
     assert ex.moe_layers == [1, 2]  # layer 0 is dense
-    got, want = _logits(load_model(reader, device="cpu", experts=ex), PROMPT), _logits(load_model(ftw), PROMPT)
+    got = prompt_logits(load_model(reader, device="cpu", experts=ex), PROMPT)
+    want = prompt_logits(load_model(ftw), PROMPT)
     # CPU experts round the dequantized weights to the model dtype, the scheduler's kernels do not (test_gpu_model)
     assert rel_err(got, want) < 1e-2 and ex.counters["misses"] > 0
     assert torch.equal(got.argmax(-1), want.argmax(-1))
