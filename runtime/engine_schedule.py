@@ -28,7 +28,10 @@ class Scheduling:
         while self._waiting and len(self._running) < self.max_running_requests:
             req = self._waiting[0]
             size = self.kv.rounded(req.prefill_length + 1, req.max_length)  # prefill + the first decode
-            hit = self.prefix.take(req.prefill_ids, capacity=size) if self.prefix is not None else None
+            hit = None
+            if self.prefix is not None:  # a copy of a kept prefix is allocated now: only with room for it
+                room = self.kv.free >= size + (self.kv.block if self._running else 0)
+                hit = self.prefix.take(req.prefill_ids, capacity=size, share=room)
             # A block of headroom for the running requests' growth: a request just preempted is not re-admitted (and
             # recomputed) straight away. Kept prefixes give way first.
             while not self.kv.try_reserve(req.request_id, size, headroom=self.kv.block if self._running else 0):
@@ -44,6 +47,8 @@ class Scheduling:
                 req.snapshots.update(hit.snapshots)  # the conversation's earlier chunk ends stay reusable
                 req.prefix_source = hit.source
                 req.state.max_tokens = max(req.state.max_tokens, req.max_length)
+                if req.state.capacity > size:  # KV buffers within the reservation (and max_length)
+                    req.state.resize(size)
                 if not req.output_ids:  # what usage reports: the first admission's reuse (not a recompute's)
                     req.num_cached = hit.length
             self._running.append(req)

@@ -14,8 +14,9 @@ entry on their longest common token prefix L, capped at len(prompt) - 1 (one tok
   * models with recurrent layers (Gated DeltaNet) reuse the largest length <= L at which a state is known exactly:
     the entry's own length (the next turn continues the whole conversation) or a snapshot's (the client re-rendered
     the assistant's reply differently, e.g. without its thinking: the prompt end before it still matches).
-The entry with the longest usable prefix wins; the request gets a copy of its state (`SequenceState.clone`, a device
-copy of the KV rows) and the entry stays, so requests that share a prefix at the same time all reuse it (an agent's
+The entry with the longest usable prefix wins; when the budget has room for the request beside it, the request gets a
+copy of its state (`SequenceState.clone`, a device copy of the KV rows) and the entry stays (else the entry's own
+state, and the entry goes), so requests that share a prefix at the same time all reuse it (an agent's
 parallel calls share their system prompt and tools; a conversation forks). When the request finishes its state
 replaces the entry it was copied from (if still kept: the first of several sharers to finish replaces it), so a
 conversation holds one entry, as when a state served one request at a time; a stored state also supersedes the
@@ -46,7 +47,7 @@ class PrefixHit:
     state: SequenceState
     length: int  # tokens of the prompt the state already holds
     snapshots: dict[int, tuple[dict, dict]]  # the entry's snapshots at lengths <= length, still valid for the prompt
-    source: str  # the entry copied (`put(..., replaces=source)`)
+    source: str | None  # the entry copied (`put(..., replaces=source)`); None: the entry's own state, removed
 
 
 @dataclass
@@ -63,8 +64,8 @@ class PrefixCache:
     kv: KvBudget
     max_entries: int = 8
     entries: list[_Entry] = field(default_factory=list)
-    counters: dict = field(default_factory=lambda: dict.fromkeys(("hits", "hit_tokens", "misses", "stored",
-                                                                    "superseded", "evicted"), 0))
+    counters: dict = field(default_factory=lambda: dict.fromkeys(("hits", "shared", "hit_tokens", "misses",
+                                                                    "stored", "superseded", "evicted"), 0))
 
     def __post_init__(self) -> None:
         self._ids = itertools.count()
@@ -95,10 +96,11 @@ class PrefixCache:
         self.counters["stored"] += 1
         return True
 
-    def take(self, prompt: list[int], *, capacity: int | None = None) -> PrefixHit | None:
-        """A copy of the entry holding the longest usable prefix of `prompt`, at that prefix, with KV buffers of
-        `capacity` rows (the caller reserves what the request needs; the entry keeps its own reservation); None if no
-        entry has one."""
+    def take(self, prompt: list[int], *, capacity: int | None = None, share: bool = True) -> PrefixHit | None:
+        """The state of the entry holding the longest usable prefix of `prompt`, at that prefix; None if no entry has
+        one. `share`: a copy with KV buffers of `capacity` rows, the entry kept with its reservation (the caller
+        reserves what the request needs: it must have room for that beside the entry, since the copy is allocated
+        now); else the entry's own state, the entry removed and its reservation released (the budget is short)."""
         best, best_len = None, 0
         ids = np.asarray(prompt, np.int64)
         for entry in self.entries:
@@ -108,15 +110,21 @@ class PrefixCache:
         if best is None:
             self.counters["misses"] += 1
             return None
-        src = best.state
-        state = src.clone(best_len, best.snapshots.get(best_len) if best_len != src.length else None,
-                          capacity=capacity)
-        best.used = next(self._clock)
+        src, at = best.state, best.snapshots.get(best_len) if best_len != best.state.length else None
         snaps = {n: v for n, v in best.snapshots.items() if n <= best_len}
-        if src.recurrent and best_len == src.length:  # the entry's own end, resumable later too (its parked states
-            snaps[best_len] = (src.conv, src.recurrent)  # are host copies that are never written again)
         self.counters["hits"] += 1
         self.counters["hit_tokens"] += best_len
+        if not share:
+            self.entries.remove(best)
+            self.kv.release(best.key)
+            src.unpark()
+            src.rewind(best_len, at)
+            return PrefixHit(src, best_len, snaps, None)
+        state = src.clone(best_len, at, capacity=capacity)
+        best.used = next(self._clock)
+        if src.recurrent and best_len == src.length:  # the entry's own end, resumable later too (its parked states
+            snaps[best_len] = (src.conv, src.recurrent)  # are host tensors that are never written: `unpark` copies)
+        self.counters["shared"] += 1
         return PrefixHit(state, best_len, snaps, best.key)
 
     def evict(self) -> bool:

@@ -131,11 +131,35 @@ class SequenceState:
         new.length = length
         return new
 
+    def rewind(self, length: int, snapshot: tuple[dict, dict] | None = None) -> None:
+        """Go back to the first `length` tokens: KV rows past it are stale from now on (never read); the recurrent
+        layers' states are only valid at one length, so a model that has them needs `snapshot` taken at `length`
+        (`recurrent_snapshot`) unless `length` is the current one."""
+        if self._freed:
+            raise ValueError("the state was freed")
+        if not 0 <= length <= self.length:
+            raise ValueError(f"can only rewind to 0..{self.length} tokens, not {length}")
+        if self.recurrent and length != self.length:
+            if snapshot is None:
+                raise ValueError("a model with recurrent layers rewinds only to a snapshot of its state")
+            conv, rec = snapshot
+            for i, t in conv.items():
+                self.conv[i].copy_(t)
+            for i, t in rec.items():
+                self.recurrent[i].copy_(t)
+        self.length = length
+
     def park(self) -> None:
         """Move the recurrent layers' states to host memory (a state kept for reuse holds device memory only for its
-        KV rows, which the KV budget counts); it is then only read (`clone`)."""
+        KV rows, which the KV budget counts); `unpark` brings them back before the state runs again."""
         self.conv = {i: t.to("cpu") for i, t in self.conv.items()}
         self.recurrent = {i: t.to("cpu") for i, t in self.recurrent.items()}
+        self._addresses = None
+
+    def unpark(self) -> None:
+        """Back on the device, as new tensors: the parked ones may be shared as a snapshot (`PrefixCache.take`)."""
+        self.conv = {i: t.to(self.device, copy=True) for i, t in self.conv.items()}
+        self.recurrent = {i: t.to(self.device, copy=True) for i, t in self.recurrent.items()}
         self._addresses = None
 
     @property

@@ -127,7 +127,21 @@ def test_requests_running_together_share_a_kept_prefix(ftw_for, arch):
         assert len(FIRST) + len(first) - 1 <= cached[rid] <= len(FIRST) + len(first)
         assert outs[rid] == _turn(plain, prompt, rid)[0]
     stats = eng.stats()["prefix_cache"]
-    assert stats["hits"] == 3 and stats["superseded"] >= 1 and stats["entries"] == 3
+    assert stats["hits"] == stats["shared"] == 3 and stats["superseded"] >= 1 and stats["entries"] == 3
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_with_no_room_for_a_copy_the_kept_state_itself_is_taken(ftw_for, arch):
+    """A budget that cannot hold the request beside the kept state: the request takes the state itself (no copy is
+    allocated beyond the budget), as when a state served one request at a time."""
+    ftw = ftw_for(arch, "none")
+    eng, plain = _engine(ftw, 4, kv_reserve_tokens=80), _engine(ftw, 0, kv_reserve_tokens=80)
+    first, _ = _turn(eng, FIRST, "t1")
+    second = FIRST + first + [17, 23, 29, 31]
+    got, hit = _turn(eng, second, "t2")
+    assert got == _turn(plain, second, "t2")[0] and _same(eng, plain)
+    stats = eng.stats()["prefix_cache"]
+    assert hit >= len(FIRST) and stats["hits"] == 1 and stats["shared"] == 0 and stats["entries"] == 1
 
 
 def test_a_copied_state_is_independent_of_the_kept_one(ftw_for):
