@@ -25,17 +25,20 @@ prefill in chunks, then decode, computes what one forward would (transformers' b
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from ft.formats.config import ModelConfig
 from ft.runtime.layers.base import REQUIRED, Op
 from ft.runtime.layers.linear import Linear
 from ft.runtime.layers.norm import RMSNorm, rms_normalize
-from ft.runtime.layers.rope import Rotary
+from ft.runtime.layers.rope import Rotary, yarn_inv_freq
 
 KINDS = ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention")
+_OF_CONFIG = {"none": "sliding_attention", "csa": "compressed_sparse_attention", "hca": "heavily_compressed_attention"}
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,29 @@ class CompressedAttentionSpec:
             raise ValueError(f"index_* keys belong to compressed_sparse_attention, not {self.kind}")
 
 
+def spec_for(cfg: ModelConfig, layer: int) -> CompressedAttentionSpec:
+    """Layer `layer`'s spec from a normalized deepseek_v4 config (`compress_kinds`, families.md)."""
+    kind = cfg.compress_kinds[layer]
+    csa = kind == "csa"
+    return CompressedAttentionSpec(
+        kind=_OF_CONFIG[kind], hidden_size=cfg.hidden_size, num_heads=cfg.num_heads, head_dim=cfg.head_dim,
+        rotary_dim=cfg.rotary_dim, q_lora_rank=cfg.q_lora_rank, o_groups=cfg.o_groups, o_lora_rank=cfg.o_lora_rank,
+        sliding_window=cfg.sliding_window, rms_norm_eps=cfg.rms_norm_eps,
+        compress_rate={"none": 0, "csa": cfg.csa_compress_rate, "hca": cfg.hca_compress_rate}[kind],
+        index_n_heads=cfg.index_n_heads if csa else 0, index_head_dim=cfg.index_head_dim if csa else 0,
+        index_topk=cfg.index_topk if csa else 0)
+
+
+def rotaries(cfg: ModelConfig) -> tuple[Rotary, Rotary]:
+    """(main, compress): the sliding layers' plain rope of base rope_theta; the compressed layers' of base
+    compress_rope_theta, YaRN-scaled when `rope_type` says so (attention factor as the config gives it: 1 for V4)."""
+    main = Rotary(cfg.rotary_dim, cfg.rope_theta)
+    if cfg.rope_type != "yarn":
+        return main, Rotary(cfg.rotary_dim, cfg.compress_rope_theta)
+    inv = yarn_inv_freq(dataclasses.replace(cfg, rope_theta=cfg.compress_rope_theta))
+    return main, Rotary(cfg.rotary_dim, cfg.compress_rope_theta, inv_freq=inv, scale=cfg.rope_attention_factor)
+
+
 class CompressedKV:
     """One sequence's state of one layer (module docstring): `kv` [capacity, hd] every row; compressed layers add
     `raw` [2m, 2·cw] (kv | gate projections, position p at row p % 2m; cw = 2·hd for CSA, hd for HCA) and
@@ -97,6 +123,36 @@ class CompressedKV:
         if spec.kind == "compressed_sparse_attention":
             self.index_raw = torch.zeros(2 * m, 4 * spec.index_head_dim, dtype=dtype, device=device)
             self.index_entries = torch.empty(capacity // m, spec.index_head_dim, dtype=dtype, device=device)
+        self._m = m
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.kv, getattr(self, "raw", None), getattr(self, "entries", None),
+                            getattr(self, "index_raw", None), getattr(self, "index_entries", None)) if t is not None]
+
+    def resize(self, capacity: int, length: int) -> None:
+        """Buffers for `capacity` tokens, the first `length` tokens' rows (and complete entries) copied."""
+        def grown(old: torch.Tensor, rows: int, filled: int) -> torch.Tensor:
+            buf = old.new_empty((rows, *old.shape[1:]))
+            buf[:filled] = old[:filled]
+            return buf
+
+        self.kv = grown(self.kv, capacity, length)
+        if self._m:
+            self.entries = grown(self.entries, capacity // self._m, length // self._m)
+        if hasattr(self, "index_entries"):
+            self.index_entries = grown(self.index_entries, capacity // self._m, length // self._m)
+        self.capacity = capacity
+
+    def copy_into(self, other: CompressedKV, length: int) -> None:
+        """Copy this state, holding exactly `length` tokens, into `other` (capacity >= length)."""
+        other.kv[:length] = self.kv[:length]
+        for name in ("raw", "index_raw"):
+            if hasattr(self, name):
+                getattr(other, name).copy_(getattr(self, name))
+        for name in ("entries", "index_entries"):
+            if hasattr(self, name):
+                n = length // self._m
+                getattr(other, name)[:n] = getattr(self, name)[:n]
 
 
 def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -195,7 +251,7 @@ class Indexer(_Pooled):
         cos, sin = _half_angles(rope, positions)
         q = rope_interleaved(self.q_b_proj(q_resid).view(t, self._n, self._d), cos, sin)
         scores = F.relu(torch.matmul(q.float(), state.index_entries[:e].float().t())) * self._d ** -0.5  # [T,n,E]
-        w = self.weights_proj(x).float() * self._n ** -0.5                                               # [T, n]
+        w = F.linear(x, self.weights_proj.weight.to(x.dtype)).float() * self._n ** -0.5                  # [T, n]
         index = (scores * w.unsqueeze(-1)).sum(dim=1).masked_fill(~visible, float("-inf"))
         top = index.topk(min(self._topk, e), dim=-1).indices
         return torch.zeros_like(visible).scatter_(-1, top, True) & visible
