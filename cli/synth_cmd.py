@@ -29,7 +29,7 @@ def _parse_overrides(items: list[str]) -> dict:
 
 def synth(
     arch: str = typer.Option(..., "--arch", help="qwen3_moe, qwen2_moe, mixtral, qwen3_next, qwen3_5_moe, "
-                              "gpt_oss, glm4_moe or glm_moe_dsa."),
+                              "gpt_oss, glm4_moe, glm_moe_dsa or deepseek_v4."),
     preset: str = typer.Option(..., "--preset", help="tiny, small, demo (qwen3_5_moe) or a full-size release: "
                                "qwen3-30b-a3b, qwen3moe-35b-geom, qwen3.6-35b-a3b, qwen3-next-80b-a3b, "
                                "qwen1.5-moe-a2.7b, mixtral-8x7b, gpt-oss-20b, gpt-oss-120b, glm-4.5-air, glm-4.5."),

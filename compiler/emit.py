@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 
 from ft.compiler.async_writer import AsyncWriter
+from ft.compiler.errors import CheckpointError
 from ft.compiler.experts import Bank
 from ft.compiler.linear import DtypePolicy, Rows, Sniffed, cat, dequantize, finalize, load, take, to_dtype
 from ft.compiler.plan import LinearItem, TensorItem
@@ -78,7 +79,13 @@ class Emitter:
 
     # -- items ----------------------------------------------------------------------------------
     def tensor(self, item: TensorItem) -> None:
-        if item.kind in ("keep", "conv"):
+        if item.kind == "index":
+            t = self.read(item.src)
+            if t.dtype.is_floating_point or t.numel() and (int(t.min()) < 0 or int(t.max()) >= 2 ** 31):
+                raise CheckpointError(f"{item.src}: an index table of non-negative int32 values is expected, "
+                                      f"got {t.dtype}")
+            t = t.to(torch.int32)
+        elif item.kind in ("keep", "conv"):
             t = self.read(item.src, self.pol.dtype)
             if item.kind == "conv":
                 t = t.squeeze(1)  # [C, 1, K] -> [C, K]

@@ -18,7 +18,8 @@ from ft.compiler.experts import ExpertSource
 #   fp32     stored float32 (dt_bias, A_log)
 #   norm     RMSNorm weight, stored float32
 #   norm_1p  zero-centred RMSNorm weight w, stored as float32(w) + 1 (qwen3_next, qwen3_5_moe)
-KINDS = ("keep", "conv", "fp32", "norm", "norm_1p")
+#   index    integer table (deepseek_v4's tid2eid), stored int32
+KINDS = ("keep", "conv", "fp32", "norm", "norm_1p", "index")
 
 
 @dataclass(frozen=True, eq=False)

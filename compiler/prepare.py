@@ -86,12 +86,14 @@ def prepare(items: list[Item], ck: Checkpoint, decl: QuantDecl, pol: DtypePolicy
     out_bytes = 0
     for item in items:
         if isinstance(item, TensorItem):
-            ck.float_dtype(item.src)
+            if item.kind != "index":
+                ck.float_dtype(item.src)
             _check_shape(ck, item.src, item.shape)
             consumed[item.src] = None
             steps.append((item, None))
             info = ck.info(item.src)
-            out_dt = (pol.dtype or info.torch_dtype) if item.kind in ("keep", "conv") else torch.float32
+            out_dt = (pol.dtype or info.torch_dtype) if item.kind in ("keep", "conv") else \
+                torch.int32 if item.kind == "index" else torch.float32
             out_bytes += info.nbytes // _itemsize(info.torch_dtype) * _itemsize(out_dt) + ALIGN
         elif isinstance(item, LinearItem):
             sns = _linear(ck, decl, item)

@@ -10,14 +10,17 @@ import math
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
 
-FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "qwen3_5_moe", "gpt_oss", "glm4_moe", "glm_moe_dsa")
-LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "mla_attention")
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "qwen3_5_moe", "gpt_oss", "glm4_moe", "glm_moe_dsa",
+            "deepseek_v4")
+LAYER_TYPES = ("full_attention", "sliding_attention", "linear_attention", "mla_attention", "compressed_attention")
 # layers with a softmax attention and a KV cache (mla_attention: the cache holds the compressed latent, see families.md)
 ATTENTION_TYPES = ("full_attention", "sliding_attention", "mla_attention")
 INDEXER_TYPES = ("full", "shared")  # DSA: run the layer's own indexer, or reuse the previous full layer's selection
-EXPERT_ACTS = ("silu", "clamped_swiglu")
+# compressed_attention (deepseek_v4): the sliding window alone, + compressed sparse (CSA) or heavily compressed (HCA)
+COMPRESS_KINDS = ("none", "csa", "hca")
+EXPERT_ACTS = ("silu", "clamped_swiglu", "clamped_silu")
 ROPE_TYPES = ("default", "yarn")
-ROUTER_SCORINGS = ("softmax", "sigmoid")
+ROUTER_SCORINGS = ("softmax", "sigmoid", "sqrtsoftplus")
 MLP_TYPES = ("moe", "dense")
 
 
@@ -86,6 +89,20 @@ class ModelConfig:
     index_head_dim: int = 0             # DSA indexer head width (its first rotary_dim dims rotated)
     index_topk: int = 0                 # DSA: keys each query attends (its top-k by indexer score, causal)
     indexer_types: tuple[str, ...] = ()  # per layer full | shared (empty without an indexer)
+    # Keys added with deepseek_v4 (absent = 0 / empty: no compressed_attention layer, no hyper-connections).
+    # compressed_attention layers: one shared K=V head (num_kv_heads 1) over `sliding_window`, rotary_dim rotated at
+    # the end of each head; rope_theta is the sliding layers' base, the rope_* scaling keys apply to the compressed
+    # layers' rope, of base compress_rope_theta. q_lora_rank and the index_* keys (CSA's indexer) are shared with MLA.
+    compress_kinds: tuple[str, ...] = ()  # per layer none | csa | hca
+    csa_compress_rate: int = 0          # source tokens per CSA entry
+    hca_compress_rate: int = 0          # source tokens per HCA entry
+    compress_rope_theta: float = 0.0
+    o_groups: int = 0                   # grouped output projection: head groups ...
+    o_lora_rank: int = 0                # ... each mapped to this many rows before o_b_proj
+    hc_mult: int = 0                    # hyper-connections: residual streams (0: a plain residual)
+    hc_sinkhorn_iters: int = 0
+    hc_eps: float = 0.0
+    hash_moe_layers: tuple[int, ...] = ()  # MoE layers whose experts the frozen table `mlp.tid2eid` [V, k] picks
 
     def __post_init__(self) -> None:
         problems = list(self._problems())
@@ -119,6 +136,8 @@ class ModelConfig:
             yield f"expert_act {self.expert_act!r} not in {EXPERT_ACTS}"
         elif self.expert_act == "clamped_swiglu" and not (self.swiglu_alpha > 0 and self.swiglu_limit > 0):
             yield "clamped_swiglu needs swiglu_alpha > 0 and swiglu_limit > 0"
+        elif self.expert_act == "clamped_silu" and not (self.swiglu_alpha == 0 and self.swiglu_limit > 0):
+            yield "clamped_silu needs swiglu_limit > 0 and no swiglu_alpha"
         if self.rope_type not in ROPE_TYPES:
             yield f"rope_type {self.rope_type!r} not in {ROPE_TYPES}"
         elif self.rope_type == "yarn" and not (self.rope_factor >= 1 and self.rope_original_max_position_embeddings > 0
@@ -128,6 +147,7 @@ class ModelConfig:
                    "rope_attention_factor, rope_beta_fast, rope_beta_slow")
         yield from self._router_problems()
         yield from self._mla_problems()
+        yield from self._compressed_problems()
         if len(self.mlp_types) != self.num_layers or any(t not in MLP_TYPES for t in self.mlp_types):
             yield f"mlp_types must list {self.num_layers} entries from {MLP_TYPES}"
         if self.num_kv_heads > 0 and self.num_heads % self.num_kv_heads:
@@ -143,8 +163,43 @@ class ModelConfig:
             elif self.linear_num_value_heads % self.linear_num_key_heads:
                 yield "linear_num_value_heads must be a multiple of linear_num_key_heads"
 
+    def _compressed_problems(self):
+        keys = ("csa_compress_rate", "hca_compress_rate", "compress_rope_theta", "o_groups", "o_lora_rank", "hc_mult",
+                "hc_sinkhorn_iters", "hc_eps")
+        if "compressed_attention" not in self.layer_types:
+            if self.compress_kinds or any(getattr(self, k) for k in keys) or self.hash_moe_layers:
+                yield "compress_kinds, hash_moe_layers and the keys " + ", ".join(keys) + " belong to " \
+                      "compressed_attention layers"
+            return
+        if any(not 0 <= i < len(self.mlp_types) or self.mlp_types[i] != "moe" for i in self.hash_moe_layers):
+            yield "hash_moe_layers must name moe layers"
+        if set(self.layer_types) != {"compressed_attention"}:
+            yield "compressed_attention layers do not mix with other layer types"
+        kinds = self.compress_kinds
+        if len(kinds) != self.num_layers or any(k not in COMPRESS_KINDS for k in kinds):
+            yield f"compress_kinds must list {self.num_layers} entries from {COMPRESS_KINDS}"
+        for kind, rate in (("csa", self.csa_compress_rate), ("hca", self.hca_compress_rate)):
+            if kind in kinds and rate <= 0:
+                yield f"{kind} layers need {kind}_compress_rate > 0"
+        for k in ("q_lora_rank", "o_groups", "o_lora_rank", "hc_mult", "hc_sinkhorn_iters", "sliding_window"):
+            if getattr(self, k) <= 0:
+                yield f"compressed_attention layers need {k} > 0"
+        if not (self.compress_rope_theta > 0 and self.hc_eps > 0):
+            yield "compressed_attention layers need compress_rope_theta > 0 and hc_eps > 0"
+        if self.num_kv_heads != 1:
+            yield "compressed_attention layers share one key/value head (num_kv_heads 1)"
+        if self.o_groups > 0 and (self.num_heads * self.head_dim) % self.o_groups:
+            yield f"num_heads·head_dim must split into o_groups {self.o_groups}"
+        indexed = (self.index_n_heads, self.index_head_dim, self.index_topk)
+        if "csa" in kinds and (min(indexed) <= 0 or self.index_head_dim < self.rotary_dim):
+            yield "csa layers need positive index_n_heads, index_topk and index_head_dim >= rotary_dim"
+        if "csa" not in kinds and indexed != (0, 0, 0):
+            yield "the index_* keys belong to csa layers"
+
     def _mla_problems(self):
         mla = "mla_attention" in self.layer_types
+        if "compressed_attention" in self.layer_types:
+            return
         if not mla:
             if (self.q_lora_rank, self.kv_lora_rank, self.v_head_dim, self.index_n_heads, self.index_head_dim,
                     self.index_topk, self.indexer_types) != (0, 0, 0, 0, 0, 0, ()):
@@ -200,7 +255,7 @@ class ModelConfig:
         if missing:
             raise ValueError(f"missing config keys {missing}")
         kw = {f.name: f.default for f in fields(cls) if f.name in optional} | d
-        for name in ("layer_types", "mlp_types", "eos_token_ids", "indexer_types"):
+        for name in _TUPLE_KEYS:
             if not isinstance(kw[name], (list, tuple)):
                 raise ValueError(f"config key {name} must be a list")
             kw[name] = tuple(kw[name])
@@ -215,7 +270,7 @@ class ModelConfig:
         for f in fields(self):
             if f.default is not MISSING and d[f.name] == f.default:
                 del d[f.name]
-        for name in ("layer_types", "mlp_types", "eos_token_ids", "indexer_types"):
+        for name in _TUPLE_KEYS:
             if name in d:
                 d[name] = list(d[name])
         return d
@@ -232,6 +287,9 @@ class ModelConfig:
     def is_attention(self, layer: int) -> bool:
         """Layer `layer` is a softmax-attention layer with a KV cache (full or sliding window)."""
         return self.layer_types[layer] in ATTENTION_TYPES
+
+
+_TUPLE_KEYS = ("layer_types", "mlp_types", "eos_token_ids", "indexer_types", "compress_kinds", "hash_moe_layers")
 
 
 def _check_type(name: str, annotation: str, value: Any) -> None:

@@ -5,7 +5,8 @@ Tokens are grouped by expert; for each routed expert e, its components are read 
 views), a quantized expert (nvfp4, mxfp4) is dequantized on its own into the compute dtype (never the whole bank), and
 `y = down · act(g, u)` with `[g; u] = gate_up · x` is accumulated with the router weights, experts in increasing
 index order. `act` is `silu(g) ⊙ u`, or for gpt_oss (`expert_act = clamped_swiglu`, with the expert biases added to
-both projections) `(clamp(u, -l, l) + 1) ⊙ g' ⊙ sigmoid(alpha · g')` with `g' = min(g, l)`, as transformers computes it.
+both projections) `(clamp(u, -l, l) + 1) ⊙ g' ⊙ sigmoid(alpha · g')` with `g' = min(g, l)`, as transformers computes it,
+or for deepseek_v4 (`clamped_silu`) `silu(min(g, l)) ⊙ clamp(u, -l, l)`.
 """
 
 from __future__ import annotations
@@ -52,6 +53,11 @@ def clamped_swiglu(g: torch.Tensor, u: torch.Tensor, alpha: float, limit: float)
     return (u + 1) * (g * torch.sigmoid(g * alpha))
 
 
+def clamped_silu(g: torch.Tensor, u: torch.Tensor, limit: float) -> torch.Tensor:
+    """deepseek_v4's expert (and shared expert) activation (transformers' DeepseekV4Experts._apply_gate)."""
+    return F.silu(g.clamp(max=limit)) * u.clamp(min=-limit, max=limit)
+
+
 class CpuExperts:
     """The default experts implementation (see the module docstring)."""
 
@@ -95,7 +101,12 @@ class CpuExperts:
         gate_up = F.linear(x, self.weight(layer, e, "gate_up"),
                            self.view(layer, e, "gate_up_bias").to(self.dtype) if b else None)     # [n, 2I]
         g, u = gate_up.chunk(2, dim=-1)
-        h = F.silu(g) * u if self._act == "silu" else clamped_swiglu(g, u, self._alpha, self._limit)
+        if self._act == "silu":
+            h = F.silu(g) * u
+        elif self._act == "clamped_silu":
+            h = clamped_silu(g, u, self._limit)
+        else:
+            h = clamped_swiglu(g, u, self._alpha, self._limit)
         down_bias = self.view(layer, e, "down_bias").to(self.dtype) if b else None
         return F.linear(h, self.weight(layer, e, "down"), down_bias)
 

@@ -33,8 +33,10 @@ from ft.runtime.state import Segment, SequenceState
 __all__ = ["CausalLM", "Segment", "SequenceState", "load_model"]
 
 FP32_WEIGHTS = ("norm.weight", ".dt_bias", ".A_log", ".e_score_correction_bias", ".k_norm.bias",
-                ".weights_proj.weight")  # name suffixes kept in fp32 (every RMSNorm weight: norm.weight; the sigmoid
-# router's correction bias; the DSA indexer's LayerNorm and head weights)
+                ".weights_proj.weight", ".position_bias", "_hc.fn", "_hc.base", "_hc.scale", "hc_head.hc_fn",
+                "hc_head.hc_base", "hc_head.hc_scale")  # name suffixes kept in fp32 (every RMSNorm weight:
+# norm.weight; the sigmoid router's correction bias; the DSA indexer's LayerNorm and head weights; deepseek_v4's
+# compressors' position biases and hyper-connection weights); integer tables keep their dtype
 
 
 class Embedding(Op):
@@ -83,7 +85,7 @@ class CausalLM(Op):
         self.family.check(config)
         self._config = config
         self.embed_tokens = Embedding()
-        self.layers = [DecoderLayer(config, i) for i in range(config.num_layers)]
+        self.layers = [self.decoder_layer(config, i) for i in range(config.num_layers)]
         self.norm = RMSNorm(config.rms_norm_eps)
         if not config.tie_word_embeddings:
             self.lm_head = Linear()
@@ -91,6 +93,10 @@ class CausalLM(Op):
         self._dtype = torch.float32
         self._device = torch.device("cpu")
         self.graphs = None  # CUDA: a `DecodeGraphs` (ft.runtime.gpu.graphs) that replays decode steps
+
+    def decoder_layer(self, config: ModelConfig, i: int) -> Op:
+        """Layer i of the stack (a family with another residual layout builds its own)."""
+        return DecoderLayer(config, i)
 
     @property
     def config(self) -> ModelConfig:
@@ -135,7 +141,7 @@ class CausalLM(Op):
             rows.append(torch.arange(sr.start, sr.start + sr.num_tokens) if seg.logits == "all"
                         else torch.tensor([sr.start + sr.num_tokens - 1]))
         picked = _to_device(torch.cat(rows), self._device)
-        logits = self.logits_head(h[picked], delta[picked]).split([len(r) for r in rows])
+        logits = self.logits_head(h[picked], None if delta is None else delta[picked]).split([len(r) for r in rows])
         for seg in segments:
             seg.state.length += seg.num_tokens
         return list(logits)
@@ -192,8 +198,8 @@ class CausalLM(Op):
             both = torch.cat([positions, torch.stack([seg.state.addresses() for seg in segments], -1).reshape(-1)])
             _, pos, tables = decode_inputs(_to_device(both, self._device), len(segments), self._config.num_layers,
                                            ids=False)
-            return ForwardBatch(rows, pos, tables=tables)
-        return ForwardBatch(rows, _to_device(positions, self._device))
+            return ForwardBatch(rows, pos, tables=tables, input_ids=input_ids)
+        return ForwardBatch(rows, _to_device(positions, self._device), input_ids=input_ids)
 
     # -- loading ----------------------------------------------------------------------------------------------
     def bind(self, reader: FtwReader, experts: ExpertsFn) -> None:
@@ -229,7 +235,8 @@ class CausalLM(Op):
         # an untied embedding table is only gathered from: off the CPU it stays in host memory (see Embedding)
         host = ("embed_tokens.weight",) if device.type != "cpu" and not self._config.tie_word_embeddings else ()
         self.map_weights(lambda n, t: t if n.startswith(kept) else place(
-            t, "cpu" if n in host else device, torch.float32 if n.endswith(FP32_WEIGHTS) else dtype))
+            t, "cpu" if n in host else device,
+            t.dtype if not t.is_floating_point() else torch.float32 if n.endswith(FP32_WEIGHTS) else dtype))
         if host:
             self.embed_tokens.keep_on_host(device)
         self._dtype, self._device = dtype, device

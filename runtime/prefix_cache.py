@@ -13,7 +13,9 @@ entry on their longest common token prefix L, capped at len(prompt) - 1 (one tok
   * models with full attention only reuse any such length: KV rows past it are simply overwritten;
   * models with recurrent layers (Gated DeltaNet) reuse the largest length <= L at which a state is known exactly:
     the entry's own length (the next turn continues the whole conversation) or a snapshot's (the client re-rendered
-    the assistant's reply differently, e.g. without its thinking: the prompt end before it still matches).
+    the assistant's reply differently, e.g. without its thinking: the prompt end before it still matches);
+  * models with compressed attention layers (deepseek_v4: their compressors keep only the last windows' raw rows)
+    reuse an entry's own length only (they take no snapshots).
 The entry with the longest usable prefix wins; when the budget has room for the request beside it, the request gets a
 copy of its state (`SequenceState.clone`, a device copy of the KV rows) and the entry stays (else the entry's own
 state, and the entry goes), so requests that share a prefix at the same time all reuse it (an agent's
@@ -160,7 +162,7 @@ def _supersedes(tokens: np.ndarray, snapshots: dict, state: SequenceState, entry
     n = len(entry.tokens)
     if n > len(tokens) or not np.array_equal(entry.tokens, tokens[:n]):
         return False
-    if not state.recurrent:
+    if not state.recurrent and not state.compressed:
         return True
     return all(m == len(tokens) or m in snapshots for m in (n, *entry.snapshots))
 
@@ -169,7 +171,7 @@ def _usable(entry: _Entry, prompt: np.ndarray) -> int:
     limit = min(len(entry.tokens), len(prompt) - 1)
     differ = np.flatnonzero(entry.tokens[:limit] != prompt[:limit])
     common = int(differ[0]) if len(differ) else limit
-    if not entry.state.recurrent:
+    if not entry.state.recurrent and not entry.state.compressed:
         return common
     exact = [n for n in (len(entry.tokens), *entry.snapshots) if n <= common]
     return max(exact, default=0)

@@ -14,7 +14,8 @@ are skipped and left for it. `save` runs while the server is idle (after the kep
 it writes the states that have no file yet and removes this model's files of states no longer kept (taken by a
 request, evicted), so the directory follows the cache and a server killed mid-session loses at most what changed
 since it was last idle. A file's name is its tokens' digest, and a state's content is fixed by its tokens, so an
-existing file is never rewritten.
+existing file is never rewritten. States with compressed attention layers (deepseek_v4) have no file format yet: they
+are kept in memory only.
 """
 
 from __future__ import annotations
@@ -58,6 +59,8 @@ def save(cache, directory: Path, key: str) -> int:
         if final.exists():
             continue
         st, n = e.state, len(e.tokens)
+        if st.compressed:
+            continue
         tensors = {"tokens": torch.from_numpy(e.tokens.astype(np.int64))}
         for i, (k, v) in st.kv.items():
             tensors[f"kv.{i}.k"], tensors[f"kv.{i}.v"] = k[:n].cpu(), v[:n].cpu()

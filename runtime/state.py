@@ -4,6 +4,9 @@ A `SequenceState` holds, for one sequence of at most `max_tokens` tokens:
 * attention layer i (full or sliding window, which keeps every row too): `kv[i] = (k, v)`, each
   `[capacity, nkv, hd]` in the compute dtype; an `mla_attention` layer's pair is (latent, index keys) instead,
   `[capacity, 1, kv_lora_rank + rotary_dim]` and `[capacity, 1, index_head_dim or 0]` (`kv_row_shapes`);
+* compressed_attention layer i (deepseek_v4): `compressed[i]`, a `CompressedKV` (its KV rows, the raw compressor
+  projections of the last 2m tokens and the pooled entries; `ft.runtime.layers.compressed_attention`), which grows
+  with the capacity like the KV buffers and is copied only at the state's own length (the ring holds no older rows);
 * linear-attention layer i: `conv[i]` `[conv_dim, K-1]` (the last K-1 conv inputs, compute dtype) and
   `recurrent[i]` `[Hv, dk, dv]` fp32 (the DeltaNet state), fixed size.
 `length` is the number of tokens already consumed; `forward` appends after it and advances it, and the layers write
@@ -22,6 +25,7 @@ import torch
 
 from ft.formats.config import ModelConfig
 from ft.runtime.layers.batch import state_addresses
+from ft.runtime.layers.compressed_attention import CompressedKV, spec_for
 
 
 class SequenceState:
@@ -40,11 +44,14 @@ class SequenceState:
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.conv: dict[int, torch.Tensor] = {}
         self.recurrent: dict[int, torch.Tensor] = {}
+        self.compressed: dict[int, CompressedKV] = {}
         conv_dim = 2 * config.linear_num_key_heads * config.linear_key_head_dim + \
             config.linear_num_value_heads * config.linear_value_head_dim
         rec_shape = (config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
         for i, kind in enumerate(config.layer_types):
-            if config.is_attention(i):  # rows past `length` are never read: no initialisation
+            if kind == "compressed_attention":
+                self.compressed[i] = CompressedKV(spec_for(config, i), capacity, dtype=dtype, device=device)
+            elif config.is_attention(i):  # rows past `length` are never read: no initialisation
                 self.kv[i] = tuple(torch.empty((capacity, *shape), dtype=dtype, device=device)
                                    for shape in kv_row_shapes(config, i))
             else:
@@ -94,6 +101,8 @@ class SequenceState:
                 buf[: self.length] = old[: self.length]
                 resized.append(buf)
             self.kv[i] = (resized[0], resized[1])
+        for c in self.compressed.values():
+            c.resize(capacity, self.length)
         self._capacity = capacity
         self._addresses = None
 
@@ -116,13 +125,18 @@ class SequenceState:
         rewound = self.recurrent and length != self.length
         if rewound and snapshot is None:
             raise ValueError("a model with recurrent layers is copied at another length only from a snapshot")
+        if self.compressed and length != self.length:
+            raise ValueError("a model with compressed attention layers is copied only at its current length")
         capacity = max(length, self._capacity if capacity is None else capacity)
-        dtype = next(iter(self.kv.values()))[0].dtype if self.kv else next(iter(self.conv.values())).dtype
+        dtype = next(iter(self.kv.values()))[0].dtype if self.kv else \
+            next(iter(self.compressed.values())).kv.dtype if self.compressed else next(iter(self.conv.values())).dtype
         new = SequenceState(self.config, max(self.max_tokens, capacity), dtype=dtype, device=self.device,
                             capacity=capacity)
         for i, pair in self.kv.items():
             for dst, src in zip(new.kv[i], pair):
                 dst[:length] = src[:length]
+        for i, c in self.compressed.items():
+            c.copy_into(new.compressed[i], length)
         conv, rec = snapshot if rewound else (self.conv, self.recurrent)
         for i, t in conv.items():
             new.conv[i].copy_(t)
@@ -165,11 +179,12 @@ class SequenceState:
     @property
     def nbytes(self) -> int:
         tensors = [t for pair in self.kv.values() for t in pair] + [*self.conv.values(), *self.recurrent.values()]
+        tensors += [t for c in self.compressed.values() for t in c.tensors()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def free(self) -> None:
         """Drop the buffers; the state cannot be used afterwards."""
-        self.kv, self.conv, self.recurrent = {}, {}, {}
+        self.kv, self.conv, self.recurrent, self.compressed = {}, {}, {}, {}
         self._freed = True
         self._addresses = None
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ft.compiler.errors import CheckpointError, supported
 from ft.compiler.families.base import Family
+from ft.compiler.families.deepseek_v4 import DeepseekV4
 from ft.compiler.families.glm4_moe import Glm4Moe
 from ft.compiler.families.glm_moe_dsa import GlmMoeDsa
 from ft.compiler.families.gpt_oss import GptOss
@@ -14,7 +15,7 @@ from ft.compiler.families.qwen3_moe import Qwen3Moe
 from ft.compiler.families.qwen3_next import Qwen3Next
 
 FAMILY_CLASSES: tuple[type[Family], ...] = (Qwen3Moe, Qwen2Moe, Mixtral, Qwen3Next, Qwen35Moe, GptOss, Glm4Moe,
-                                               GlmMoeDsa)
+                                               GlmMoeDsa, DeepseekV4)
 # known MoE architectures whose FTW layout (families.md) is not defined yet
 PLANNED = ("deepseek_v3",)
 

@@ -59,6 +59,9 @@ def build_kernel_set(reader: FtwReader, arch: int, *, groups: list[str] | None =
     if "mla_attention" in reader.config.layer_types:  # the GPU engine refuses these models (unsupported_reason)
         raise ValueError(f"{reader.path}: family {reader.config.family} has no GPU kernels yet (multi-head latent "
                          "attention runs as PyTorch ops)")
+    if "compressed_attention" in reader.config.layer_types:
+        raise ValueError(f"{reader.path}: family {reader.config.family} has no GPU kernels yet (compressed sliding "
+                         "attention and hyper-connections run as PyTorch ops)")
     from triton.runtime.cache import get_cache_manager
 
     from ft.runtime.gpu.triton_cache import kernel_function, source_key, target_key

@@ -30,8 +30,9 @@ __all__ = ["ARCHS", "PRESETS", "FULL_SIZE", "QUANTS", "LAYOUTS", "SynthError", "
            "resolve_layout"]
 
 QUANTS = ("none", "nvfp4", "mxfp4", "fp8")
-# every other arch: none, nvfp4, fp8 (glm_moe_dsa: no quantized layout of GLM-5's MLA projections defined yet)
-_QUANTS_OF = {"gpt_oss": ("none", "mxfp4"), "glm_moe_dsa": ("none",)}
+# every other arch: none, nvfp4, fp8 (glm_moe_dsa: no quantized layout of GLM-5's MLA projections defined yet;
+# deepseek_v4: its FP8 / FP4-expert release formats are not written yet)
+_QUANTS_OF = {"gpt_oss": ("none", "mxfp4"), "glm_moe_dsa": ("none",), "deepseek_v4": ("none",)}
 LAYOUTS = ("auto", "fused", "per_expert")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
 

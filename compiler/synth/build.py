@@ -126,7 +126,8 @@ def build_checkpoint(*, arch: str, preset: Preset, keys: dict, dtype: torch.dtyp
     console = _console()
     tok, cfg = _config(arch, preset, keys, dtype, out)
     text = hf_config.text_config(cfg)
-    ctx = ValueContext(arch, text.hidden_size, text.num_hidden_layers, seed, routing)
+    ctx = ValueContext(arch, text.hidden_size, text.num_hidden_layers, seed, routing,
+                       getattr(text, "n_routed_experts", 0) or 0)
     table, main, twin_entries, writer = _entries(arch, preset, cfg, dtype, quant, fused, ctx)
 
     with tempfile.TemporaryDirectory(prefix="ft-synth-twin-") as scratch:

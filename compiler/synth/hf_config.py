@@ -24,6 +24,7 @@ FAMILIES = {
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),  # built by synth.gpt_oss
     "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
     "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM"),
+    "deepseek_v4": ("DeepseekV4Config", "DeepseekV4ForCausalLM"),
 }
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32"}
@@ -60,6 +61,9 @@ def build_config(arch: str, keys: dict, tok: dict, dtype: torch.dtype):
         keys["layer_types"] = layer_types_for(keys["num_hidden_layers"], interval)
     specials = tok["special_tokens"]
     config_cls = getattr(transformers, FAMILIES[arch][0])
+    if arch == "deepseek_v4":  # top-level rope_theta and partial factor; a flat rope dict is the compressed layers'
+        keys.update(rope_theta=rope["rope_theta"], partial_rotary_factor=rope.get("partial_rotary_factor"))
+        rope = dict(keys.pop("rope_scaling", None) or {"rope_type": "default"})
     if arch != "qwen3_5_moe":
         cfg = config_cls(**keys, rope_parameters=rope, bos_token_id=tok["bos_token_id"],
                          eos_token_id=tok["eos_token_id"], pad_token_id=None)
@@ -93,7 +97,7 @@ def realistic_config(arch: str, saved: dict, dtype: torch.dtype) -> dict:
         t["rope_scaling"] = None
         if arch in ("qwen3_next", "glm4_moe"):
             t["partial_rotary_factor"] = rope.get("partial_rotary_factor", 0.25 if arch == "qwen3_next" else 0.5)
-    elif arch == "glm_moe_dsa":  # GLM-5 configs carry rope_parameters (theta, type) and nothing else about RoPE
+    elif arch in ("glm_moe_dsa", "deepseek_v4"):  # GLM-5: theta and type only; V4: its main / compress sub-dicts
         t["rope_parameters"] = rope
     else:
         t["rope_parameters"] = rope
@@ -138,5 +142,6 @@ def generation_config(arch: str, tok: dict) -> dict:
         "qwen3_next": {"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.8},
         "qwen2_moe": {"do_sample": True, "temperature": 0.7, "top_k": 20, "top_p": 0.8, "repetition_penalty": 1.05},
         "mixtral": {},
+        "deepseek_v4": {"do_sample": True, "temperature": 1.0, "top_p": 1.0},
     }[arch]
     return dict(sorted({**base, **sampling, "transformers_version": transformers.__version__}.items()))

@@ -18,6 +18,13 @@ of the query width, value heads wider than the rope part, the DSA indexer, leadi
 correction bias and routed_scaling_factor 2.5, an ungated shared expert, one MTP layer); tiny has an `index_topk` of 8,
 so test prompts exceed it, and a `shared` indexer layer (GLM-5.2's IndexShare); small is GLM-5-like (every layer full).
 
+deepseek_v4 presets keep DeepSeek-V4-Flash's structure at small sizes (one shared K=V head, partial interleaved
+rotary, sliding, CSA and HCA layers, YaRN on the compressed layers' rope, the grouped output projection, 4
+hyper-connection streams, hash-routed leading MoE layers, sqrtsoftplus routers with correction bias, a clamped shared
+expert); tiny compresses every 4 (CSA) and 8 (HCA) tokens with a window of 8 and an `index_topk` of 4, so test
+prompts exceed all three, and a `swiglu_limit` of 2 that the synthetic activations reach. There is no offline
+DeepSeek tokenizer: Qwen3's stands in (flavor `qwen3`).
+
 gpt_oss presets keep the release's structure (biased attention with sinks, alternating sliding / full layers, YaRN,
 biased router and experts; hidden and intermediate sizes multiples of 32 for MXFP4); gpt-oss-20b / gpt-oss-120b copy
 the published configs (tensors written by `synth.gpt_oss_stream`).
@@ -33,9 +40,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "qwen3_5_moe", "gpt_oss", "glm4_moe", "glm_moe_dsa")
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "qwen3_5_moe", "gpt_oss", "glm4_moe", "glm_moe_dsa",
+         "deepseek_v4")
 TOKENIZER_FLAVOR = {"qwen3_moe": "qwen3", "qwen2_moe": "qwen3", "mixtral": "qwen3", "qwen3_next": "qwen3",
-                    "qwen3_5_moe": "qwen3_5", "gpt_oss": "harmony", "glm4_moe": "glm", "glm_moe_dsa": "glm"}
+                    "qwen3_5_moe": "qwen3_5", "gpt_oss": "harmony", "glm4_moe": "glm", "glm_moe_dsa": "glm",
+                    "deepseek_v4": "qwen3"}
 TINY_RANKS = 512  # BPE ranks kept by tiny presets (the 256 single bytes + 256 merges)
 MIXTRAL_VOCAB = 32000
 GLM_VOCAB = 151552
@@ -101,6 +110,18 @@ def _tiny() -> dict[str, dict]:
                             num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
                             routed_scaling_factor=2.5, norm_topk_prob=True, rope_theta=1e6, rms_norm_eps=1e-5,
                             num_nextn_predict_layers=1),
+        # 4 layers: sliding, CSA, HCA, CSA; MoE everywhere, the first hash-routed
+        "deepseek_v4": dict(attn, num_hidden_layers=4, num_key_value_heads=1, head_dim=32, partial_rotary_factor=0.25,
+                            q_lora_rank=32, o_groups=2, o_lora_rank=16, sliding_window=8,
+                            layer_types=["sliding_attention", "compressed_sparse_attention",
+                                         "heavily_compressed_attention", "compressed_sparse_attention"],
+                            compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+                            index_n_heads=4, index_head_dim=16, index_topk=4, hc_mult=4,
+                            mlp_layer_types=["hash_moe", "moe", "moe", "moe"], moe_intermediate_size=32,
+                            n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, routed_scaling_factor=1.5,
+                            swiglu_limit=2.0, rope_theta=10_000.0, compress_rope_theta=160_000.0,
+                            rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=1024,
+                                              beta_fast=32.0, beta_slow=1.0)),
     }
 
 
@@ -144,6 +165,14 @@ def _small() -> dict[str, dict]:
                             n_group=1, topk_group=1, first_k_dense_replace=3, routed_scaling_factor=2.5,
                             norm_topk_prob=True, rope_theta=1e6, rms_norm_eps=1e-5, vocab_size=GLM5_VOCAB,
                             max_position_embeddings=202752, num_nextn_predict_layers=1),
+        "deepseek_v4": dict(base, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=1, head_dim=64,
+                            partial_rotary_factor=0.125, q_lora_rank=128, o_groups=4, o_lora_rank=64,
+                            sliding_window=128, index_n_heads=8, index_head_dim=32, index_topk=64, hc_mult=4,
+                            moe_intermediate_size=128, n_routed_experts=64, n_shared_experts=1,
+                            num_experts_per_tok=6, routed_scaling_factor=1.5, swiglu_limit=10.0, rope_theta=10_000.0,
+                            compress_rope_theta=160_000.0, vocab_size=151936, max_position_embeddings=262144,
+                            rope_scaling=dict(rope_type="yarn", factor=16.0, original_max_position_embeddings=16384,
+                                              beta_fast=32.0, beta_slow=1.0)),
     }
 
 

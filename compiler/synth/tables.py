@@ -23,7 +23,7 @@ import torch
 from ft.compiler.synth.hf_config import FAMILIES, text_config
 
 _ST_TO_TORCH = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F8_E4M3": torch.float8_e4m3fn,
-                "U8": torch.uint8}
+                "U8": torch.uint8, "I64": torch.int64}
 _FP32 = (".e_score_correction_bias",)
 _TEXT_ONLY = {"qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
               "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM")}

@@ -34,8 +34,8 @@ ZERO_CENTRED = ("qwen3_next", "qwen3_5_moe")  # families whose RMSNorms (except 
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 _FUSED = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
-_OUTPUT_PROJ = ("o_proj.weight", "down_proj.weight", "w2.weight", "out_proj.weight", "experts.down_proj")
-_ROUTER = (".mlp.gate.weight", ".block_sparse_moe.gate.weight")
+_OUTPUT_PROJ = ("o_proj.weight", "down_proj.weight", "w2.weight", "out_proj.weight", "experts.down_proj", "wo_b.weight")
+_ROUTER = (".mlp.gate.weight", ".block_sparse_moe.gate.weight", ".ffn.gate.weight")
 
 
 @dataclass(frozen=True)
@@ -45,11 +45,12 @@ class ValueContext:
     num_layers: int
     seed: int
     routing: str  # "uniform" | "skewed"
+    num_experts: int = 0  # hash routers' tables (deepseek_v4 `tid2eid`) pick among these
 
 
 @dataclass(frozen=True)
 class Spec:
-    """kind: normal (mean 0, std), const (value), noise (value + N(0, std)), alog, router, embedding."""
+    """kind: normal (mean 0, std), const (value), noise (value + N(0, std)), alog, router, embedding, hash."""
 
     kind: str
     std: float = 0.0
@@ -79,6 +80,8 @@ def spec_for(name: str, shape: tuple[int, ...], ctx: ValueContext) -> Spec:
         return Spec("router", layer=layer_of(name, ctx.num_layers))
     if name.endswith("e_score_correction_bias"):  # of the order of the sigmoid scores' spread: changes selections
         return Spec("normal", std=0.1)
+    if name.endswith("tid2eid"):  # hash routing: k distinct experts per token id
+        return Spec("hash")
     if name.endswith("A_log"):
         return Spec("alog")
     if name.endswith("dt_bias"):
@@ -124,6 +127,10 @@ def materialize_piece(name: str, shape: tuple[int, ...], ctx: ValueContext) -> t
         return torch.empty(shape).uniform_(1.0, 16.0, generator=gen).log_()
     if spec.kind == "router":
         return routing.router_weight(ctx.seed, spec.layer, shape[0], shape[1], ctx.routing, gen)
+    if spec.kind == "hash":
+        if ctx.num_experts < shape[1]:
+            raise ValueError(f"{name}: a hash table of {shape[1]} experts per token needs num_experts >= {shape[1]}")
+        return torch.rand(shape[0], ctx.num_experts, generator=gen).argsort(dim=-1)[:, :shape[1]]
     if spec.kind == "embedding":
         return routing.embedding_rows(ctx.seed, torch.randn(shape, generator=gen) * spec.std, ctx.routing, spec.std)
     raise AssertionError(spec.kind)

@@ -37,6 +37,9 @@ def unsupported_reason(reader: FtwReader) -> str | None:
     if "mla_attention" in reader.config.layer_types:
         return (f"family {reader.config.family}: multi-head latent attention with the DSA indexer has no GPU decode "
                 "kernel or CUDA graph yet (its layers run as PyTorch ops)")
+    if "compressed_attention" in reader.config.layer_types:
+        return (f"family {reader.config.family}: compressed sliding attention and hyper-connections have no GPU "
+                "decode kernel or CUDA graph yet (the model runs as PyTorch ops on the CPU)")
     scheme = (reader.quant or {}).get("experts")
     if scheme not in SCHEMES:
         return f"expert scheme {scheme!r} has no GPU kernel (supported: {', '.join(SCHEMES)})"

@@ -51,6 +51,7 @@ class ForwardBatch:
     # DSA (ft.runtime.layers.mla): segment index -> bool [num_tokens, past + num_tokens], the keys the last full
     # indexer layer of this forward selected for each query (shared layers reuse it)
     selection: dict[int, torch.Tensor] = field(default_factory=dict)
+    input_ids: torch.Tensor | None = None          # [N] the tokens (deepseek_v4's hash routing reads them)
 
     @property
     def decode(self) -> bool:

@@ -74,6 +74,21 @@ def route_sigmoid(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, n
     return ids, weights * scale
 
 
+def route_sqrtsoftplus(logits: torch.Tensor, bias: torch.Tensor | None, top_k: int, scale: float,
+                       hashed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """deepseek_v4's routers: logits [T, E] -> (topk_ids [T, k] int64, topk_weights [T, k] f32).
+    `s = sqrt(softplus(logits))` in fp32; the ids are the top-k of `s + bias` (the correction bias [E] fp32, for
+    selection only), or, on hash layers, `hashed` [T, k] (the frozen table `tid2eid` read at the token ids); the
+    weights are `s` at the ids divided by their sum + 1e-20 (always), times `scale` (routed_scaling_factor)."""
+    scores = F.softplus(logits.float()).sqrt()
+    if hashed is not None:
+        ids = hashed.long()
+    else:
+        ids = (scores if bias is None else scores + bias).topk(top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    return ids, weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * scale
+
+
 class SparseMoe(Op):
     banks = ("experts",)
 

@@ -18,6 +18,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
     "gpt_oss": ("ft.runtime.models.gpt_oss", "GptOssForCausalLM"),
     "glm4_moe": ("ft.runtime.models.glm4_moe", "Glm4MoeForCausalLM"),
     "glm_moe_dsa": ("ft.runtime.models.glm_moe_dsa", "GlmMoeDsaForCausalLM"),
+    "deepseek_v4": ("ft.runtime.models.deepseek_v4", "DeepseekV4ForCausalLM"),
 }
 
 SUPPORTED_FAMILIES = tuple(_REGISTRY)

@@ -106,6 +106,8 @@ def expected_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
     if cfg.layer_types[layer] == "mla_attention":
         shapes |= _mla_shapes(cfg, layer)
+    elif cfg.layer_types[layer] == "compressed_attention":
+        shapes |= _compressed_shapes(cfg, layer)
     elif cfg.is_attention(layer):
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         rows = q + 2 * kv + (q if cfg.attn_output_gate else 0)
@@ -131,7 +133,9 @@ def expected_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
         shapes["mlp.gate.weight"] = (cfg.num_experts, h)
         if cfg.router_bias:
             shapes["mlp.gate.bias"] = (cfg.num_experts,)
-        if cfg.router_correction_bias:
+        if layer in cfg.hash_moe_layers:
+            shapes["mlp.tid2eid"] = (cfg.vocab_size, cfg.num_experts_per_tok)
+        elif cfg.router_correction_bias:
             shapes["mlp.e_score_correction_bias"] = (cfg.num_experts,)
         if cfg.shared_expert_intermediate_size > 0:
             si = cfg.shared_expert_intermediate_size
@@ -156,4 +160,28 @@ def _mla_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
         shapes |= {"self_attn.indexer.wq_b.weight": (n * d, ql), "self_attn.indexer.wk.weight": (d, h),
                    "self_attn.indexer.k_norm.weight": (d,), "self_attn.indexer.k_norm.bias": (d,),
                    "self_attn.indexer.weights_proj.weight": (n, h)}
+    return shapes
+
+
+def _compressed_shapes(cfg: ModelConfig, layer: int) -> dict[str, tuple[int, ...]]:
+    """deepseek_v4: the layer's hyper-connections and compressed attention (ft.runtime.layers.compressed_attention)."""
+    h, nq, hd, n = cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.hc_mult
+    w = (2 + n) * n
+    shapes = {f"{hc}_hc.{k}": s for hc in ("attn", "ffn") for k, s in (("fn", (w, n * h)), ("base", (w,)),
+                                                                        ("scale", (3,)))}
+    a, ql, g, ol = "self_attn.", cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank
+    shapes |= {f"{a}q_a_proj.weight": (ql, h), f"{a}q_a_norm.weight": (ql,), f"{a}q_b_proj.weight": (nq * hd, ql),
+               f"{a}kv_proj.weight": (hd, h), f"{a}kv_norm.weight": (hd,),
+               f"{a}o_a_proj.weight": (g * ol, nq * hd // g), f"{a}o_b_proj.weight": (h, g * ol), f"{a}sinks": (nq,)}
+    kind = cfg.compress_kinds[layer]
+    if kind == "none":
+        return shapes
+    m, series = (cfg.csa_compress_rate, 2) if kind == "csa" else (cfg.hca_compress_rate, 1)
+    pooled = [(f"{a}compressor.", hd)] + ([(f"{a}compressor.indexer.", cfg.index_head_dim)] if kind == "csa" else [])
+    for p, d in pooled:
+        shapes |= {f"{p}kv_proj.weight": (series * d, h), f"{p}gate_proj.weight": (series * d, h),
+                   f"{p}position_bias": (m, series * d), f"{p}kv_norm.weight": (d,)}
+    if kind == "csa":
+        p, d, ni = f"{a}compressor.indexer.", cfg.index_head_dim, cfg.index_n_heads
+        shapes |= {f"{p}q_b_proj.weight": (ni * d, ql), f"{p}weights_proj.weight": (ni, h)}
     return shapes

@@ -63,8 +63,8 @@ def test_corrupt_safetensors_header_is_named(copy, tmp_path: Path, damage, match
 @pytest.mark.parametrize("arch, model_type, match", [
     ("DeepseekV3ForCausalLM", "deepseek_v3", "deepseek_v3 is not supported yet; supported: .*GptOssForCausalLM"),
     ("LlamaForCausalLM", "llama",
-     r"\['LlamaForCausalLM'\].* is not supported; supported: Glm4MoeForCausalLM, GlmMoeDsaForCausalLM, "
-     r"GptOssForCausalLM, MixtralForCausalLM"),
+     r"\['LlamaForCausalLM'\].* is not supported; supported: DeepseekV4ForCausalLM, Glm4MoeForCausalLM, "
+     r"GlmMoeDsaForCausalLM, GptOssForCausalLM, MixtralForCausalLM"),
 ])
 def test_unsupported_architecture(copy, tmp_path: Path, arch: str, model_type: str, match: str) -> None:
     d = edit_config(copy(), lambda c: c.update(architectures=[arch], model_type=model_type))

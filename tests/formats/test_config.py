@@ -156,3 +156,43 @@ def test_mla_keys_round_trip_and_default_when_absent() -> None:
 def test_refuses_inconsistent_mla_geometry(over: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         _mla(**over)
+
+
+def _v4(**over: Any) -> ModelConfig:
+    """Two compressed_attention layers (a CSA, an HCA), the first MoE layer hash-routed (deepseek_v4's keys)."""
+    kw: dict[str, Any] = dict(family="deepseek_v4", layer_types=("compressed_attention",) * 2, mlp_types=("moe",) * 2,
+                              num_layers=2, num_kv_heads=1, head_dim=16, rotary_dim=4, attn_qk_norm=False,
+                              compress_kinds=("csa", "hca"), csa_compress_rate=4, hca_compress_rate=8,
+                              compress_rope_theta=160_000.0, sliding_window=8, q_lora_rank=16, o_groups=2,
+                              o_lora_rank=8, hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, index_n_heads=2,
+                              index_head_dim=8, index_topk=4, hash_moe_layers=(0,), router_scoring="sqrtsoftplus",
+                              expert_act="clamped_silu", swiglu_limit=10.0)
+    kw.update(over)
+    return moe_config(**kw)
+
+
+def test_compressed_attention_keys_round_trip_and_default_when_absent() -> None:
+    cfg = _v4()
+    d = json.loads(json.dumps(cfg.to_dict()))
+    assert d["compress_kinds"] == ["csa", "hca"] and d["hash_moe_layers"] == [0] and d["hc_mult"] == 4
+    assert ModelConfig.from_dict(d) == cfg
+    assert "compress_kinds" not in moe_config().to_dict()
+
+
+@pytest.mark.parametrize("over, message", [
+    (dict(layer_types=("full_attention",) * 2), "belong to compressed_attention layers"),
+    (dict(layer_types=("compressed_attention", "full_attention")), "do not mix"),
+    (dict(compress_kinds=("csa",)), "compress_kinds must list 2 entries"),
+    (dict(hca_compress_rate=0), "hca layers need hca_compress_rate > 0"),
+    (dict(o_groups=0), "need o_groups > 0"),
+    (dict(o_groups=3), "split into o_groups 3"),
+    (dict(num_kv_heads=2), "one key/value head"),
+    (dict(hc_eps=0.0), "hc_eps > 0"),
+    (dict(index_topk=0), "csa layers need positive index_n_heads"),
+    (dict(compress_kinds=("none", "hca")), "index_\\* keys belong to csa layers"),
+    (dict(hash_moe_layers=(2,)), "hash_moe_layers must name moe layers"),
+    (dict(expert_act="clamped_silu", swiglu_limit=0.0), "clamped_silu needs swiglu_limit > 0"),
+])
+def test_refuses_inconsistent_compressed_geometry(over: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        _v4(**over)

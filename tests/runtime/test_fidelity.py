@@ -163,7 +163,7 @@ def test_unknown_family_is_refused_with_supported_list():
         model_class("deepseek_v3")
     for family in ARCHS:
         assert family in str(e.value)
-    assert set(SUPPORTED_FAMILIES) == set(ARCHS) | {"gpt_oss", "glm4_moe", "glm_moe_dsa"}  # their own test files
+    assert set(SUPPORTED_FAMILIES) == set(ARCHS) | {"gpt_oss", "glm4_moe", "glm_moe_dsa", "deepseek_v4"}  # own files
 
 
 def test_family_rules_refuse_a_config_they_do_not_describe(ftw_for):
