@@ -48,3 +48,16 @@ def reference_greedy(ref: torch.nn.Module, ids: torch.Tensor, n: int) -> list[in
     out = ref.generate(ids[None], attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=n,
                        min_new_tokens=0, do_sample=False, repetition_penalty=1.0, eos_token_id=None, pad_token_id=0)
     return out[0, len(ids):].tolist()
+
+
+def batched_matches_single(model) -> None:
+    """A prefill chunk of one sequence beside the decode token of another, in one forward: each sequence's logits equal
+    its own run (per-segment state: caches, selections, compressors)."""
+    from ft.runtime.model import Segment
+
+    a, b = prompt(model, 18, seed=4), prompt(model, 12, seed=5)
+    want_a, want_b = run_all(model, a)[-1], run_all(model, b)[-1]
+    sa, sb = model.new_state(32), model.new_state(32)
+    model.forward(a[:17], [Segment(sa, 17)])
+    la, lb = model.forward(torch.cat([a[17:], b]), [Segment(sa, 1), Segment(sb, 12)])
+    assert (la[0] - want_a).abs().max() < SELF_TOL and (lb[0] - want_b).abs().max() < SELF_TOL

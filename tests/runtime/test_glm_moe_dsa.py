@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from ft.runtime.layers.mla import Indexer, MlaAttention
-from ft.runtime.model import Segment, load_model
+from ft.runtime.model import load_model
 from ft.runtime.state import kv_row_shapes
 
-from fidelity_lib import SELF_TOL, TOL, greedy, prompt, reference, reference_greedy, run_all
+from fidelity_lib import SELF_TOL, TOL, batched_matches_single, greedy, prompt, reference, reference_greedy, run_all
 
 GEN = 48
 
@@ -85,13 +85,7 @@ def test_chunked_prefill_matches_one_shot(pair, chunks):
 def test_batched_segments_match_single(pair):
     """Two sequences in one forward (a prefill chunk beside a decode token) give each its own logits: the indexer's
     selection is kept per segment, and a shared layer reuses its own segment's."""
-    model, _ = pair
-    a, b = prompt(model, 18, seed=4), prompt(model, 12, seed=5)
-    want_a, want_b = run_all(model, a)[-1], run_all(model, b)[-1]
-    sa, sb = model.new_state(32), model.new_state(32)
-    model.forward(a[:17], [Segment(sa, 17)])
-    la, lb = model.forward(torch.cat([a[17:], b]), [Segment(sa, 1), Segment(sb, 12)])
-    assert (la[0] - want_a).abs().max() < SELF_TOL and (lb[0] - want_b).abs().max() < SELF_TOL
+    batched_matches_single(pair[0])
 
 
 def test_cache_holds_the_latent_and_index_keys(pair):

@@ -49,3 +49,16 @@ def resident_then_budget(ftw, prompt, params) -> tuple[int, dict]:
         return slots, moe
     finally:
         eng.close()
+
+
+def cuda_engine_matches_cpu(ftw, prompt, params) -> None:
+    """A family the GPU scheduler refuses: on CUDA the engine runs the layers as PyTorch ops on the device with the
+    experts on the CPU (no scheduler), and its greedy tokens equal the CPU engine's."""
+    kw = dict(kv_reserve_tokens=256, max_prefill_length=8, max_running_requests=2)
+    want = generate(Engine(ftw, EngineSettings(device="cpu", **kw)), prompt, params).token_ids
+    eng = Engine(ftw, EngineSettings(device="cuda", **kw))
+    try:
+        assert eng._experts is None  # the CPU experts of load_model
+        assert generate(eng, prompt, params).token_ids == want
+    finally:
+        eng.close()

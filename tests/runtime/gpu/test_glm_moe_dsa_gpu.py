@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from ft.formats import FtwReader
-from ft.runtime.engine import Engine, EngineSettings, SamplingParams, generate
+from ft.runtime.engine import SamplingParams
 from ft.runtime.gpu import engine_setup
+
+from .engine_checks import cuda_engine_matches_cpu
 
 PROMPT = [5, 17, 3, 99, 42, 7, 11, 2, 9, 4, 31, 8, 60, 21]  # longer than the tiny preset's index_topk (8)
 PARAMS = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
@@ -23,13 +25,7 @@ def test_the_gpu_scheduler_refuses_mla_by_name(ftw_for):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_engine_matches_the_cpu_engine(ftw_for, monkeypatch):
     monkeypatch.setattr(engine_setup, "device_in_use", lambda dev: 0)
-    ftw = ftw_for("glm_moe_dsa")
-    kw = dict(kv_reserve_tokens=256, max_prefill_length=8, max_running_requests=2)
-    want = generate(Engine(ftw, EngineSettings(device="cpu", **kw)), PROMPT, PARAMS).token_ids
-    eng = Engine(ftw, EngineSettings(device="cuda", **kw))
-    assert eng._experts is None  # the CPU experts of load_model
-    assert generate(eng, PROMPT, PARAMS).token_ids == want
-    eng.close()
+    cuda_engine_matches_cpu(ftw_for("glm_moe_dsa"), PROMPT, PARAMS)
 
 
 def test_kernels_build_refuses_mla(ftw_for):
