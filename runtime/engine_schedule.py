@@ -28,13 +28,13 @@ class Scheduling:
         while self._waiting and len(self._running) < self.max_running_requests:
             req = self._waiting[0]
             size = self.kv.rounded(req.prefill_length + 1, req.max_length)  # prefill + the first decode
-            hit = None
-            if self.prefix is not None:  # a copy of a kept prefix is allocated now: only with room for it
-                room = self.kv.free >= size + (self.kv.block if self._running else 0)
-                hit = self.prefix.take(req.prefill_ids, capacity=size, share=room)
             # A block of headroom for the running requests' growth: a request just preempted is not re-admitted (and
             # recomputed) straight away. Kept prefixes give way first.
-            while not self.kv.try_reserve(req.request_id, size, headroom=self.kv.block if self._running else 0):
+            headroom = self.kv.block if self._running else 0
+            hit = None
+            if self.prefix is not None:  # a copy of a kept prefix is allocated now: only with room for it
+                hit = self.prefix.take(req.prefill_ids, capacity=size, share=self.kv.free >= size + headroom)
+            while not self.kv.try_reserve(req.request_id, size, headroom=headroom):
                 if self.prefix is None or not self.prefix.evict():
                     if hit is not None:
                         hit.state.free()

@@ -44,6 +44,21 @@ def greedy(model: CausalLM, ids: torch.Tensor, n: int) -> list[int]:
     return tokens
 
 
+def reference_logits(ref: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """transformers' fp32 logits [len(ids), V] of one forward over `ids`."""
+    with torch.no_grad():
+        return ref(ids[None]).logits[0].float()
+
+
+def assert_greedy_matches(model: CausalLM, ref: torch.nn.Module, ids: torch.Tensor, n: int, tag: str) -> list[int]:
+    """Our `n` greedy tokens after `ids` equal transformers' (the message names the first step that differs);
+    returns them."""
+    ours, theirs = greedy(model, ids, n), reference_greedy(ref, ids, n)
+    first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    assert ours == theirs, f"{tag}: greedy tokens diverge at step {first}"
+    return ours
+
+
 def reference_greedy(ref: torch.nn.Module, ids: torch.Tensor, n: int) -> list[int]:
     out = ref.generate(ids[None], attention_mask=torch.ones(1, len(ids), dtype=torch.long), max_new_tokens=n,
                        min_new_tokens=0, do_sample=False, repetition_penalty=1.0, eos_token_id=None, pad_token_id=0)
@@ -53,8 +68,6 @@ def reference_greedy(ref: torch.nn.Module, ids: torch.Tensor, n: int) -> list[in
 def batched_matches_single(model) -> None:
     """A prefill chunk of one sequence beside the decode token of another, in one forward: each sequence's logits equal
     its own run (per-segment state: caches, selections, compressors)."""
-    from ft.runtime.model import Segment
-
     a, b = prompt(model, 18, seed=4), prompt(model, 12, seed=5)
     want_a, want_b = run_all(model, a)[-1], run_all(model, b)[-1]
     sa, sb = model.new_state(32), model.new_state(32)

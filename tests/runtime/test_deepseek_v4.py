@@ -15,7 +15,9 @@ import torch
 from ft.formats import FtwReader
 from ft.runtime.model import Segment, load_model
 
-from fidelity_lib import SELF_TOL, TOL, batched_matches_single, greedy, prompt, reference, reference_greedy, run_all
+from fidelity_lib import (
+    SELF_TOL, TOL, assert_greedy_matches, batched_matches_single, prompt, reference, reference_logits, run_all,
+)
 
 GEN = 48
 
@@ -25,15 +27,10 @@ def pair(ftw_for, hf_for):
     return load_model(ftw_for("deepseek_v4")), reference(hf_for("deepseek_v4"))
 
 
-def _theirs(ref, ids: torch.Tensor) -> torch.Tensor:
-    with torch.no_grad():
-        return ref(ids[None]).logits[0].float()
-
-
 def test_prompt_logits_match_transformers(pair):
     model, ref = pair
     ids = prompt(model, 40)
-    theirs = _theirs(ref, ids)
+    theirs = reference_logits(ref, ids)
     diff = (run_all(model, ids) - theirs).abs().max().item()
     print(f"\ndeepseek_v4: max |dlogit| over {len(ids)} positions = {diff:.2e}")
     assert diff < TOL and float(theirs.std()) > 0.1
@@ -44,7 +41,7 @@ def test_each_part_matters(pair, change):
     """Turning one part off moves the logits away from transformers': the equality above depends on all of them."""
     model, ref = pair
     ids = prompt(model, 40)
-    theirs = _theirs(ref, ids)
+    theirs = reference_logits(ref, ids)
     attn = [layer.self_attn for layer in model.layers]
     target, attr, value = {
         "hca entries": (attn[2].compressor, "position_bias", torch.zeros_like(attn[2].compressor.position_bias)),
@@ -63,12 +60,10 @@ def test_each_part_matters(pair, change):
 def test_48_greedy_tokens_match_transformers(pair):
     model, ref = pair
     ids = prompt(model, 24, seed=1)
-    ours, theirs = greedy(model, ids, GEN), reference_greedy(ref, ids, GEN)
-    first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
-    assert ours == theirs, f"deepseek_v4: greedy tokens diverge at step {first}"
+    ours = assert_greedy_matches(model, ref, ids, GEN, "deepseek_v4")
     assert len(set(ours)) > 3  # not a degenerate repetition
     full = torch.tensor(ids.tolist() + ours[:-1])
-    diff = (run_all(model, full) - _theirs(ref, full)).abs().max().item()
+    diff = (run_all(model, full) - reference_logits(ref, full)).abs().max().item()
     print(f"\ndeepseek_v4: {GEN} greedy tokens equal; max |dlogit| over prompt + generation = {diff:.2e}")
     assert diff < TOL
 

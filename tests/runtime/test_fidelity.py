@@ -16,7 +16,7 @@ from ft.formats import FtwReader, FtwWriter
 from ft.runtime.model import Segment, load_model
 from ft.runtime.models import SUPPORTED_FAMILIES, model_class
 
-from fidelity_lib import SELF_TOL, TOL, greedy, prompt, reference, reference_greedy, run_all
+from fidelity_lib import SELF_TOL, TOL, assert_greedy_matches, greedy, prompt, reference, reference_greedy, run_all
 
 ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "qwen3_next", "qwen3_5_moe")
 PROMPT, GEN = 32, 64
@@ -44,9 +44,7 @@ def test_prompt_logits_match_transformers(pair):
 def test_greedy_generation_matches_transformers(pair):
     arch, model, ref = pair
     ids = prompt(model, seed=1)
-    ours, theirs = greedy(model, ids, GEN), reference_greedy(ref, ids, GEN)
-    first_diff = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
-    assert ours == theirs, f"{arch}: greedy tokens diverge at step {first_diff}"
+    assert_greedy_matches(model, ref, ids, GEN, arch)
 
 
 # ---- ours vs ours: chunking and batching ----------------------------------------------------------------------------

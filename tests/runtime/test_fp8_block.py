@@ -16,7 +16,7 @@ from ft.compiler.synth import synth
 from ft.formats import FtwReader
 from ft.runtime.model import load_model
 
-from fidelity_lib import TOL, greedy, prompt, reference, reference_greedy, run_all
+from fidelity_lib import TOL, assert_greedy_matches, greedy, prompt, reference, run_all
 
 ARCHS = ("qwen3_moe", "glm4_moe")
 # several tiles per linear, ragged edges: hidden 200 = 128 + 72, moe_intermediate 136 = 128 + 8, dense 264
@@ -32,9 +32,7 @@ def _check(model, ref, tag: str, gen: int) -> None:
     print(f"\n{tag}: max |dlogit| over {len(ids)} positions = {diff:.2e}")
     assert diff < TOL and float(theirs.std()) > 0.1
     ids = prompt(model, 16, seed=1)
-    ours_t, theirs_t = greedy(model, ids, gen), reference_greedy(ref, ids, gen)
-    first = next((i for i, (a, b) in enumerate(zip(ours_t, theirs_t)) if a != b), None)
-    assert ours_t == theirs_t, f"{tag}: greedy tokens diverge at step {first}"
+    assert_greedy_matches(model, ref, ids, gen, tag)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -18,7 +18,7 @@ from ft.runtime.layers.moe import route_sigmoid
 from ft.runtime.model import load_model
 from ft.runtime.models import model_class
 
-from fidelity_lib import SELF_TOL, TOL, greedy, prompt, reference, reference_greedy, run_all
+from fidelity_lib import SELF_TOL, TOL, assert_greedy_matches, greedy, prompt, reference, reference_logits, run_all
 
 GEN = 48
 @pytest.fixture(scope="module", params=["none", "nvfp4"])
@@ -60,13 +60,10 @@ def test_prompt_logits_match_transformers(pair):
 def test_48_greedy_tokens_match_transformers(pair):
     quant, model, ref = pair
     ids = prompt(model, 24, seed=1)
-    ours, theirs = greedy(model, ids, GEN), reference_greedy(ref, ids, GEN)
-    first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
-    assert ours == theirs, f"glm4_moe {quant}: greedy tokens diverge at step {first}"
+    ours = assert_greedy_matches(model, ref, ids, GEN, f"glm4_moe {quant}")
     assert len(set(ours)) > 3  # not a degenerate repetition
     full = torch.tensor(ids.tolist() + ours[:-1])
-    with torch.no_grad():
-        diff = (run_all(model, full) - ref(full[None]).logits[0].float()).abs().max().item()
+    diff = (run_all(model, full) - reference_logits(ref, full)).abs().max().item()
     print(f"\nglm4_moe {quant}: {GEN} greedy tokens equal; max |dlogit| over prompt + generation = {diff:.2e}")
     assert diff < TOL
 

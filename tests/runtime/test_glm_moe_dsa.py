@@ -17,7 +17,9 @@ from ft.runtime.layers.mla import Indexer, MlaAttention
 from ft.runtime.model import load_model
 from ft.runtime.state import kv_row_shapes
 
-from fidelity_lib import SELF_TOL, TOL, batched_matches_single, greedy, prompt, reference, reference_greedy, run_all
+from fidelity_lib import (
+    SELF_TOL, TOL, assert_greedy_matches, batched_matches_single, prompt, reference, reference_logits, run_all,
+)
 
 GEN = 48
 
@@ -64,13 +66,10 @@ def test_sparse_selection_matters(pair):
 def test_48_greedy_tokens_match_transformers(pair):
     model, ref = pair
     ids = prompt(model, 24, seed=1)
-    ours, theirs = greedy(model, ids, GEN), reference_greedy(ref, ids, GEN)
-    first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
-    assert ours == theirs, f"glm_moe_dsa: greedy tokens diverge at step {first}"
+    ours = assert_greedy_matches(model, ref, ids, GEN, "glm_moe_dsa")
     assert len(set(ours)) > 3  # not a degenerate repetition
     full = torch.tensor(ids.tolist() + ours[:-1])
-    with torch.no_grad():
-        diff = (run_all(model, full) - ref(full[None]).logits[0].float()).abs().max().item()
+    diff = (run_all(model, full) - reference_logits(ref, full)).abs().max().item()
     print(f"\nglm_moe_dsa: {GEN} greedy tokens equal; max |dlogit| over prompt + generation = {diff:.2e}")
     assert diff < TOL
 

@@ -19,7 +19,7 @@ from ft.formats import FtwReader
 from ft.runtime.model import load_model
 from ft.runtime.models import model_class
 
-from fidelity_lib import SELF_TOL, TOL, greedy, prompt, reference, reference_greedy, run_all
+from fidelity_lib import SELF_TOL, TOL, assert_greedy_matches, greedy, prompt, reference, run_all
 
 GEN = 48
 def _hf_tensors(hf_dir, suffix: str) -> dict[str, torch.Tensor]:
@@ -101,9 +101,7 @@ def test_prompt_logits_match_transformers(pair):
 def test_48_greedy_tokens_match_transformers(pair):
     quant, model, ref = pair
     ids = prompt(model, 24, seed=1)
-    ours, theirs = greedy(model, ids, GEN), reference_greedy(ref, ids, GEN)
-    first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
-    assert ours == theirs, f"gpt_oss {quant}: greedy tokens diverge at step {first}"
+    ours = assert_greedy_matches(model, ref, ids, GEN, f"gpt_oss {quant}")
     assert len(set(ours)) > 3  # not a degenerate repetition
 
 
