@@ -1,4 +1,4 @@
-"""`ft bench bw`: measure PCIe, host-memory and CPU-expert bandwidths and save the hybrid scheduler's profile."""
+"""`ft bench bw`: measure PCIe, host-memory and CPU-expert bandwidths and save the expert store's profile."""
 
 from __future__ import annotations
 

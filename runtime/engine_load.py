@@ -36,7 +36,7 @@ def load_for_engine(reader: FtwReader, s: EngineSettings, *, experts: Any = None
             model, experts = load_offloaded(
                 reader, device=s.device, vram_budget=s.vram_budget, memory_ratio=s.memory_ratio, offload=offload,
                 kv_reserve_tokens=s.kv_reserve_tokens, max_running_requests=s.max_running_requests,
-                dense_weights=s.dense_weights, mode=s.offload_mode,
+                dense_weights=s.dense_weights,
                 cuda_graphs=s.cuda_graphs, pin_host_bytes=s.pinned_memory, plan_name=s.plan)
         else:
             log.warning("%s; routed experts run on the CPU", why)

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field, fields
 from ft.formats.layout import is_safe_name
 
 DENSE_WEIGHTS = ("dequantized", "quantized")
-OFFLOAD_MODES = ("hybrid", "mapped", "offload", "cpu")  # --offload-mode choices (resident: chosen when all fits)
 
 
 def _opt(default, flag: str, help: str, **extra):  # noqa: A002 - the typer keyword
@@ -71,10 +70,6 @@ class EngineSettings:
                               "CUDA only: quantized dense linears (FP8 / NVFP4 in ModelOpt checkpoints) dequantized "
                               "to bf16 at load, or kept as stored and dequantized per call: 2-4x less VRAM for them, "
                               "left to the expert cache, for extra work per step.")
-    offload_mode: str = _opt("mapped", "--offload-mode",
-                             "CUDA only: how expert-cache misses are served. hybrid: split between PCIe fetches and "
-                             "CPU compute; mapped: the GPU copies them from page-locked host memory without waiting "
-                             "for the host; offload: every miss fetched; cpu: every miss on the CPU.")
     plan: str | None = _opt(None, "--plan",
                             "CUDA only: the FTW's placement plan to start from (`ft plan` writes them: VRAM split, "
                             "experts preloaded into the cache, KV size), by NAME, or none. Default: the plan made "
@@ -100,8 +95,6 @@ class EngineSettings:
             problems.append(f"--memory-ratio must be in (0, 1], got {self.memory_ratio}")
         if self.dense_weights not in DENSE_WEIGHTS:
             problems.append(f"--dense-weights {self.dense_weights!r}; use {' or '.join(DENSE_WEIGHTS)}")
-        if self.offload_mode not in OFFLOAD_MODES:
-            problems.append(f"--offload-mode {self.offload_mode!r}; use one of {', '.join(OFFLOAD_MODES)}")
         for name, zero_ok in (("vram_budget", False), ("pinned_memory", True)):
             value = getattr(self, name)
             if value is None:

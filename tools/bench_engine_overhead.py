@@ -8,7 +8,7 @@ with the REAL Qwen3.6 vocabulary (248,320 rows), so everything vocab-sized the e
 sampling, logprobs, penalties) has the real cost while the layers stay cheap. Built once under --work.
 
 Per sampling config and batch size (B requests decoding together), after a warm-up generation:
-  direct   ms/step of `model.forward` + argmax, the loop of tools/gpu_bench_e2e.py::greedy;
+  direct   ms/step of `model.forward` + argmax in a plain greedy loop;
   engine   ms/step of `Engine.step` on decode-only steps, split by wrapping the engine's pieces in this tool (nothing
            in the runtime is edited): forward, sample, accept (detokenize + stop strings), prepare (input ids and
            segments), schedule/admit, and the rest (input tensor creation, accounting);
@@ -100,21 +100,22 @@ def sample_alone(params, batch: int, vocab: int, prompt: list[int], repeats: int
 
 
 def offload_compare(ftw: Path, prompt: list[int], tokens: int, repeats: int, slots: int) -> dict:
-    """The GPU expert scheduler's CPU emulation (mode offload, `slots` slots, prefetch on) under the engine and under
-    the direct loop: ms per decode step and the scheduler's counters per run (prefill + decode, same work in both)."""
+    """The GPU expert scheduler's CPU emulation (host-planned calls, `slots` slots, misses fetched) under the engine
+    and under the direct loop: ms per decode step and the scheduler's counters per run (prefill + decode, same work
+    in both)."""
     from ft.formats import FtwReader
     from ft.runtime.engine import Engine, EngineSettings, SamplingParams
-    from ft.runtime.gpu.hybrid import GpuExperts
+    from ft.runtime.gpu.store import GpuExperts
     from ft.runtime.gpu.offload_config import OffloadConfig
     from ft.runtime.model import load_model
 
     reader = FtwReader(ftw)
-    opts = OffloadConfig(mode="offload", num_slots=slots, prefetch=True)
+    opts = OffloadConfig(num_slots=slots, b_cpu=1.0)  # b_cpu 1 B/s: every miss fetched while slots last
     ex = GpuExperts(reader, opts, device="cpu")
     model = load_model(reader, device="cpu", experts=ex)
     engine = Engine(reader, EngineSettings(device="cpu"), offload=opts)
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
-    keys = ("calls", "hits", "misses", "fetched", "prefetch_issued", "prefill_streamed", "bytes_h2d")
+    keys = ("calls", "hits", "misses", "fetched", "prefill_streamed", "bytes_h2d")
     out = {}
     for name, run, experts in (("direct", lambda: direct_round(model, [prompt], tokens), ex),
                                ("engine", lambda: [s["step"] for s in engine_round(engine, [prompt], params)],
@@ -207,7 +208,8 @@ def write_report(all_runs: dict, out: Path) -> None:
         off = res.get("offload")
         if off:
             keys = [k for k in off["direct"] if k != "ms_per_step"]
-            lines += ["", f"GPU expert scheduler, CPU emulation (mode offload, {off['slots']} slots, prefetch on), "
+            lines += ["", f"GPU expert scheduler, CPU emulation (host-planned calls, {off['slots']} slots, misses "
+                      "fetched), "
                       "greedy B=1: ms per decode step and the scheduler's counters per run (prefill + decode).", "",
                       "| path | ms/step | " + " | ".join(keys) + " |", "|---" * (len(keys) + 2) + "|"]
             lines += [f"| {p} | {off[p]['ms_per_step']:.2f} | " + " | ".join(f"{off[p][k]:g}" for k in keys) + " |"

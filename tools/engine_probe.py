@@ -8,7 +8,7 @@
     probe.big_ops  # non-view ops outside model.forward producing >= vocab elements (a full-vocab pass each)
     engine_round(engine, prompts, params, count=False)  # the same, per decode-only step of B requests run to the end
 
-Used by tools/bench_engine_overhead.py (CPU) and the profile stage of tools/gpu_bench.py (GPU). The wrapped names
+Used by tools/bench_engine_overhead.py. The wrapped names
 are looked up at run time; a piece this engine version lacks is simply not timed.
 """
 

@@ -186,6 +186,7 @@ def belady_row(ex, window: int) -> dict:
 
 
 WARM_TOKENS = 256  # decoded before the steady-state window of a budget row
+TRACE = 200_000  # routing steps the budget engines keep for the Belady row
 
 
 def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64, variant: dict | None = None) -> dict:
@@ -198,8 +199,7 @@ def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64, v
     copies every miss)."""
     torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
-    eng = _engine(ftw, vram_budget=int(gib * (1 << 30)),
-                  offload=OffloadConfig(**{"mode": "mapped", **variant}) if variant else None)
+    eng = _engine(ftw, vram_budget=int(gib * (1 << 30)), offload=OffloadConfig(**{"trace_limit": TRACE, **variant}))
     lane = eng._experts.opts.cpu_lane
     model, ex = eng.model, eng._experts
     res: dict = {"budget_gib": gib, "mode": ex.opts.mode, "variant": variant or {}, "cpu_lane": lane,
@@ -284,7 +284,7 @@ def bench_model(ftw, preset: str, *, hbm_gbs: float, log, llama: dict | None, de
 def bench_resident(ftw, preset: str, *, hbm_gbs: float, log, llama: dict | None, deadline: float,
                    traces: Path | None = None) -> dict:
     t = time.perf_counter()
-    eng = _engine(ftw, offload=OffloadConfig(mode="resident", prefetch=False))
+    eng = _engine(ftw, offload=OffloadConfig(mode="resident"))
     model, ex = eng.model, eng._experts
     res: dict = {"load_s": time.perf_counter() - t, "graphs": dict(model.graphs.counters),
                  "vram_gib": torch.cuda.memory_allocated() / (1 << 30)}

@@ -1,4 +1,4 @@
-"""`ft bench bw`: the bandwidths the hybrid scheduler splits misses by, measured on this machine.
+"""`ft bench bw`: the bandwidths the expert store splits misses by, measured on this machine.
 
 Measured (GB/s = 1e9 bytes/s, medians of repeated timed runs):
   h2d_pinned / d2h_pinned  large copies between pinned host memory and VRAM (the link's ceiling)

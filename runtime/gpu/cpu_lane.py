@@ -268,7 +268,7 @@ def lane_for(md) -> CpuLane | None:
     if ex.layout.scheme != "nvfp4":  # the lane's C kernel reads NVFP4 records only
         log.info("CPU expert lane off: its kernel reads nvfp4 records, these are %s", ex.layout.scheme)
         return None
-    from .hybrid import DEFAULT_B_CPU, DEFAULT_B_PCIE
+    from .store import DEFAULT_B_CPU, DEFAULT_B_PCIE
 
     gbs = ex.profile.get("gbs") or {}
     b_gpu = ex.opts.b_pcie or copy_rate(md) or (gbs.get("h2d_expert_pinned") or 0) * 1e9 or DEFAULT_B_PCIE

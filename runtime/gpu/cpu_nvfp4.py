@@ -1,4 +1,4 @@
-"""CPU side of the hybrid expert path: NVFP4 expert MLPs computed from host memory.
+"""CPU side of the expert store: NVFP4 expert MLPs computed from host memory.
 
 The kernel is `cpu_nvfp4.c` (plain C + OpenMP; AVX-512, and AVX512-BF16 dot products, where the CPU has them), built
 with the package for each x86-64 ISA level and picked by this CPU's flags (`cpu_build.py`; built here once, into the

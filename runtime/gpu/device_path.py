@@ -2,8 +2,7 @@
 
 A call takes this path (`uses_device_plan`) when
   * `GpuExperts.device_plan` is on (default on CUDA; the CPU emulation opts in),
-  * the layer is an MoE layer whose experts are all preloaded and never evicted: mode "resident", or mode "static"
-    and the layer is not one of `cpu_layers`,
+  * the layer is an MoE layer whose experts are all preloaded and never evicted (mode "resident"),
   * T * k <= MAX_DEVICE_PAIRS (decode; prefill calls: see below; other calls keep the host-planned tile kernel).
 Such a call counts calls / tokens / pairs only: hits, misses, per-layer counts and the routing trace need the routing
 on the host, so they stay untouched (in these modes every expert is a hit anyway). It advances the cache clock (a
@@ -41,8 +40,8 @@ MAX_DEVICE_PAIRS = 64  # T * k bound of the device-planned path (grid (pairs, N 
 def uses_device_plan(ex, layer: int, num_tokens: int) -> bool:
     """Whether `ex(layer, x [num_tokens, H], ...)` takes the device-planned path (see the module docstring)."""
     o = ex.opts
-    return (ex.device_plan and layer in ex.banks and layer not in o.cpu_layers
-            and o.mode in ("resident", "static") and 0 < num_tokens * ex.k <= MAX_DEVICE_PAIRS)
+    return (ex.device_plan and layer in ex.banks and o.mode == "resident"
+            and 0 < num_tokens * ex.k <= MAX_DEVICE_PAIRS)
 
 
 def count_call(ex, num_tokens: int, calls: int = 1) -> None:
@@ -59,7 +58,7 @@ def uses_device_prefill(ex, layer: int, num_tokens: int) -> bool:
     """Whether `ex(layer, x [num_tokens, H], ...)` is a prefill planned on the device (see the module docstring)."""
     o = ex.opts
     return (ex.device_plan and getattr(ex, "_device_prefill_ok", None) is not False and layer in ex.banks
-            and layer not in o.cpu_layers and o.mode in ("resident", "static") and num_tokens >= o.prefill_tokens
+            and o.mode == "resident" and num_tokens >= o.prefill_tokens
             and num_tokens * ex.k > MAX_DEVICE_PAIRS)
 
 

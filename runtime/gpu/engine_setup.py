@@ -23,7 +23,7 @@ import torch
 
 from ft.formats import FtwReader
 
-from .hybrid import GpuExperts
+from .store import GpuExperts
 from .offload_config import OffloadConfig
 from .record_layout import SCHEMES
 from .sizing import LATE_OUTSIDE, cap_allocator, device_in_use, resolve_budget, split_budget, state_bytes
@@ -59,7 +59,7 @@ def _weight_bytes(model) -> int:
 
 def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, memory_ratio: float,
                    offload: OffloadConfig | None, kv_reserve_tokens: int | None, max_running_requests: int,
-                   dense_weights: str | None = None, mode: str | None = None, cuda_graphs: bool = True,
+                   dense_weights: str | None = None, cuda_graphs: bool = True,
                    pin_host_bytes: int | None = None, plan_name: str | None = None):
     """-> (model, GpuExperts with its slot pool allocated; `experts.vram_plan` says how the budget was spent). On
     CUDA with `cuda_graphs`, the model replays sync-free decode steps of up to `max_running_requests` sequences from
@@ -79,7 +79,7 @@ def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, m
     budget = None
     if cuda or explicit is not None:
         budget = resolve_budget(dev, explicit, memory_ratio)
-    opts = offload or OffloadConfig(mode=mode or "mapped", vram_budget=budget, pin_host_bytes=pin_host_bytes)
+    opts = offload or OffloadConfig(vram_budget=budget, pin_host_bytes=pin_host_bytes)
     if opts.vram_budget is None and budget is not None:
         opts = dataclasses.replace(opts, vram_budget=budget)
     if dense_weights is not None:
@@ -94,7 +94,7 @@ def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, m
         torch.cuda.empty_cache()
         held = torch.cuda.memory_reserved(dev)
         outside = (device_in_use(dev) if explicit is not None else held) + LATE_OUTSIDE
-    before = torch.cuda.memory_allocated(dev) if cuda else 0  # routers (prefetch) count as dense weights too
+    before = torch.cuda.memory_allocated(dev) if cuda else 0
     experts = GpuExperts(reader, opts, device=str(dev), profile=load_profile(dev.index or 0) if cuda else None)
     keep = opts.dense == "quantized"
     model = load_model(reader, device=str(dev), experts=experts, keep_quantized=keep)
@@ -110,18 +110,17 @@ def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, m
                             prefill_slots=opts.prefill_slots, reserve=opts.reserve_bytes, max_slots=max_slots,
                             dense_quantized=keep, outside=outside)
     num_slots = opts.num_slots if opts.num_slots is not None else (plan.num_slots if plan else None)
-    if opts.mode in ("resident", "static"):
-        need = max_slots - len(opts.cpu_layers) * experts.E
-        if plan is not None and plan.num_slots < need:
-            raise ValueError(f"{opts.mode} placement needs {need} expert slots but the VRAM budget leaves room for "
-                             f"{plan.num_slots}; raise the budget or use mode hybrid")
+    if opts.mode == "resident":
+        if plan is not None and plan.num_slots < max_slots:
+            raise ValueError(f"resident placement needs {max_slots} expert slots but the VRAM budget leaves room for "
+                             f"{plan.num_slots}; raise the budget or use mode mapped")
     elif offload is None and num_slots is not None and num_slots >= max_slots:
         experts.opts = dataclasses.replace(opts, mode="resident")  # everything fits: no miss handling at all
     if cuda and plan is not None:
         cap_allocator(dev, held + budget - outside)  # lifted again by experts.close()
         experts.capped = dev
     preload = priors = None
-    if placement is not None and experts.opts.mode not in ("resident", "static") and num_slots:
+    if placement is not None and experts.opts.mode != "resident" and num_slots:
         preload, priors = placement.preload(experts.moe_layers, experts.E, num_slots, num_layers=experts.L)
     experts.allocate(num_slots=num_slots, priors=priors, preload=preload)  # the plan's experts resident before capture
     experts.vram_plan, experts.placement = plan, placement

@@ -20,7 +20,7 @@ state of one token. A real token's embedding keeps every value they produce fini
 anything; their outputs are dropped.
 
 A step is not replayed (`step` returns None and the model runs eagerly) unless every MoE layer's call of G tokens is
-sync-free (`graph_ready`): mode resident, static's GPU layers, mode mapped once its banks are pinned and verified.
+sync-free (`graph_ready`): mode resident, mode mapped once its banks are pinned and verified.
 Hybrid / offload / cpu bring the routing to the host mid-step, which a graph cannot do.
 
 Capture: the body runs once eagerly on a side stream on the scratch rows (compiles kernels, makes the paths'

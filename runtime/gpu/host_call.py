@@ -1,14 +1,13 @@
-"""A host-planned MoE call of `GpuExperts` (modes hybrid, offload, cpu; static's CPU layers; and any call before mode
-mapped's banks are page-locked and verified): the routing comes to the host (one sync per call), then
+"""A host-planned MoE call of `GpuExperts` (every call the sync-free paths cannot take: before the banks are
+page-locked and verified, decode batches over MAX_DEVICE_PAIRS pairs, mid-size prefill chunks, the CPU emulation):
+the routing comes to the host (one sync per call), then
 
  1. the slot table splits the routed experts into hits and misses;
  2. of the M misses, F (min-wait under fixed + per-expert cost lines of both paths, `split.py`) are admitted into
     slots (evicting by the cache policy) and uploaded on the copy stream; the other M - F go first to the CPU
     kernel's native worker thread (`CpuMoe.submit`), which reads the mmapped records in place;
  3. the GPU kernel runs over hits + fetched experts after the copy fence; the CPU partial sum is added on arrival.
-    Both partial sums cover disjoint (token, expert) pairs, so their sum is the full mixture;
- 4. layer l+1's router applied to this layer's input predicts its experts, riding along with the same copy to the
-    host; up to `prefetch_max` missing ones are fetched now, overlapping the next attention block.
+    Both partial sums cover disjoint (token, expert) pairs, so their sum is the full mixture.
 Prefill calls (T >= prefill_tokens) go to `prefill_stream.prefill_call` once the routing is on the host.
 """
 
@@ -18,23 +17,13 @@ import numpy as np
 import torch
 
 from .device_path import device_kernel, uses_device_kernel
-from .prefetch import prefetch_next
 from .prefill_stream import prefill_call
 
 
 def host_call(ex, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
     """One host-planned call of `ex` (a GpuExperts) -> [T, H] in x's dtype (module docstring)."""
     T, k = topk_ids.shape
-    o = ex.opts
-    pred = None  # next layer's predicted experts ride along with this layer's routing: one host sync
-    if (ex.predictor is not None and ex.num_slots and T < o.prefill_tokens
-            and o.mode in ("hybrid", "offload", "mapped")):
-        pred = ex.predictor.predict_ids(layer, x)
-    if pred is not None:
-        both = torch.cat([topk_ids.reshape(-1), pred[1].to(topk_ids.dtype)]).to("cpu").numpy()
-        ids, pred = both[: T * k], (pred[0], both[T * k:])
-    else:
-        ids = topk_ids.to("cpu").numpy().reshape(-1)
+    ids = topk_ids.to("cpu").numpy().reshape(-1)
     ex._observe_timing()
     ex.cache.tick()
     ex.cache.observe(layer, ids, T)
@@ -43,9 +32,7 @@ def host_call(ex, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weig
     c["calls"] += 1
     c["tokens"] += T
     c["pairs"] += T * k
-    if ex.predictor is not None:
-        ex.predictor.check(layer, uniq)
-    if T >= ex.opts.prefill_tokens and layer not in ex.opts.cpu_layers:
+    if T >= ex.opts.prefill_tokens:
         return prefill_call(ex, layer, x, ids, uniq, topk_weights).to(x.dtype)
     if len(ex.trace) < ex.opts.trace_limit:
         ex.trace.append((layer, uniq))
@@ -59,10 +46,7 @@ def host_call(ex, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weig
     ex.per_layer[:, layer] += (int(hit.sum()), len(misses), len(fetch), len(on_cpu))
     future = _submit_cpu(ex, layer, on_cpu, ids, x, topk_weights) if len(on_cpu) else None
     slot_of = dict(zip(uniq[hit].tolist(), slots[hit].tolist()))
-    prefetching = pred is not None and pred[0] not in o.cpu_layers
-    # one scoring pass for this call's fetches and the next layer's prefetch (see ExpertCache.admit_many)
-    chosen = ex.cache.victims(len(fetch) + (ex.prefetch_max if prefetching else 0))
-    for e, s in zip(fetch.tolist(), ex.cache.admit_many(layer, fetch, chosen)[0].tolist()):  # _split: all fit
+    for e, s in zip(fetch.tolist(), ex.cache.admit_many(layer, fetch)[0].tolist()):  # _split: all fit
         ex.uploader.upload(s, ex.banks[layer].record(e))
         slot_of[e] = s
     c["fetched"] += len(fetch)
@@ -73,8 +57,6 @@ def host_call(ex, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weig
         ex.uploader.after_compute(ex._record_compute())
     else:
         y = ex._gpu_moe(x, ids, slot_of, topk_weights)
-    if prefetching:
-        prefetch_next(ex, pred[0], ex.predictor.rank(*pred), chosen[len(fetch):])
     if future is not None:
         y_cpu, seconds = future.result()
         c["cpu_seconds"] += seconds
@@ -84,18 +66,17 @@ def host_call(ex, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weig
 
 
 def _split(ex, layer: int, misses: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    mode = ex.opts.mode
-    if layer in ex.opts.cpu_layers or mode in ("cpu", "static", "resident") or ex.num_slots == 0:
+    if ex.opts.mode == "resident" or ex.num_slots == 0:
         return misses[:0], misses
     # most frequently routed misses first: they are the likeliest to be hit again
     order = np.argsort(-ex.cache.counts[layer, misses], kind="stable")
     misses = misses[order]
     cap = ex.num_slots - int((ex.cache.protect_until >= ex.cache.clock).sum())
-    # offload, or a format the native CPU kernel does not read (MXFP4: the CPU side is the PyTorch reference, far
-    # slower than the link): fetch what fits
-    fetch_all = mode == "offload" or ex.layout.scheme != "nvfp4"
-    nf = min(len(misses), cap) if fetch_all else ex.split.count(len(misses), cap=cap)
+    # a format the native CPU kernel does not read (MXFP4: the CPU side is the PyTorch reference, far slower than
+    # the link): fetch what fits
+    nf = min(len(misses), cap) if ex.layout.scheme != "nvfp4" else ex.split.count(len(misses), cap=cap)
     return misses[:nf], misses[nf:]
+
 
 def _submit_cpu(ex, layer, experts, ids, x, topk_weights):
     records = [ex.banks[layer].record(int(e)) for e in experts]

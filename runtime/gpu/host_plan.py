@@ -1,4 +1,4 @@
-"""Host-planned NVFP4 MoE: the routing is on the host (hybrid / offload calls bring it there for the cache), so the
+"""Host-planned NVFP4 MoE: the routing is on the host (host-planned calls bring it there for the cache), so the
 block plan of the tile kernels (`nvfp4_triton.moe_blocks`) is built with numpy. Resident prefill plans on the device
 instead (`prefill_plan.py`); both plans have one format: pairs grouped by slot into blocks of BLOCK_M rows, padded
 with the sentinel P, one slot per block.

@@ -1,6 +1,6 @@
 """Mode "mapped": offloaded decode calls that never wait for the host.
 
-The host-planned path (`hybrid.py`) brings every decode call's routing to the host before its kernel can start, one
+The host-planned path (`store.py`) brings every decode call's routing to the host before its kernel can start, one
 host sync per MoE layer: the GPU idles while Python plans. Here a decode call (T * k <= MAX_DEVICE_PAIRS) runs device
 kernels only, with the layer's bank page-locked and mapped into the GPU's address space (`gather.py`): a routed expert
 with a VRAM slot is read from the pool; any other is copied from host memory by the GPU itself into a staging row of
@@ -45,7 +45,7 @@ RING = 64  # routing records in flight; when all are, the oldest is waited for (
 def uses_mapped(ex, layer: int, num_tokens: int) -> bool:
     m = ex.mapped
     return (m is not None and ex.device_plan and 0 < num_tokens * ex.k <= MAX_DEVICE_PAIRS
-            and layer not in ex.opts.cpu_layers and m.ready(layer) and m.fits(layer, num_tokens))
+            and m.ready(layer) and m.fits(layer, num_tokens))
 
 
 class MappedDecode:

@@ -1,4 +1,4 @@
-"""Settings of the GPU expert cache / hybrid offload scheduler (one frozen dataclass; unknown modes are refused)."""
+"""Settings of the GPU expert store (one frozen dataclass; unknown modes are refused)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from ft.runtime.settings import DENSE_WEIGHTS as DENSE
 
-MODES = ("hybrid", "offload", "mapped", "cpu", "static", "resident")
+MODES = ("mapped", "resident")
 GIB = 1 << 30
 
 
@@ -14,31 +14,26 @@ GIB = 1 << 30
 class OffloadConfig:
     """
     mode:
-      hybrid   - misses split between PCIe fetch (share q) and CPU compute, overlapped (default)
-      offload  - every miss is fetched (pure GPU cache)
-      mapped   - decode calls never wait for the host: the GPU reads each miss straight from the page-locked bank in
-                 host memory (mapped into its address space), and the cache is refilled a step later from the routing
-                 copied back asynchronously (`mapped_path.py`); prefill, and decode before the banks are pinned, as
-                 hybrid. The engine's default.
-      cpu      - every miss is computed on the CPU (the cache only holds what was preloaded or prefetched)
-      static   - llama.cpp --n-cpu-moe style: `cpu_layers` always on the CPU, every other layer fully resident
-      resident - every expert of every layer in VRAM (needs the budget for it)
+      mapped   - experts without a VRAM slot are served from their page-locked bank in host memory: a decode call
+                 never waits for the host (the GPU copies each miss itself, the CPU lane computes a share of them,
+                 the cache is refilled a step later from the routing read back asynchronously: `mapped_path.py`);
+                 a large prefill streams every expert without a slot ahead of its layer (`prefill_pipeline.py`).
+                 Calls neither path can take (before the banks are page-locked and verified, decode batches over
+                 MAX_DEVICE_PAIRS pairs, mid-size prefill chunks) are planned on the host (`host_call.py`). The default.
+      resident - every expert of every layer in VRAM (chosen by the engine when the budget holds them all)
     vram_budget: bytes the whole engine may use on the GPU (dense weights, KV, slots, prefill buffers, reserve);
       slots get what is left when the first MoE call arrives (or what the engine's VRAM plan gives them). With
-      neither a budget nor num_slots, allocating the pool fails (modes resident and static need neither).
+      neither a budget nor num_slots, allocating the pool fails (mode resident needs neither).
     dense: how quantized dense linears (NVFP4 / FP8 in ModelOpt checkpoints) sit on the GPU: dequantized to the
       compute dtype at load (default), or quantized as stored and dequantized chunk by chunk per call (2-4x less VRAM
       for them, which goes to the expert cache, for one extra pass over those weights per call; same results).
     """
 
-    mode: str = "hybrid"
+    mode: str = "mapped"
     vram_budget: int | None = None
     num_slots: int | None = None
     reserve_bytes: int = GIB // 2  # activations, logits, allocator slack
     policy: str = "lru-freq"
-    cpu_layers: tuple[int, ...] = ()
-    prefetch: bool = True
-    prefetch_max: int | None = None  # experts per layer and step; None = top-k
     cpu_lane: bool = True  # mode mapped: the CPU computes part of each decode call's misses (cpu_lane.py)
     admit_max: int = 2  # mode mapped: experts uploaded into the cache per layer call at most
     admit_margin: float = 2.0  # mode mapped: a miss replaces a resident expert routed this many times less often
@@ -54,7 +49,7 @@ class OffloadConfig:
     b_cpu: float | None = None
     cpu_fixed_s: float | None = None  # fixed seconds per CPU call for the initial split; None = profile / default
     adapt: bool = True  # refine the split from measured step times
-    trace_limit: int = 200_000  # routing steps kept for Belady comparisons
+    trace_limit: int = 0  # routing steps kept (`GpuExperts.trace`) for benchmarks' Belady comparisons; 0 = none
     dense: str = "dequantized"
 
     def __post_init__(self) -> None:
@@ -62,8 +57,6 @@ class OffloadConfig:
             raise ValueError(f"unknown offload mode {self.mode!r}; supported: {', '.join(MODES)}")
         if self.dense not in DENSE:
             raise ValueError(f"unknown dense placement {self.dense!r}; supported: {', '.join(DENSE)}")
-        if self.mode == "static" and not self.cpu_layers:
-            raise ValueError("static mode needs cpu_layers (the MoE layers whose experts stay on the CPU)")
         if self.pin_host_bytes is not None and self.pin_host_bytes < 0:
             raise ValueError(f"pin_host_bytes must be >= 0 (0 = no pinning), got {self.pin_host_bytes}")
         if self.admit_max < 0:

@@ -45,7 +45,7 @@ STAGED = "staged"  # a group's copies queued on the staging thread, not yet fenc
 def uses_pipeline(ex, layer: int, num_tokens: int) -> bool:
     md = ex.mapped
     return (md is not None and ex.device_plan and num_tokens >= ex.opts.prefill_tokens
-            and num_tokens * ex.k >= BLIND * ex.E and layer not in ex.opts.cpu_layers and md.ready(layer))
+            and num_tokens * ex.k >= BLIND * ex.E and md.ready(layer))
 
 
 class PrefillPipeline:

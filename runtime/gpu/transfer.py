@@ -15,7 +15,7 @@ until every queued command is issued and returns an event on the copy stream; `a
 copies wait for ev (slot reuse). Commands are issued in call order (directly only when the FIFO is empty, queued
 otherwise), so two uploads into one slot can never be reordered.
 
-`HostUploader` is the same interface over a CPU "pool" (plain copies, no streams): the hybrid scheduler runs on it in
+`HostUploader` is the same interface over a CPU "pool" (plain copies, no streams): the expert store runs on it in
 CPU-only tests and emulation.
 """
 

@@ -74,8 +74,6 @@ def make_plan(reader: FtwReader, settings: EngineSettings, routing: RoutingProfi
             outside = held + LATE_OUTSIDE
         nonlayer, per_layer = dense_weight_bytes(reader, keep_quantized=keep)
         dense = nonlayer + sum(per_layer.values())
-        if cuda and opts.prefetch:  # the next-layer predictor's own copy of the routers
-            dense += sum(reader.tensor(f"layers.{i}.mlp.gate.weight").nbytes for i in moe)
         if not cuda and not cfg.tie_word_embeddings:  # the CPU emulation counts the host-side embedding table too
             dense += reader.tensor("embed_tokens.weight").nbytes
     per_token, per_seq = state_bytes(cfg, reader.tensor("embed_tokens.weight").dtype)

@@ -19,7 +19,6 @@ from ft.runtime.settings import EngineSettings, flag
     ({"memory_ratio": 0.0}, "--memory-ratio must be in (0, 1]"),
     ({"memory_ratio": 1.5}, "--memory-ratio must be in (0, 1]"),
     ({"dense_weights": "fp4"}, "--dense-weights 'fp4'"),
-    ({"offload_mode": "resident"}, "--offload-mode 'resident'"),
     ({"vram_budget": "8 potatoes"}, "--vram-budget: cannot read"),
     ({"vram_budget": 0}, "--vram-budget: a byte count must be positive"),
     ({"device": "tpu"}, "--device 'tpu'"),
@@ -34,8 +33,8 @@ def test_each_bad_value_names_its_flag(kwargs, message):
 
 def test_all_problems_in_one_error():
     with pytest.raises(ValueError) as e:
-        EngineSettings(kv_reserve_tokens=0, memory_ratio=2.0, offload_mode="x")
-    assert all(f in str(e.value) for f in ("--kv-reserve-tokens", "--memory-ratio", "--offload-mode"))
+        EngineSettings(kv_reserve_tokens=0, memory_ratio=2.0, dense_weights="x")
+    assert all(f in str(e.value) for f in ("--kv-reserve-tokens", "--memory-ratio", "--dense-weights"))
 
 
 def test_values_are_normalised():

@@ -24,23 +24,23 @@ def prompt_logits(model, prompt):
 
 
 def resident_then_budget(ftw, prompt, params) -> tuple[int, dict]:
-    """Greedy tokens of the engine fully resident, then at a VRAM budget that leaves exactly 5 expert slots (prefetch
-    on, equal link and CPU rates), each equal to the CPU engine's. -> (the resident engine's slots, the budget engine's
+    """Greedy tokens of the engine fully resident, then at a VRAM budget that leaves exactly 5 expert slots (equal
+    link and CPU rates), each equal to the CPU engine's. -> (the resident engine's slots, the budget engine's
     MoE counters); asserts the resident run missed nothing and the budget run missed."""
     kw = dict(device="cpu", kv_reserve_tokens=256, max_prefill_length=8, max_running_requests=2)
     want = generate(Engine(ftw, EngineSettings(**kw)), prompt, params).token_ids
     eng = Engine(ftw, EngineSettings(vram_budget=64 * GIB, memory_ratio=0.9, **kw),
-                 offload=OffloadConfig(mode="resident", prefetch=False))
+                 offload=OffloadConfig(mode="resident"))
     slots = eng._experts.num_slots
     assert generate(eng, prompt, params).token_ids == want and eng.stats()["moe"]["misses"] == 0
     eng.close()
-    probe = Engine(ftw, EngineSettings(**kw), offload=OffloadConfig(mode="hybrid", num_slots=1, prefetch=False))
+    probe = Engine(ftw, EngineSettings(**kw), offload=OffloadConfig(num_slots=1))
     stride, dense = probe._experts.layout.stride, _weight_bytes(probe.model)
     per_token, per_seq = state_bytes(probe.config, probe.model.dtype)
     probe.close()
     budget = dense + 256 * per_token + 2 * per_seq + 2 * 32 * stride + (1 << 20) + 5 * stride + stride // 2
     eng = Engine(ftw, EngineSettings(vram_budget=budget, **kw),
-                 offload=OffloadConfig(mode="hybrid", prefetch=True, b_pcie=1e9, b_cpu=1e9, reserve_bytes=1 << 20))
+                 offload=OffloadConfig(b_pcie=1e9, b_cpu=1e9, reserve_bytes=1 << 20))
     try:
         assert eng._experts.num_slots == eng._experts.vram_plan.num_slots == 5
         assert generate(eng, prompt, params).token_ids == want

@@ -78,3 +78,12 @@ def moe_calls(tokens, seed: int, *, experts: int, top_k: int, hidden: int, layer
         x = torch.randn(T, hidden, generator=g).to(torch.bfloat16)
         ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(T)])
         yield i % layers, x, ids, torch.rand(T, top_k, generator=g)
+
+
+def still_pinning(ex) -> None:
+    """Put a mode-mapped GpuExperts (allocated) in its state before the background pinner has finished: no bank is
+    read in place yet, so every call is planned on the host, with the device kernels where `device_plan` is set."""
+    import threading
+    from types import SimpleNamespace
+
+    ex.pinner = SimpleNamespace(done=threading.Event(), info={}, stop=lambda: None)

@@ -12,10 +12,12 @@ import torch
 
 from ft.formats import FtwReader
 from ft.runtime.gpu.graphs import DecodeGraphs
-from ft.runtime.gpu.hybrid import GpuExperts
+from ft.runtime.gpu.store import GpuExperts
 from ft.runtime.gpu.offload_config import OffloadConfig
 from ft.runtime.layers.batch import decode_inputs, decode_inputs_size
 from ft.runtime.model import Segment, load_model
+
+from .gpu_fixtures import still_pinning
 
 CUDA = torch.cuda.is_available()
 PROMPT = [3, 17, 5, 99, 42, 7, 61, 23, 11]
@@ -61,7 +63,7 @@ def _close(a, b):
 
 @pytest.mark.parametrize("mode", ["resident", "mapped"])
 def test_static_decode_matches_eager(ftw, mode):
-    opts = OffloadConfig(mode=mode, num_slots=None if mode == "resident" else 3, prefetch=False)
+    opts = OffloadConfig(mode=mode, num_slots=None if mode == "resident" else 3, trace_limit=1000)
     eager, ex0 = _model(ftw, opts)
     want_toks, want = _decode(eager, 10)
     model, ex = _model(ftw, opts, graphs=True, capture=False)
@@ -81,8 +83,8 @@ def test_static_decode_matches_eager(ftw, mode):
 
 
 def test_a_grown_state_replays_the_same_graph(ftw):
-    model, ex = _model(ftw, OffloadConfig(mode="resident", prefetch=False), graphs=True, capture=False)
-    eager, ex0 = _model(ftw, OffloadConfig(mode="resident", prefetch=False))
+    model, ex = _model(ftw, OffloadConfig(mode="resident"), graphs=True, capture=False)
+    eager, ex0 = _model(ftw, OffloadConfig(mode="resident"))
     toks, got = _decode(model, 12, capacity=len(PROMPT) + 1)  # KV buffers reallocated while decoding
     want_toks, want = _decode(eager, 12, capacity=len(PROMPT) + 1)
     assert toks == want_toks
@@ -114,7 +116,7 @@ def test_batched_decode_replays_padded_graphs(ftw, device, fused):
     the tokens each gets decoding alone (PyTorch reference ops); two sequences take the graph of batch 2; one graph
     per size, no more. Fused on the CPU: the decode kernels under the interpreter, through the tables."""
     prompts = [PROMPT, PROMPT[:4], PROMPT[2:] + PROMPT]
-    opts = OffloadConfig(mode="resident", prefetch=False)
+    opts = OffloadConfig(mode="resident")
     eager, ex0 = _model(ftw, opts, device=device)
     eager.set_fused(False)
     want = [_decode_together(eager, [p], 6)[0] for p in prompts]
@@ -129,8 +131,8 @@ def test_batched_decode_replays_padded_graphs(ftw, device, fused):
 
 
 def test_a_failed_capture_falls_back_to_eager_decoding(ftw, monkeypatch):
-    model, ex = _model(ftw, OffloadConfig(mode="resident", prefetch=False), graphs=True, capture=False)
-    eager, ex0 = _model(ftw, OffloadConfig(mode="resident", prefetch=False))
+    model, ex = _model(ftw, OffloadConfig(mode="resident"), graphs=True, capture=False)
+    eager, ex0 = _model(ftw, OffloadConfig(mode="resident"))
 
     def broken(*a, **kw):
         raise RuntimeError("operation not permitted when stream is capturing")
@@ -146,9 +148,10 @@ def test_a_failed_capture_falls_back_to_eager_decoding(ftw, monkeypatch):
         e.close()
 
 
-def test_host_planned_modes_decode_eagerly(ftw):
-    model, ex = _model(ftw, OffloadConfig(mode="hybrid", num_slots=3, prefetch=False, b_pcie=1e9, b_cpu=1e9),
-                       graphs=True, capture=False)
+def test_host_planned_calls_decode_eagerly(ftw):
+    model, ex = _model(ftw, OffloadConfig(num_slots=3, b_pcie=1e9, b_cpu=1e9), graphs=True, capture=False)
+    ex.allocate()
+    still_pinning(ex)  # before the banks are page-locked and verified, every MoE call is planned on the host
     _decode(model, 3)
     c = model.graphs.counters
     assert c["replays"] == 0 and c["captures"] == 0 and c["eager_steps"] == 3
@@ -157,7 +160,7 @@ def test_host_planned_modes_decode_eagerly(ftw):
 
 def test_quantized_dense_linears_decode_statically(ftw):
     assert FtwReader(ftw).quant.get("linears")  # the case is only meaningful with quantized dense linears
-    opts = OffloadConfig(mode="resident", prefetch=False)
+    opts = OffloadConfig(mode="resident")
     eager, ex0 = _model(ftw, opts, keep_quantized=True)
     want_toks, want = _decode(eager, 6)
     model, ex = _model(ftw, opts, graphs=True, capture=False, keep_quantized=True)
@@ -171,7 +174,7 @@ def test_quantized_dense_linears_decode_statically(ftw):
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("mode,keep_quantized", [("resident", False), ("mapped", False), ("mapped", True)])
 def test_cuda_graph_decode_matches_eager(ftw, mode, keep_quantized):
-    opts = OffloadConfig(mode=mode, num_slots=None if mode == "resident" else 3, prefetch=False)
+    opts = OffloadConfig(mode=mode, num_slots=None if mode == "resident" else 3)
     eager, ex0 = _model(ftw, opts, device="cuda", keep_quantized=keep_quantized)
     ex0.wait_pinned()
     want_toks, want = _decode(eager, 16)

@@ -10,7 +10,7 @@ import torch
 from ft.formats import FtwReader
 from ft.runtime.engine import Engine, EngineSettings, generate
 from ft.runtime.gpu import engine_setup
-from ft.runtime.gpu.hybrid import GpuExperts
+from ft.runtime.gpu.store import GpuExperts
 from ft.runtime.gpu.offload_config import OffloadConfig
 from ft.runtime.gpu.sizing import LATE_OUTSIDE
 from ft.runtime.model import load_model
@@ -23,7 +23,7 @@ from .gpu_fixtures import rel_err
 def test_scheduler_with_few_slots_matches_cpu_experts(ftw_for):
     ftw = ftw_for("glm4_moe", "nvfp4")
     reader = FtwReader(ftw)
-    ex = GpuExperts(reader, OffloadConfig(mode="hybrid", num_slots=3, b_pcie=1e9, b_cpu=1e9, prefill_tokens=4),
+    ex = GpuExperts(reader, OffloadConfig(num_slots=3, b_pcie=1e9, b_cpu=1e9, prefill_tokens=4),
                     device="cpu")
     assert ex.moe_layers == [1, 2]  # layer 0 is dense
     got = prompt_logits(load_model(reader, device="cpu", experts=ex), PROMPT)
@@ -39,7 +39,7 @@ def test_engine_resident_and_at_a_budget(ftw_for):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_engine_resident_hybrid_and_mapped(ftw_for, monkeypatch):
+def test_cuda_engine_resident_and_mapped(ftw_for, monkeypatch):
     monkeypatch.setattr(engine_setup, "device_in_use", lambda dev: 0)
     ftw = ftw_for("glm4_moe", "nvfp4")
     kw = dict(device="cuda", kv_reserve_tokens=256, max_prefill_length=8, max_running_requests=2)
@@ -51,9 +51,7 @@ def test_cuda_engine_resident_hybrid_and_mapped(ftw_for, monkeypatch):
     assert generate(eng, PROMPT, PARAMS).token_ids[:4] == want[:4] and eng.stats()["moe"]["misses"] == 0
     eng.close()
     budget = LATE_OUTSIDE + plan.dense + plan.kv + plan.prefill_buffers + plan.reserve + 5 * stride + 4096
-    for mode in ("hybrid", None):  # None: the default (mapped) mode
-        eng = Engine(ftw, EngineSettings(vram_budget=budget, offload_mode=mode, **kw) if mode else
-                     EngineSettings(vram_budget=budget, **kw))
-        assert eng._experts.num_slots < 16
-        assert generate(eng, PROMPT, PARAMS).token_ids[:4] == want[:4]
-        eng.close()
+    eng = Engine(ftw, EngineSettings(vram_budget=budget, **kw))
+    assert eng._experts.num_slots < 16 and eng._experts.opts.mode == "mapped"
+    assert generate(eng, PROMPT, PARAMS).token_ids[:4] == want[:4]
+    eng.close()

@@ -17,7 +17,7 @@ from ft.runtime.engine import Engine, EngineSettings, generate
 from ft.runtime.experts import CpuExperts
 from ft.runtime.gpu import engine_setup
 from ft.runtime.gpu.device_path import uses_device_plan, uses_device_prefill
-from ft.runtime.gpu.hybrid import GpuExperts
+from ft.runtime.gpu.store import GpuExperts
 from ft.runtime.gpu.offload_config import OffloadConfig
 from ft.runtime.gpu.sizing import LATE_OUTSIDE
 from ft.runtime.model import load_model
@@ -41,7 +41,7 @@ def _calls(reader, tokens, seed):
 
 def test_layout_carries_the_models_format_and_activation(ftw_for):
     reader = FtwReader(ftw_for("gpt_oss", "mxfp4"))
-    ex = GpuExperts(reader, OffloadConfig(mode="hybrid", num_slots=2), device="cpu")
+    ex = GpuExperts(reader, OffloadConfig(num_slots=2), device="cpu")
     cfg = reader.config
     assert (ex.layout.scheme, ex.layout.act) == ("mxfp4", "clamped_swiglu")
     assert (ex.layout.alpha, ex.layout.limit) == (cfg.swiglu_alpha, cfg.swiglu_limit)
@@ -51,7 +51,7 @@ def test_layout_carries_the_models_format_and_activation(ftw_for):
 
 def test_scheduler_with_few_slots_matches_cpu_experts(ftw_for):
     reader = FtwReader(ftw_for("gpt_oss", "mxfp4"))
-    ex = GpuExperts(reader, OffloadConfig(mode="hybrid", num_slots=3, b_pcie=1e9, b_cpu=1e9, prefill_tokens=4),
+    ex = GpuExperts(reader, OffloadConfig(num_slots=3, b_pcie=1e9, b_cpu=1e9, prefill_tokens=4),
                     device="cpu")
     got = prompt_logits(load_model(reader, device="cpu", experts=ex), PROMPT)
     want = prompt_logits(load_model(ftw_for("gpt_oss", "mxfp4")), PROMPT)
@@ -67,7 +67,7 @@ def test_resident_kernels_through_the_scheduler(ftw_for):
     planned prefill tiles; each call against the CPU experts."""
     reader = FtwReader(ftw_for("gpt_oss", "mxfp4"))
     cfg = reader.config
-    ex = GpuExperts(reader, OffloadConfig(mode="resident", prefetch=False, prefill_tokens=16), device="cpu",
+    ex = GpuExperts(reader, OffloadConfig(mode="resident", prefill_tokens=16), device="cpu",
                     device_plan=True, interpret=True)
     ex.allocate()
     cpu = CpuExperts(reader, cfg, dtype=torch.float32)
@@ -83,7 +83,7 @@ def test_resident_kernels_through_the_scheduler(ftw_for):
 @pytest.mark.skipif(not INTERP, reason="needs Triton's interpreter on a machine without CUDA")
 def test_mapped_mode_reads_misses_from_the_bank_without_a_cpu_lane(ftw_for):
     reader = FtwReader(ftw_for("gpt_oss", "mxfp4"))
-    opts = OffloadConfig(mode="mapped", num_slots=3, prefetch=False, admit_max=1, cpu_threads=2)
+    opts = OffloadConfig(num_slots=3, admit_max=1, cpu_threads=2, trace_limit=100)
     ex = GpuExperts(reader, opts, device="cpu", device_plan=True, interpret=True)
     cpu = CpuExperts(reader, reader.config, dtype=torch.float32)
     try:

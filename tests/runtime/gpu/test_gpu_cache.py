@@ -175,7 +175,7 @@ def test_admit_many_stops_when_every_slot_is_protected():
 
 
 def test_victims_chosen_once_serve_two_admits_of_one_tick():
-    """GpuExperts scores once per call: the misses of layer l and the prefetch for l+1 share one victims() pass."""
+    """Mode mapped's read-back scores once for the admissions of several layers: one victims() pass serves them."""
     rng = np.random.default_rng(5)
     L, E, S = 4, 16, 12
     seq, shared = (ExpertCache(L, E, S, priors=rng.random((L, E))) for _ in range(2))

@@ -66,12 +66,12 @@ def test_default_kv_budget_is_an_agent_context_where_the_budget_allows_it():
 def test_engine_kv_budget_comes_from_the_vram_plan(ftw_for):
     ftw = ftw_for("qwen3_5_moe", "nvfp4")
     sized = Engine(ftw, EngineSettings(device="cpu", vram_budget=64 * GIB),
-                   offload=OffloadConfig(mode="resident", prefetch=False))
+                   offload=OffloadConfig(mode="resident"))
     plan = sized._experts.vram_plan
     assert sized.kv.total == plan.kv_tokens == min(KV_TARGET_TOKENS, sized.config.max_position_embeddings)
     sized.close()
     given = Engine(ftw, EngineSettings(device="cpu", vram_budget=64 * GIB, kv_reserve_tokens=1000),
-                   offload=OffloadConfig(mode="resident", prefetch=False))
+                   offload=OffloadConfig(mode="resident"))
     assert given.kv.total == given._experts.vram_plan.kv_tokens == 1000
     given.close()
     assert Engine(ftw, EngineSettings(device="cpu")).kv.total == 8192  # no VRAM plan: the CPU default
@@ -93,7 +93,7 @@ def _engine(ftw, offload=None, **kw):
 def test_engine_sizes_slots_from_the_budget_and_reports_counters(ftw_for):
     ftw = ftw_for("qwen3_5_moe", "nvfp4")
     ref = _engine(ftw)
-    probe = _engine(ftw, offload=OffloadConfig(mode="hybrid", num_slots=1, prefetch=False, b_pcie=1e9, b_cpu=1e9))
+    probe = _engine(ftw, offload=OffloadConfig(num_slots=1, b_pcie=1e9, b_cpu=1e9))
     ex = probe._experts
     stride, E, L = ex.layout.stride, ex.E, len(ex.moe_layers)
     dense = _weight_bytes(probe.model)
@@ -101,8 +101,8 @@ def test_engine_sizes_slots_from_the_budget_and_reports_counters(ftw_for):
     per_token, per_seq = state_bytes(ref.config, ref.model.dtype)
     kv, fixed = 256 * per_token + 2 * per_seq, 2 * 32 * stride + (1 << 20)
     budget = dense + kv + fixed + 11 * stride + stride // 2  # room for 11 slots (out of L * E)
-    eng = _engine(ftw, vram_budget=budget, offload=OffloadConfig(mode="hybrid", prefetch=True, b_pcie=1e9,
-                                                                  b_cpu=1e9, reserve_bytes=1 << 20))
+    eng = _engine(ftw, vram_budget=budget, offload=OffloadConfig(b_pcie=1e9, b_cpu=1e9,
+                                                                  reserve_bytes=1 << 20))
     plan = eng._experts.vram_plan
     assert (plan.dense, plan.kv, plan.prefill_buffers) == (dense, kv, 64 * stride)
     assert plan.num_slots == eng._experts.num_slots == 11 < L * E
@@ -117,7 +117,7 @@ def test_engine_sizes_slots_from_the_budget_and_reports_counters(ftw_for):
     assert per["layer"] == eng._experts.moe_layers
     for key in ("hits", "misses", "fetched", "cpu_experts"):
         assert sum(per[key]) == moe[key]
-    assert moe["vram"]["num_slots"] == plan.num_slots and "prefetch_issued" in moe
+    assert moe["vram"]["num_slots"] == plan.num_slots and moe["mode"] == "mapped"
     assert "moe" not in ref.stats()
     eng.close()
 
@@ -125,10 +125,10 @@ def test_engine_sizes_slots_from_the_budget_and_reports_counters(ftw_for):
 def test_engine_goes_resident_when_everything_fits_and_refuses_too_small(ftw_for):
     ftw = ftw_for("qwen3_5_moe", "nvfp4")
     with pytest.raises(ValueError, match="smaller than the fixed allocations"):
-        _engine(ftw, vram_budget=1 << 20, offload=OffloadConfig(mode="hybrid", vram_budget=1 << 20))
+        _engine(ftw, vram_budget=1 << 20, offload=OffloadConfig(vram_budget=1 << 20))
     assert "moe" not in _engine(ftw, vram_budget=64 * GIB).stats()  # CPU without `offload`: plain CPU experts
     eng = Engine(ftw, EngineSettings(device="cpu", vram_budget=64 * GIB, memory_ratio=0.9),
-                 offload=OffloadConfig(mode="resident", prefetch=False))
+                 offload=OffloadConfig(mode="resident"))
     ex = eng._experts
     assert ex.num_slots == len(ex.moe_layers) * ex.E and ex.vram_plan.cached_fraction == 1.0
     out = generate(eng, [3, 4, 5], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
@@ -149,8 +149,6 @@ def test_cli_flags_are_checked(ftw_for):
     assert res.exit_code == 1 and "--memory-ratio" in res.output
     res = CliRunner().invoke(app, ["generate", "--ftw", ftw, "--token-ids", "1,2", "--dense-weights", "fp4"])
     assert res.exit_code == 1 and "--dense-weights 'fp4'" in res.output
-    res = CliRunner().invoke(app, ["generate", "--ftw", ftw, "--token-ids", "1,2", "--offload-mode", "fast"])
-    assert res.exit_code == 1 and "--offload-mode 'fast'" in res.output
     if not torch.cuda.is_available():
         res = CliRunner().invoke(app, ["generate", "--ftw", ftw, "--token-ids", "1,2", "--device", "cuda"])
         assert res.exit_code == 1 and "no CUDA GPU" in res.output
@@ -159,12 +157,10 @@ def test_cli_flags_are_checked(ftw_for):
     assert res.exit_code == 2 and "byte count" in res.output
     res = CliRunner().invoke(app, ["serve", "--ftw", ftw, "--dense-weights", "fp4"])
     assert res.exit_code == 2 and "--dense-weights 'fp4'" in res.output
-    res = CliRunner().invoke(app, ["serve", "--ftw", ftw, "--offload-mode", "resident"])
-    assert res.exit_code == 2 and "--offload-mode 'resident'" in res.output and "mapped" in res.output
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_engine_resident_and_hybrid(ftw_for, monkeypatch):
+def test_cuda_engine_resident_and_mapped(ftw_for, monkeypatch):
     # nothing in use at start: the budgets below are sized to a few 4 KB slots, finer than the context's measure
     monkeypatch.setattr(engine_setup, "device_in_use", lambda dev: 0)
     ftw = ftw_for("qwen3_5_moe", "nvfp4")
@@ -182,20 +178,14 @@ def test_cuda_engine_resident_and_hybrid(ftw_for, monkeypatch):
     assert not plan.dense_quantized
     budget = LATE_OUTSIDE + plan.dense + plan.kv + plan.prefill_buffers + plan.reserve + 5 * ex.layout.stride + 4096
     del eng, ex
-    eng = Engine(ftw, EngineSettings(vram_budget=budget, offload_mode="hybrid", **kw))
+    eng = Engine(ftw, EngineSettings(vram_budget=budget, **kw))
     ex2 = eng._experts  # allocator rounding moves the measured dense bytes a little between loads
-    assert ex2.opts.mode == "hybrid" and ex2.num_slots == ex2.vram_plan.num_slots and 4 <= ex2.num_slots <= 7
+    assert ex2.num_slots == ex2.vram_plan.num_slots and 4 <= ex2.num_slots <= 7
+    ex2.wait_pinned()  # then decode reads misses in place (banks pinned and verified)
     got = generate(eng, prompt, params)
+    ex2.settle()
     moe = eng.stats()["moe"]
-    assert got.token_ids[0] == exp.token_ids[0] and moe["misses"] > 0
-    assert moe["fetched"] + moe["cpu_experts"] == moe["misses"] and moe["uploads"] >= moe["fetched"]
-    eng.close()
-    eng = Engine(ftw, EngineSettings(vram_budget=budget, **kw))  # the default mode
-    eng._experts.wait_pinned()  # then decode reads misses in place (banks pinned and verified)
-    got = generate(eng, prompt, params)
-    eng._experts.settle()
-    moe = eng.stats()["moe"]
-    assert eng._experts.opts.mode == "mapped" and moe["bytes_mapped"] > 0
+    assert ex2.opts.mode == "mapped" and moe["misses"] > 0 and moe["bytes_mapped"] > 0
     assert got.token_ids == resident_tokens  # the same device kernel whichever memory an expert is read from
     eng.close()
     eng = Engine(ftw, EngineSettings(vram_budget=budget, dense_weights="quantized", **kw))
@@ -283,7 +273,7 @@ def test_engine_with_quantized_dense_weights_decodes_the_same_tokens(ftw_for):
     prompt = [5, 17, 3, 99, 42, 7, 11, 2, 9, 4]
     runs = {}
     for dense in ("dequantized", "quantized"):  # the settings' dense_weights (--dense-weights) apply to `offload`
-        eng = _engine(ftw, vram_budget=64 * GIB, offload=OffloadConfig(mode="resident", prefetch=False),
+        eng = _engine(ftw, vram_budget=64 * GIB, offload=OffloadConfig(mode="resident"),
                       dense_weights=dense)
         runs[dense] = (generate(eng, prompt, params).token_ids, eng._experts.vram_plan)
         eng.close()
@@ -295,11 +285,11 @@ def test_pinned_memory_setting_reaches_the_scheduler(ftw_for):
     """`--pinned-memory` (EngineSettings.pinned_memory) caps what the default scheduler's banks page-lock."""
     from ft.runtime.gpu.engine_setup import load_offloaded
 
-    s = EngineSettings(device="cpu", vram_budget="64GiB", pinned_memory="0", offload_mode="hybrid")
+    s = EngineSettings(device="cpu", vram_budget="64GiB", pinned_memory="0")
     assert s.pinned_memory == 0 and EngineSettings(pinned_memory="2GiB").pinned_memory == 2 << 30
     _, ex = load_offloaded(FtwReader(ftw_for("qwen3_5_moe", "nvfp4")), device=s.device, vram_budget=s.vram_budget,
                            memory_ratio=s.memory_ratio, offload=None, kv_reserve_tokens=256, max_running_requests=2,
-                           mode=s.offload_mode, pin_host_bytes=s.pinned_memory)
+                           pin_host_bytes=s.pinned_memory)
     assert ex.opts.pin_host_bytes == 0  # carried into the options (a tiny model fits: it goes resident)
     ex.close()
     with pytest.raises(ValueError, match="--pinned-memory"):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ft.formats import FtwReader
-from ft.runtime.gpu.hybrid import GpuExperts
+from ft.runtime.gpu.store import GpuExperts
 from ft.runtime.gpu.offload_config import OffloadConfig
 from ft.runtime.model import Segment, load_model
 
@@ -23,7 +23,7 @@ def _logits(model, prompt):
 def test_load_model_with_scheduler_matches_cpu_experts(ftw_for):
     ftw = ftw_for("qwen3_5_moe", "nvfp4")
     reader = FtwReader(ftw)
-    ex = GpuExperts(reader, OffloadConfig(mode="hybrid", num_slots=5, b_pcie=1e9, b_cpu=1e9, prefill_tokens=4),
+    ex = GpuExperts(reader, OffloadConfig(num_slots=5, b_pcie=1e9, b_cpu=1e9, prefill_tokens=4),
                     device="cpu")
     sched = load_model(reader, device="cpu", experts=ex)
     ref = load_model(ftw, device="cpu")

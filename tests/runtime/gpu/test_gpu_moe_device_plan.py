@@ -16,14 +16,14 @@ from ft.formats import FtwReader  # noqa: E402
 from ft.runtime.gpu.device_path import MAX_DEVICE_PAIRS, moe_device_ref  # noqa: E402
 from ft.runtime.gpu.expert_cache import ExpertCache  # noqa: E402
 from ft.runtime.gpu.graphs import graph_ready  # noqa: E402
-from ft.runtime.gpu.hybrid import GpuExperts  # noqa: E402
+from ft.runtime.gpu.store import GpuExperts  # noqa: E402
 from ft.runtime.gpu.moe_reference import moe_ref  # noqa: E402
 from ft.runtime.gpu.nvfp4_decode import check_resident, moe_nvfp4_device  # noqa: E402
 from ft.runtime.gpu.host_plan import moe_nvfp4  # noqa: E402
 from ft.runtime.gpu.offload_config import OffloadConfig  # noqa: E402
 from ft.runtime.gpu.record_layout import RecordLayout  # noqa: E402
 
-from .gpu_fixtures import moe_calls, random_records, rel_err, tiny_moe_ftw  # noqa: E402
+from .gpu_fixtures import moe_calls, random_records, rel_err, still_pinning, tiny_moe_ftw  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -149,20 +149,19 @@ def _calls(tokens, seed):
     return moe_calls(tokens, seed, experts=E, top_k=K, hidden=H)
 
 
-def _pair(reader, mode="resident", **kw):
-    opts = OffloadConfig(mode=mode, prefetch=False, **({"cpu_layers": (0,)} if mode == "static" else {}))
+def _pair(reader, **kw):
+    opts = OffloadConfig(mode="resident")
     new = GpuExperts(reader, opts, device="cpu", device_plan=True, **kw)
     old = GpuExperts(reader, opts, device="cpu", device_plan=False, **kw)
     return new, old
 
 
-@pytest.mark.parametrize("mode", ["resident", "static"])
-def test_resident_device_path_equals_host_path(reader, mode):
-    new, old = _pair(reader, mode)
+def test_resident_device_path_equals_host_path(reader):
+    new, old = _pair(reader)
     tokens = (1, 2, 4, 3, 1, 2, 1, MAX_DEVICE_PAIRS // K + 1)  # the last (layer 1) is past the device path's bound
     for layer, x, ids, w in _calls(tokens, seed=7):
         planned = new.uses_device_plan(layer, x.shape[0])
-        assert planned == (x.shape[0] * K <= MAX_DEVICE_PAIRS and not (mode == "static" and layer == 0))
+        assert planned == (x.shape[0] * K <= MAX_DEVICE_PAIRS)
         assert not old.uses_device_plan(layer, x.shape[0])
         y_new, y_old = new(layer, x, ids, w), old(layer, x, ids, w)
         assert y_new.dtype == x.dtype
@@ -195,23 +194,24 @@ def test_resident_device_kernel_equals_host_kernel_interpreted(reader):
     old.close()
 
 
-@pytest.mark.parametrize("mode", ["offload", "hybrid"])
-def test_offloaded_decode_uses_the_device_kernel_through_the_updated_table(reader, mode):
+@pytest.mark.parametrize("b_cpu", [1e7, 1.0])  # the CPU takes a share / only what finds no free slot
+def test_host_planned_decode_uses_the_device_kernel_through_the_updated_table(reader, b_cpu):
     # 3 slots for 3 layers x 8 experts: most calls miss, fetch and evict, so the table changes between calls; some
     # misses go to the CPU (they have no slot: the device kernel must leave them out)
-    kw = dict(b_pcie=1e9, b_cpu=1e7, cpu_fixed_s=0.0) if mode == "hybrid" else {}
-    opts = OffloadConfig(mode=mode, num_slots=3, prefetch=False, adapt=False, **kw)
+    opts = OffloadConfig(num_slots=3, adapt=False, b_pcie=1e9, b_cpu=b_cpu, cpu_fixed_s=0.0)
     new = GpuExperts(reader, opts, device="cpu", device_plan=True)
     old = GpuExperts(reader, opts, device="cpu", device_plan=False)
+    new.allocate()
+    still_pinning(new)  # no bank read in place yet: every call brings its routing to the host
     tokens = (1, 2, 1, 4, 1, 3, 1, 2, MAX_DEVICE_PAIRS // K + 1)
     for layer, x, ids, w in _calls(tokens, seed=21):
-        assert not new.uses_device_plan(layer, x.shape[0])  # offloaded layers still bring the routing to the host
+        assert not new.uses_device_plan(layer, x.shape[0])
         y_new, y_old = new(layer, x, ids, w), old(layer, x, ids, w)
         assert rel_err(y_new.float(), y_old.float()) < 1e-6
     a, b = new.stats(), old.stats()
     for key in ("calls", "hits", "misses", "fetched", "cpu_experts"):
         assert a[key] == b[key]  # same decisions; only the GPU share's kernel differs
-    assert a["fetched"] > 0 and a["cpu_experts"] > 0  # offload too: misses beyond the free slots go to the CPU
+    assert a["fetched"] > 0 and a["cpu_experts"] > 0  # b_cpu 1: misses beyond the free slots go to the CPU
     assert new.cache.device_table(new.device).uploads > 3  # re-uploaded after admits
     assert old.cache.device_table(old.device).uploads == 0  # the host-planned kernel never reads it
     new.close()
@@ -219,11 +219,12 @@ def test_offloaded_decode_uses_the_device_kernel_through_the_updated_table(reade
 
 
 def test_offloaded_decode_equals_resident_decode_exactly(reader):
-    """Offload with no CPU share and a resident model compute the same pairs with the same kernel and summation
-    order, whichever slots the experts occupy: greedy tokens cannot diverge between them."""
-    res = GpuExperts(reader, OffloadConfig(mode="resident", prefetch=False), device="cpu", device_plan=True)
-    off = GpuExperts(reader, OffloadConfig(mode="offload", num_slots=4, prefetch=False), device="cpu",
-                     device_plan=True)
+    """Host-planned calls with no CPU share and a resident model compute the same pairs with the same kernel and
+    summation order, whichever slots the experts occupy: greedy tokens cannot diverge between them."""
+    res = GpuExperts(reader, OffloadConfig(mode="resident"), device="cpu", device_plan=True)
+    off = GpuExperts(reader, OffloadConfig(num_slots=4, b_cpu=1.0), device="cpu", device_plan=True)
+    off.allocate()
+    still_pinning(off)
     for layer, x, ids, w in _calls((1, 1, 2, 1, 2, 1, 1, 2), seed=22):  # <= 4 experts per call: all fit the slots
         assert torch.equal(off(layer, x, ids, w), res(layer, x, ids, w))
     assert off.stats()["fetched"] > 0 and off.stats()["cpu_experts"] == 0
@@ -282,7 +283,7 @@ def test_cuda_device_kernel_deterministic_and_close_to_host_kernel():
 
 @needs_cuda
 def test_cuda_resident_call_is_sync_free_and_capturable(reader):
-    ex = GpuExperts(reader, OffloadConfig(mode="resident", prefetch=False), device="cuda")
+    ex = GpuExperts(reader, OffloadConfig(mode="resident"), device="cuda")
     ex.allocate()
     layer, x, ids, w = next(_calls((2,), seed=9))
     x, ids, w = x.cuda(), ids.cuda(), w.cuda()

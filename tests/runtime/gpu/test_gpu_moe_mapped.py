@@ -13,7 +13,7 @@ import torch
 from ft.formats import FtwReader
 from ft.runtime.gpu.device_path import MAX_DEVICE_PAIRS
 from ft.runtime.gpu.expert_cache import ExpertCache
-from ft.runtime.gpu.hybrid import GpuExperts
+from ft.runtime.gpu.store import GpuExperts
 from ft.runtime.gpu.mapped_path import uses_mapped
 from ft.runtime.gpu.moe_reference import moe_ref
 from ft.runtime.gpu.offload_config import OffloadConfig
@@ -51,12 +51,12 @@ def _full(reader, layer, x, ids, w):
 def test_mapped_decode_computes_every_pair_and_refills_the_cache(reader, interpret):
     if interpret and not INTERP:
         pytest.skip("needs Triton's interpreter on a machine without CUDA")
-    opts = OffloadConfig(mode="mapped", num_slots=3, prefetch=False, admit_max=1)
+    opts = OffloadConfig(num_slots=3, admit_max=1, trace_limit=100)
     ex = GpuExperts(reader, opts, device="cpu", device_plan=True, interpret=interpret)
     tokens = (1, 1, 2, 1, 1, 3, 1, 1, 2, 1, 1, 1) * 2
     for layer, x, ids, w in _calls(reader, tokens, seed=5, hot=6):
         y = ex(layer, x, ids, w)
-        # every routed pair counts, resident or not (offload without slots would drop or fetch them)
+        # every routed pair counts, resident or not
         assert rel_err(y.float(), _full(reader, layer, x, ids, w)) < 1e-2
     s = ex.stats()
     assert s["calls"] == len(tokens) and s["bytes_mapped"] > 0 and s["cpu_experts"] == 0
@@ -76,7 +76,7 @@ def test_mapped_decode_computes_every_pair_and_refills_the_cache(reader, interpr
 def test_cpu_lane_takes_the_misses_when_the_link_is_slow(reader):
     """A link costed at 1 MB/s: every staged miss goes to the CPU lane, the results still cover every pair, and the
     counters say which path served what."""
-    opts = OffloadConfig(mode="mapped", num_slots=3, prefetch=False, admit_max=1, b_pcie=1e6, cpu_threads=2)
+    opts = OffloadConfig(mode="mapped", num_slots=3, admit_max=1, b_pcie=1e6, cpu_threads=2)
     ex = GpuExperts(reader, opts, device="cpu", device_plan=True, interpret=True)
     try:
         for layer, x, ids, w in _calls(reader, (1, 2, 1, 3, 1, 1), seed=9):
@@ -94,7 +94,7 @@ def test_cpu_lane_takes_the_misses_when_the_link_is_slow(reader):
 def test_banks_beyond_the_host_memory_allowance_are_computed_by_the_cpu_lane(reader):
     """A verified bank that was not page-locked (host RAM short) has no mapping for the GPU: its layer stays on the
     sync-free path, with every staged miss computed by the CPU lane, and nothing read over the link for it."""
-    opts = OffloadConfig(mode="mapped", num_slots=3, prefetch=False, admit_max=0, cpu_threads=2, prefill_slots=4)
+    opts = OffloadConfig(mode="mapped", num_slots=3, admit_max=0, cpu_threads=2, prefill_slots=4)
     ex = GpuExperts(reader, opts, device="cpu", device_plan=True, interpret=True)
     ex.allocate()
     unmapped = reader.bank("layers.1.mlp.experts").stacked("gate_up").data_ptr()
@@ -117,7 +117,7 @@ def test_banks_beyond_the_host_memory_allowance_are_computed_by_the_cpu_lane(rea
 
 
 def test_mapped_falls_back_to_the_host_path_for_prefill_and_publishes_hidden_entries(reader):
-    ex = GpuExperts(reader, OffloadConfig(mode="mapped", num_slots=4, prefetch=False), device="cpu", device_plan=True)
+    ex = GpuExperts(reader, OffloadConfig(mode="mapped", num_slots=4), device="cpu", device_plan=True)
     big = MAX_DEVICE_PAIRS // K + 1
     table = None
     for layer, x, ids, w in _calls(reader, (1, 1, 1, big, 1), seed=9, hot=2):
@@ -133,7 +133,7 @@ def test_mapped_falls_back_to_the_host_path_for_prefill_and_publishes_hidden_ent
 def test_admission_needs_a_more_frequent_candidate(reader):
     """A full cache under uniform routing does not churn: a miss evicts a resident expert only when routed more
     often (by OffloadConfig.admit_margin)."""
-    ex = GpuExperts(reader, OffloadConfig(mode="mapped", num_slots=2, prefetch=False, admit_max=2),
+    ex = GpuExperts(reader, OffloadConfig(mode="mapped", num_slots=2, admit_max=2),
                     device="cpu", device_plan=True)
     ids = torch.tensor([[0, 1]])
     x, w = torch.randn(1, H).to(torch.bfloat16), torch.ones(1, K)
@@ -176,8 +176,8 @@ def test_streamed_prefill_equals_resident_prefill_bit_for_bit(tmp_path):
     reader = FtwReader(tiny_moe_ftw(tmp_path / "k4.ftw", experts=E, top_k=4, hidden=H, inter=I))
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     kw = dict(device=dev, device_plan=True, interpret=dev == "cpu")
-    res = GpuExperts(reader, OffloadConfig(mode="resident", prefetch=False), **kw)
-    off = GpuExperts(reader, OffloadConfig(mode="offload", num_slots=2, prefill_slots=2, prefetch=False), **kw)
+    res = GpuExperts(reader, OffloadConfig(mode="resident"), **kw)
+    off = GpuExperts(reader, OffloadConfig(num_slots=2, prefill_slots=2), **kw)
     off.allocate()
     off.cache.tick()
     off.cache.admit_many(0, np.array([1, 5]))  # two experts of layer 0 are hits; every other one is streamed
@@ -200,11 +200,11 @@ def test_streamed_prefill_equals_resident_prefill_bit_for_bit(tmp_path):
 
 
 def test_banks_not_pinned_or_not_verified_take_the_host_path(reader):
-    """Only banks the pinner registered and verified are read in place; the others split misses as hybrid does."""
+    """Only banks the pinner registered and verified are read in place; the others' calls are host-planned."""
     import threading
     from types import SimpleNamespace
 
-    ex = GpuExperts(reader, OffloadConfig(mode="mapped", num_slots=3, prefetch=False, b_pcie=1e9, b_cpu=1e9,
+    ex = GpuExperts(reader, OffloadConfig(mode="mapped", num_slots=3, b_pcie=1e9, b_cpu=1e9,
                                           cpu_fixed_s=0.0, adapt=False), device="cpu", device_plan=True)
     ex.allocate()
     running = SimpleNamespace(done=threading.Event(), info={}, stop=lambda: None)
@@ -218,7 +218,7 @@ def test_banks_not_pinned_or_not_verified_take_the_host_path(reader):
         assert rel_err(y.float(), _full(reader, layer, x, ids, w)) < 1e-2
     s = ex.stats()
     assert s["bytes_mapped"] > 0  # layer 1 read in place
-    assert s["per_layer"]["fetched"][0] + s["per_layer"]["cpu_experts"][0] > 0  # layer 0: the hybrid split
+    assert s["per_layer"]["fetched"][0] + s["per_layer"]["cpu_experts"][0] > 0  # layer 0: fetches and CPU
     assert s["per_layer"]["cpu_experts"][1] == 0
     ex.pinner = None
     ex.close()
@@ -236,7 +236,7 @@ def test_ring_entries_are_not_reused_before_they_are_read_back(reader):
         def synchronize(self):
             pass
 
-    ex = GpuExperts(reader, OffloadConfig(mode="mapped", num_slots=3, prefetch=False), device="cpu", device_plan=True)
+    ex = GpuExperts(reader, OffloadConfig(num_slots=3, trace_limit=1000), device="cpu", device_plan=True)
     ex.allocate()
     ex._record_compute = Pending
     md = ex.mapped

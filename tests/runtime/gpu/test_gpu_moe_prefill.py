@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton")
 
 from ft.formats import FtwReader  # noqa: E402
 from ft.runtime.gpu.device_path import uses_device_prefill  # noqa: E402
-from ft.runtime.gpu.hybrid import GpuExperts  # noqa: E402
+from ft.runtime.gpu.store import GpuExperts  # noqa: E402
 from ft.runtime.gpu.moe_reference import moe_ref  # noqa: E402
 from ft.runtime.gpu.host_plan import moe_nvfp4, plan_blocks  # noqa: E402
 from ft.runtime.gpu.nvfp4_triton import TILE_CONFIGS, moe_blocks, pick_blocks  # noqa: E402
@@ -184,20 +184,16 @@ def _calls(tokens, seed):
 
 
 def _experts(reader, mode, device_plan, **kw):
-    opts = OffloadConfig(mode=mode, prefetch=False, prefill_tokens=40,
-                         **({"cpu_layers": (0,)} if mode == "static" else {}))
-    return GpuExperts(reader, opts, device="cpu", device_plan=device_plan, **kw)
+    return GpuExperts(reader, OffloadConfig(mode=mode, prefill_tokens=40), device="cpu", device_plan=device_plan, **kw)
 
 
-@pytest.mark.parametrize("mode", ["resident", "static"])
-def test_resident_prefill_planned_on_device_equals_host_path(reader, mode):
-    new, old = _experts(reader, mode, True), _experts(reader, mode, False)
+def test_resident_prefill_planned_on_device_equals_host_path(reader):
+    new, old = _experts(reader, "resident", True), _experts(reader, "resident", False)
     tokens = (40, 48, 40, 39, 1)  # 39 < prefill_tokens and 1 (decode) take other paths
     for layer, x, ids, w in _calls(tokens, seed=5):
         T = x.shape[0]
-        on = T >= 40 and not (mode == "static" and layer == 0)
-        gpu_layer = not (mode == "static" and layer == 0)
-        assert new.uses_device_plan(layer, T) == (T * K_ <= 64 and gpu_layer)
+        on = T >= 40
+        assert new.uses_device_plan(layer, T) == (T * K_ <= 64)
         assert uses_device_prefill(new, layer, T) == on and not uses_device_prefill(old, layer, T)
         y_new, y_old = new(layer, x, ids, w), old(layer, x, ids, w)
         assert y_new.dtype == x.dtype
@@ -205,7 +201,7 @@ def test_resident_prefill_planned_on_device_equals_host_path(reader, mode):
     a, b = new.stats(), old.stats()
     for key in ("calls", "tokens", "pairs"):
         assert a[key] == b[key]
-    assert a["prefill_calls"] == (3 if mode == "resident" else 2)
+    assert a["prefill_calls"] == 3
     new.close()
     old.close()
 

@@ -44,7 +44,7 @@ def ftw(src, tmp_path):
 def budget(src) -> int:
     """A VRAM budget that leaves SLOTS expert slots to the CPU emulation with a KV budget of KV tokens."""
     probe = Engine(src, EngineSettings(device="cpu", kv_reserve_tokens=KV),
-                   offload=OffloadConfig(mode="offload", num_slots=1, prefetch=False))
+                   offload=OffloadConfig(num_slots=1))
     ex, dense = probe._experts, _weight_bytes(probe.model)
     per_token, per_seq = state_bytes(probe.config, probe.model.dtype)
     probe.close()
@@ -58,7 +58,7 @@ def _settings(budget: int, **kw) -> EngineSettings:
 
 
 def _engine(ftw, budget: int, **kw) -> Engine:
-    return Engine(ftw, _settings(budget, **kw), offload=OffloadConfig(mode="offload", prefetch=False))
+    return Engine(ftw, _settings(budget, **kw), offload=OffloadConfig(b_cpu=1.0))  # every miss fetched while slots last
 
 
 def _resident(ex) -> set[tuple[int, int]]:

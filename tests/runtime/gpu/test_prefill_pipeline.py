@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ft.formats import FtwReader
-from ft.runtime.gpu.hybrid import GpuExperts
+from ft.runtime.gpu.store import GpuExperts
 from ft.runtime.gpu.offload_config import OffloadConfig
 from ft.runtime.gpu.prefill_pipeline import uses_pipeline
 from ft.runtime.gpu.prefill_plan import moe_nvfp4_prefill
@@ -32,7 +32,7 @@ def reader(tmp_path_factory):
 
 
 def _experts(reader, interpret=False, **kw):
-    opts = OffloadConfig(mode="mapped", num_slots=5, prefill_slots=2, prefill_tokens=16, prefetch=False, **kw)
+    opts = OffloadConfig(mode="mapped", num_slots=5, prefill_slots=2, prefill_tokens=16, **kw)
     ex = GpuExperts(reader, opts, device=DEV, device_plan=True, interpret=interpret)
     ex.allocate()
     ex.wait_pinned(timeout=60)
@@ -98,10 +98,13 @@ def test_pipelined_prefill_equals_resident_prefill_bit_for_bit(reader):
 
 
 def test_a_layer_on_another_path_ends_the_schedule(reader):
-    """A layer that takes another path may use the prefill buffers itself: the schedule stops before it and starts
-    again after it; every call still computes every pair."""
-    ex = _experts(reader, cpu_layers=(1,))
-    assert not uses_pipeline(ex, 1, T)
+    """A layer that takes another path (here: its bank was not verified, so its calls are host-planned) may use the
+    prefill buffers itself: the schedule stops before it and starts again after it; every call still computes every
+    pair."""
+    ex = _experts(reader)
+    assert ex.mapped.ready(1)
+    del ex.mapped.base[1]
+    assert not uses_pipeline(ex, 1, T) and uses_pipeline(ex, 0, T)
     g = torch.Generator().manual_seed(5)
     for y, want, _ in _forward(ex, reader, g):
         assert rel_err(y.float().cpu(), want) < 1e-2

@@ -1,10 +1,9 @@
 """Counters of `GpuExperts` as one JSON-ready dict (what `engine.stats()["moe"]`, /v1/stats and `ft ctl cache` show).
 
-Totals: calls, tokens, routed pairs, hits / misses (unique experts per layer call), fetched (uploaded) vs CPU-computed
-misses,
-bytes over PCIe (demand + prefetch + prefill streaming), read by the CPU kernel and (mode mapped) read by GPU kernels
-straight from host memory (`bytes_mapped`), prefetch accounting, the split's
-current cost lines, upload-path figures (records DMA'd straight from pinned banks vs staged) and the VRAM plan.
+Totals: calls, tokens, routed pairs, hits / misses (unique experts per layer call), fetched (uploaded) vs
+CPU-computed misses, bytes over PCIe (demand + admissions + prefill streaming), read by the CPU kernel and (mode
+mapped) read by GPU kernels straight from host memory (`bytes_mapped`), the split's current cost lines, upload-path
+figures (records DMA'd straight from pinned banks vs staged) and the VRAM plan.
 `per_layer` holds lists over the MoE layers (layer ids in `per_layer["layer"]`).
 """
 
@@ -26,8 +25,6 @@ def experts_stats(ex) -> dict:
         c["cpu_lane"] = lane.stats()
     if ex.pin_info:
         c["pin_refused"] = ex.pin_info.get("pin_refused")
-    if ex.predictor is not None:
-        c.update(ex.predictor.stats())
     if ex.vram_plan is not None:
         c["vram"] = ex.vram_plan.as_dict()
     rows = ex.moe_layers
@@ -46,8 +43,4 @@ def reset_experts_stats(ex) -> int:
     if up is not None:
         up.copies = up.direct_copies = 0
         up.staging_seconds = ex._stage_seen = 0.0
-    if ex.predictor is not None:
-        p = ex.predictor
-        p.issued = p.hits = p.wasted = p.predicted = p.correct = 0
-        p.pending.clear()
     return len(ex.trace)

@@ -1,29 +1,27 @@
-"""`GpuExperts`: the experts interface on a GPU with a VRAM slot cache and hybrid CPU/GPU miss handling.
+"""`GpuExperts`: the experts interface on a GPU, the expert store: a VRAM slot pool with a device slot table, the
+banks page-locked in host memory, and three ways to serve a routed expert (a hit in its slot, the GPU reading the
+record from host memory, the CPU computing it).
 
-Each MoE layer call takes one of the paths below, chosen from the call's size and the layer's state; a call that
-brings its routing to the host is `host_call.py` (hits, misses split between PCIe fetches and the CPU kernel, the
-next layer's prefetch).
-Prefill calls (many tokens) compute hits from the cache and stream each miss once through two prefill buffers
-(double-buffered: group g+1 uploads while group g computes), never admitting them, so decode-hot slots survive. In
-mode mapped, a forward large enough to route to nearly every expert streams all experts without a slot ahead of their
-layer, without waiting for the routing (`prefill_pipeline.py`).
+Each MoE layer call takes one of four paths, chosen from the call's size and the layer's state:
+  * mode "resident" (every expert has a slot, never evicted): the routing stays on the device; decode calls
+    (T * k <= MAX_DEVICE_PAIRS) run `device_path.py`'s kernels, prefill calls the device-planned tile kernels
+    (`prefill_plan.py`). `graphs.graph_ready` is the contract for capturing decode in a CUDA graph.
+  * mode "mapped", decode calls of layers whose bank the pinner has page-locked and verified (`mapped_path.py`): the
+    GPU copies misses from host memory itself, the CPU lane computes a share of them, the cache is refilled a step
+    later; no host sync, so decode steps are CUDA graphs too.
+  * mode "mapped", forwards long enough to route to nearly every expert (`prefill_pipeline.py`): every expert
+    without a slot streams through two prefill buffers ahead of its layer, without waiting for the routing.
+  * any other call (before the pinner has finished, decode batches over MAX_DEVICE_PAIRS pairs, mid-size prefill
+    chunks, and every call on device "cpu" unless `device_plan` is set) brings its routing to the host, one sync per
+    call (`host_call.py`): misses split between uploads into slots and the CPU kernel by their measured costs
+    (`split.py`); prefill calls stream their misses through the prefill buffers (`prefill_stream.py`) without
+    admitting them, so decode-hot slots survive.
 
 `device="cpu"` runs the same scheduler on a CPU "pool" with the PyTorch reference as the GPU side (tests, emulation;
 `interpret=True` runs the Triton kernels under Triton's interpreter instead).
 Uploads run on the uploader's staging thread; page-locked banks (`pin_host_bytes`, registered on a background thread
-after `allocate`: `wait_pinned`) skip the staging copy.
-
-Host syncs. Decode calls (T * k <= 64) of fully resident layers (mode "resident", the GPU layers of "static") take
-the device-planned path (`device_path.py`: routing, slot lookup and grid stay on the device; `graphs.graph_ready` is
-the contract for capturing decode in a CUDA graph), their prefill calls (T >= prefill_tokens) the device-planned tile
-kernels (`prefill_plan.py`), and so do mode "mapped"'s offloaded layers once their banks are page-locked and verified
-(`mapped_path.py`: the GPU copies misses from host memory, cache refilled a step later).
-Every other call brings the routing to the host, one sync per MoE layer call (cache lookup, split, LRU bookkeeping,
-and the next layer's prediction riding along with the same copy): modes hybrid / offload / cpu, static's
-`cpu_layers`, other prefill (T * k > 64: `plan_blocks`) and `device_plan=False` (the default on device "cpu"). Their GPU
-share of a decode call still runs the device-planned kernel through the slot table once their admits are in it
-(`device_kernel`), so it computes exactly what a resident layer does. Device-planned calls count calls / tokens /
-pairs only; mapped calls count hits, misses and the trace when their routing comes back.
+after `allocate`: `wait_pinned`) skip the staging copy. Device-planned calls count calls / tokens / pairs only;
+mapped calls count hits, misses and the trace when their routing comes back.
 """
 
 from __future__ import annotations
@@ -40,11 +38,10 @@ from .expert_cache import ExpertCache, plan_num_slots
 from .graphs import graph_call
 from .host_call import host_call
 from .mapped_path import MappedDecode, uses_mapped
-from .hybrid_stats import experts_stats, reset_experts_stats
+from .store_stats import experts_stats, reset_experts_stats
 from .moe_reference import moe_ref
 from .offload_config import OffloadConfig
 from .pinning import BackgroundPinner
-from .prefetch import NextLayerPredictor
 from .prefill_pipeline import PrefillPipeline, uses_pipeline
 from .record_layout import RecordLayout
 from .split import SplitEstimator, split_from_profile
@@ -72,15 +69,9 @@ class GpuExperts:
                 raise ValueError(f"expert bank of layer {i} has a different record layout "
                                  f"than layer {self.moe_layers[0]}")
         self.L, self.E, self.k = cfg.num_layers, cfg.num_experts, cfg.num_experts_per_tok
-        bad = sorted(set(opts.cpu_layers) - set(self.moe_layers))
-        if bad:
-            raise ValueError(f"cpu_layers {bad} are not MoE layers (MoE layers: {self.moe_layers})")
         self.profile = profile or {}
         self.split = self._make_split(pinned=False)
         self.cpu = CpuMoe(self.layout, threads=opts.cpu_threads)
-        routers = {i: reader.tensor(f"layers.{i}.mlp.gate.weight").to(self.device) for i in self.moe_layers}
-        self.predictor = NextLayerPredictor(routers, self.moe_layers, self.k) if opts.prefetch else None
-        self.prefetch_max = opts.prefetch_max if opts.prefetch_max is not None else self.k  # experts per call
         self.cache: ExpertCache | None = None
         self.mapped: MappedDecode | None = None  # mode mapped: the sync-free decode path's state, made by allocate
         self.pipeline: PrefillPipeline | None = None  # mode mapped: the layer-pipelined prefill, made by allocate
@@ -107,15 +98,15 @@ class GpuExperts:
     # ---- allocation --------------------------------------------------------------------------------------
     def allocate(self, num_slots: int | None = None, *, priors: np.ndarray | None = None,
                  preload: list[tuple[int, int]] | None = None) -> None:
-        """Size and allocate the slot pool (+ two prefill buffers); preload resident / static layers.
+        """Size and allocate the slot pool (+ two prefill buffers); mode resident preloads every expert.
         `num_slots` (the engine's VRAM plan) overrides the options' sizing. A placement plan's routing counts
         (`priors` [L, E]) seed the cache's frequency estimates and its (layer, expert) list (`preload`, hottest
         first) fills the slots now (`ft.runtime.plan`)."""
         o, stride = self.opts, self.layout.stride
         extra = 2 * o.prefill_slots
-        gpu_layers = [i for i in self.moe_layers if i not in o.cpu_layers]
-        if o.mode in ("resident", "static"):
-            n = len(gpu_layers) * self.E
+        resident = o.mode == "resident"
+        if resident:
+            n = len(self.moe_layers) * self.E
         elif num_slots is not None or o.num_slots is not None:
             n = num_slots if num_slots is not None else o.num_slots
         elif o.vram_budget is None:
@@ -132,25 +123,24 @@ class GpuExperts:
             self.compute_stream = torch.cuda.current_stream(self.device)
         else:
             self.uploader = HostUploader(self.pool)
-        if o.mode in ("resident", "static"):
-            preload = [(layer, e) for layer in gpu_layers for e in range(self.E)]
+        if resident:
+            preload = [(layer, e) for layer in self.moe_layers for e in range(self.E)]
         if preload:
-            gpu = set(gpu_layers)
-            self._preload([(layer, e) for layer, e in preload if layer in gpu][:n])
-        # on a thread (pinning.py); mode mapped also when nothing may be page-locked: it verifies the banks. Started
-        # after the preload, which is on the way to ready: the pinner reads every bank (readahead, checksums), and
-        # on a cold page cache the two would share the disk
-        if self.device.type == "cuda" and o.mode not in ("resident", "static") and (
-                o.pin_host_bytes != 0 or o.mode == "mapped"):
-            self.pinner = BackgroundPinner(self.uploader, [self.banks[i] for i in gpu_layers], o.pin_host_bytes,
-                                           verify=o.mode == "mapped")
-        if o.mode == "mapped":
-            self.mapped = MappedDecode(self)
-            self.pipeline = PrefillPipeline(self)
+            self._preload(preload[:n])
+        if resident:
+            return
+        # on a thread (pinning.py), also when nothing may be page-locked: it verifies the banks. Started after the
+        # preload, which is on the way to ready: the pinner reads every bank (readahead, checksums), and on a cold
+        # page cache the two would share the disk
+        if self.device.type == "cuda":
+            self.pinner = BackgroundPinner(self.uploader, [self.banks[i] for i in self.moe_layers], o.pin_host_bytes,
+                                           verify=True)
+        self.mapped = MappedDecode(self)
+        self.pipeline = PrefillPipeline(self)
 
     def _preload(self, pairs: list[tuple[int, int]]) -> None:
-        """Admit and upload (layer, expert) pairs into empty slots (every expert of resident / static layers, or a
-        plan's); the device table (the device-planned path's, uploaded once for resident layers) after they land."""
+        """Admit and upload (layer, expert) pairs into empty slots (every expert in mode resident, or a plan's); the
+        device table (the device-planned path's, uploaded once for resident layers) after they land."""
         self.cache.tick()
         for layer in dict.fromkeys(layer for layer, _ in pairs):  # layers in first-seen order
             experts = np.array([e for lay, e in pairs if lay == layer], np.int64)
