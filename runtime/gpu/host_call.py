@@ -91,9 +91,9 @@ def _split(ex, layer: int, misses: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     order = np.argsort(-ex.cache.counts[layer, misses], kind="stable")
     misses = misses[order]
     cap = ex.num_slots - int((ex.cache.protect_until >= ex.cache.clock).sum())
-    # offload, or a format the native CPU kernel does not read (MXFP4: the CPU side is the PyTorch reference, far
-    # slower than the link): fetch what fits
-    fetch_all = mode == "offload" or ex.layout.scheme != "nvfp4"
+    # offload, or no native CPU kernel (no C compiler: the CPU side is the PyTorch reference, far slower than the
+    # link): fetch what fits
+    fetch_all = mode == "offload" or ex.cpu.backend == "torch"
     nf = min(len(misses), cap) if fetch_all else ex.split.count(len(misses), cap=cap)
     return misses[:nf], misses[nf:]
 
