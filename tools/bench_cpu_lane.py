@@ -104,7 +104,7 @@ def run_config(lib, layout, bank, n_rec, threads, experts, jobs, rng) -> list[di
             words[MB_TOKEN.value:MB_TOKEN.value + n] = 0
             floats[MB_WEIGHT.value:MB_WEIGHT.value + n] = 1.0 / n
             before = stats = np.zeros(10, np.int64)
-            t0 = 0.0
+            t0, job_ns = 0.0, []
             for j, ids in enumerate(picks):
                 if j == 20:  # warm-up done
                     lib.ft_lane_stats(lane, stats.ctypes.data)
@@ -114,20 +114,24 @@ def run_config(lib, layout, bank, n_rec, threads, experts, jobs, rng) -> list[di
                 words[MB_REQ.value] = seq
                 while words[MB_DONE.value] != seq:
                     os.sched_yield()  # a core to spare for the lane where there are few (2-core machines)
+                if j >= 20:  # this job's busy time: the lane's cumulative counter, read between jobs
+                    lib.ft_lane_stats(lane, stats.ctypes.data)
+                    job_ns.append(int(stats[3]) - sum(job_ns) - int(before[3]))
             wall = time.perf_counter() - t0
-            lib.ft_lane_stats(lane, stats.ctypes.data)
             d = stats - before
             busy_us = d[3] / 1e3 / d[0]
-            rows.append({"experts": n, "jobs": int(d[0]), "busy_us": busy_us, "wall_us": wall * 1e6 / jobs,
-                         "gbs": n * layout.payload_bytes / (busy_us * 1e3)})
+            median_us = float(np.median(job_ns)) / 1e3
+            rows.append({"experts": n, "jobs": int(d[0]), "busy_us": busy_us, "median_us": median_us,
+                         "wall_us": wall * 1e6 / jobs, "gbs": n * layout.payload_bytes / (busy_us * 1e3)})
     finally:
         lib.ft_lane_free(lane)
     return rows
 
 
-def fit(rows) -> tuple[float, float]:
+def fit(rows, stat: str = "busy_us") -> tuple[float, float]:
+    """(fixed, per expert) us of the line through the rows' job times (`stat`: busy_us, the mean; median_us)."""
     x = np.array([r["experts"] for r in rows], float)
-    y = np.array([r["busy_us"] for r in rows], float)
+    y = np.array([r[stat] for r in rows], float)
     per, fixed = np.polyfit(x, y, 1)
     return float(fixed), float(per)
 
@@ -144,13 +148,15 @@ def main() -> None:
     ap.add_argument("--geometry", default="2048,512", help="hidden,intermediate of the experts")
     ap.add_argument("--out", type=Path, default=Path("benchmarks"))
     ap.add_argument("--stem", default="cpu_lane", help="names of the written .md / .json")
+    ap.add_argument("--median", action="store_true", help="fit and report median job times (a shared machine) "
+                    "instead of means")
     args = ap.parse_args()
     H, I = (int(v) for v in args.geometry.split(","))
     rng = np.random.default_rng(0)
     threads = [int(t) for t in args.threads.split(",")]
     experts = [int(e) for e in args.experts.split(",")]
     loads = [False, True] if args.concurrent and torch.cuda.is_available() else [False]
-    results = []
+    results, stat = [], "median_us" if args.median else "busy_us"
     for scheme in args.schemes.split(","):
         act = "clamped_swiglu" if scheme == "mxfp4" else "silu"  # each format's model family's activation
         layout = RecordLayout.packed(H, I, scheme, act=act)
@@ -163,20 +169,21 @@ def main() -> None:
                     load = CopyLoad() if conc else None
                     rows = run_config(lib, layout, bank, n_rec, t, experts, args.jobs, rng)
                     copy_gbs = load.close() / 1e9 if load else None
-                    fixed, per = fit(rows)
+                    fixed, per = fit(rows, "median_us" if args.median else "busy_us")
                     results.append({"scheme": scheme, "hidden": H, "inter": I, "payload_bytes": layout.payload_bytes,
                                     "build": build, "concurrent": conc, "threads": t, "rows": rows,
                                     "fixed_us": fixed, "per_expert_us": per,
                                     "per_expert_gbs": layout.payload_bytes / (per * 1e3), "copy_gbs": copy_gbs})
                     print(f"{scheme} {build:20s} copy={'on ' if conc else 'off'} threads={t:2d}  fixed {fixed:6.1f} us"
                           f"  per expert {per:7.1f} us ({layout.payload_bytes / (per * 1e3):5.1f} GB/s)  "
-                          + "  ".join(f"{r['experts']}:{r['busy_us']:.0f}" for r in rows)
+                          + "  ".join(f"{r['experts']}:{r[stat]:.0f}" for r in rows)
                           + (f"  copy {copy_gbs:.1f} GB/s" if copy_gbs else ""), flush=True)
         del bank
     write(args, results, experts)
 
 
 def write(args, results, experts) -> None:
+    stat = "median_us" if args.median else "busy_us"
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
@@ -185,10 +192,11 @@ def write(args, results, experts) -> None:
     (args.out / f"{args.stem}.json").write_text(json.dumps({**meta, "results": results}, indent=1))
     lines = [f"# CPU lane job time ({meta['date']}, {meta['machine']}, GPU {meta['gpu']})", "",
              f"`{meta['command']}`", "",
-             "| scheme | H, I | record MB | build | GPU copy | threads | fixed us | per expert us (GB/s) | job us at "
-             f"{' / '.join(map(str, experts))} experts | copy GB/s |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| scheme | H, I | record MB | build | GPU copy | threads | fixed us | per expert us (GB/s) | "
+             f"{stat[:-3]} job us at {' / '.join(map(str, experts))} experts | copy GB/s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
-        jobs = " / ".join(f"{x['busy_us']:.0f}" for x in r["rows"])
+        jobs = " / ".join(f"{x[stat]:.0f}" for x in r["rows"])
         copy = f"{r['copy_gbs']:.1f}" if r["copy_gbs"] else ""
         lines.append(f"| {r['scheme']} | {r['hidden']}, {r['inter']} | {r['payload_bytes'] / 1e6:.2f} | {r['build']} | "
                      f"{'on' if r['concurrent'] else 'off'} | {r['threads']} | {r['fixed_us']:.1f} | "

@@ -67,8 +67,9 @@ static inline __attribute__((always_inline)) void row_dots_nt(const uint8_t *cod
         __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(codes + 8 * b)));
         __m512i idx = _mm512_or_si512(_mm512_and_si512(v, low4), _mm512_slli_epi32(_mm512_and_si512(v, high4), 12));
         __m512bh w = (__m512bh)_mm512_permutexvar_epi16(idx, lut);
-        __m512 sc = SH ? _mm512_set1_ps(stab[scales[b >> SH]])
-                       : _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(stab[scales[b]]), _mm512_set1_ps(stab[scales[b + 1]]));
+        __m512 sc = SH ? _mm512_set1_ps(stab[scales[b >> SH]]) /* MXFP4: one scale for both words */
+                       : _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(stab[scales[b]]),
+                                              _mm512_set1_ps(stab[scales[b + 1]]));
         for (int t = 0; t < NT; t++) {
             __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), w, (__m512bh)_mm512_loadu_si512(xs[t] + 16 * b));
             if (b & 2) a1[t] = _mm512_fmadd_ps(d, sc, a1[t]);

@@ -92,7 +92,8 @@ void job_items(const moe_job *j, int64_t n[3]) {
 
 void gu_item(const moe_job *j, int64_t item) {
     const ft_layout *L = j->L;
-    const int64_t H = L->hidden, I = L->inter, chunks = (I + GU_ROWS - 1) / GU_ROWS, sb = H / scale_group(L->scheme);
+    const int64_t H = L->hidden, I = L->inter, chunks = (I + GU_ROWS - 1) / GU_ROWS;
+    const int64_t sb = H / scale_group(L->scheme); /* scale bytes per gate/up row */
     const int64_t g = item / chunks, r0 = (item % chunks) * GU_ROWS;
     const int64_t r1 = r0 + GU_ROWS < I ? r0 + GU_ROWS : I;
     const row_dots_fn row_dots = row_dots_for(L->scheme);
@@ -121,7 +122,8 @@ void gu_item(const moe_job *j, int64_t item) {
 
 void down_item(const moe_job *j, int64_t item) {
     const ft_layout *L = j->L;
-    const int64_t H = L->hidden, I = L->inter, chunks = (H + DOWN_ROWS - 1) / DOWN_ROWS, sb = I / scale_group(L->scheme);
+    const int64_t H = L->hidden, I = L->inter, chunks = (H + DOWN_ROWS - 1) / DOWN_ROWS;
+    const int64_t sb = I / scale_group(L->scheme); /* scale bytes per down row */
     const int64_t g = item / chunks, r0 = (item % chunks) * DOWN_ROWS;
     const int64_t r1 = r0 + DOWN_ROWS < H ? r0 + DOWN_ROWS : H;
     const row_dots_fn row_dots = row_dots_for(L->scheme);
