@@ -1,4 +1,5 @@
-"""Building the CPU expert kernel (`cpu_nvfp4.c` + `cpu_lane.c`): one library per x86-64 ISA level built with the
+"""Building the CPU expert kernel (`cpu_nvfp4.c` + `cpu_lane.c`, NVFP4 and MXFP4 records): one library per x86-64 ISA
+level built with the
 package, the best one this CPU supports picked at load; a build for this CPU only where none fits.
 
 `setup.py` calls `build_prebuilt` when the package is built (wheel or editable install): it writes
@@ -23,7 +24,7 @@ from pathlib import Path
 log = logging.getLogger("ft.gpu")
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("cpu_nvfp4.c", "cpu_lane.c", "cpu_nvfp4.h")
+SOURCES = ("cpu_nvfp4.c", "cpu_lane.c", "cpu_nvfp4.h", "cpu_fp4_decode.h")
 BASE_FLAGS = ("-O3", "-fopenmp", "-pthread", "-shared", "-fPIC", "-std=c11")
 # name, the /proc/cpuinfo flags it needs, compiler flags; best first. The BF16 level runs vdpbf16ps (cpu_nvfp4.c).
 LEVELS = (

@@ -219,7 +219,7 @@ void ft_lane_free(ft_lane *l);
  * bank / stride / n_experts: per layer (copied). */
 ft_lane *ft_lane_new(const ft_layout *L, int32_t *mailbox, int64_t tmax, int32_t n_layers, const uint8_t *const *bank,
                      const int64_t *stride, const int32_t *n_experts, int32_t nthreads) {
-    if (L->hidden % 32 || L->inter % 32 || tmax < 1 || tmax > MB_PAIRS || n_layers < 1 || nthreads < 1) return NULL;
+    if (!layout_ok(L) || tmax < 1 || tmax > MB_PAIRS || n_layers < 1 || nthreads < 1) return NULL;
     init_tables();
     ft_lane *l = (ft_lane *)calloc(1, sizeof(ft_lane));
     if (!l) return NULL;

@@ -11,7 +11,8 @@ lane adds the CPU as a second miss path inside the same call, with no host work 
    writes their (expert, token, weight) and x into the mailbox through the GPU's mapping of it, then the sequence
    number (after a system-scope fence);
 2. the CPU lane (`cpu_lane.c`: a persistent team of spinning threads) sees the number, computes those experts from
-   the mmapped banks with the CPU kernel of `cpu_nvfp4.c`, writes y and answers with the number;
+   the mmapped banks with the CPU kernel of `cpu_nvfp4.c` (NVFP4 or MXFP4 records), writes y and answers with the
+   number;
 3. the GPU meanwhile copies and computes its own misses and hits; then `_wait_add_kernel` spins until the answer is
    there and adds y into the call's fp32 output.
 Both paths start together and the split puts the finish of both at the same time (for M large, c / M -> q* =
@@ -37,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .cpu_nvfp4 import _Layout, lane_threads, load_library
+from .cpu_nvfp4 import c_layout, lane_threads, load_library
 from .device_path import MAX_DEVICE_PAIRS
 from .pinning import bank_range, device_pointer
 from .record_layout import RecordLayout
@@ -128,6 +129,7 @@ class CpuLane:
 
     def __init__(self, layout: RecordLayout, banks: dict[int, tuple[int, int, int]], num_layers: int, k: int,
                  device: torch.device, *, b_gpu: float, b_cpu: float, threads: int | None = None):
+        self._clayout = c_layout(layout)  # NVFP4 or MXFP4 (ValueError for any other scheme)
         self.lib = load_library()
         if self.lib is None:
             raise RuntimeError("the CPU lane needs the C expert kernel (a C compiler on PATH or $CC)")
@@ -145,9 +147,6 @@ class CpuLane:
         base = (ctypes.c_void_p * num_layers)(*[banks[i][0] if i in banks else None for i in range(num_layers)])
         stride = np.array([banks[i][1] if i in banks else 0 for i in range(num_layers)], np.int64)
         experts = np.array([banks[i][2] if i in banks else 0 for i in range(num_layers)], np.int32)
-        self._clayout = _Layout(layout.hidden, layout.inter, layout.off_gate_up, layout.off_gate_up_scale,
-                                layout.off_gate_up_scale_2, layout.off_down, layout.off_down_scale,
-                                layout.off_down_scale_2)
         self.threads = threads or lane_threads()
         handle = self.lib.ft_lane_new(ctypes.byref(self._clayout), self.mailbox.data_ptr(), self.tmax, num_layers,
                                       base, stride.ctypes.data, experts.ctypes.data, self.threads)
@@ -264,9 +263,6 @@ def lane_for(md) -> CpuLane | None:
     no mapping for the mailbox: the GPU then serves every miss)."""
     ex = md.ex
     if not (ex.opts.cpu_lane and (md.base or md.lane_only) and (ex.device.type == "cuda" or ex.interpret)):
-        return None
-    if ex.layout.scheme != "nvfp4":  # the lane's C kernel reads NVFP4 records only
-        log.info("CPU expert lane off: its kernel reads nvfp4 records, these are %s", ex.layout.scheme)
         return None
     from .store import DEFAULT_B_CPU, DEFAULT_B_PCIE
 

@@ -1,4 +1,5 @@
-/* Declarations shared by the CPU expert kernel (cpu_nvfp4.c) and the lane that runs it for the GPU (cpu_lane.c). */
+/* Declarations shared by the CPU expert kernel (cpu_nvfp4.c, its format decode in cpu_fp4_decode.h) and the lane that
+ * runs it for the GPU (cpu_lane.c). */
 #ifndef FT_CPU_NVFP4_H
 #define FT_CPU_NVFP4_H
 #include <stdint.h>
@@ -12,10 +13,19 @@ typedef uint16_t in_t;
 typedef float in_t;
 #endif
 
-/* Byte offsets of one expert record's components (see record_layout.py). */
+enum { FT_NVFP4 = 0, FT_MXFP4 = 1 };          /* record schemes (record_layout.py SCHEMES) */
+enum { FT_SILU = 0, FT_CLAMPED_SWIGLU = 1 };  /* expert activations (record_layout.py ACTS) */
+
+/* One expert record: byte offsets of its components (see record_layout.py) and the expert's function, fixed per model.
+ * off_gus2 / off_ds2: the per-row second-level scales (NVFP4; -1 absent); off_gub / off_db: the per-row biases added
+ * to gate/up and down (MXFP4; -1 absent). act FT_SILU: silu(g) * u; FT_CLAMPED_SWIGLU (gpt_oss): g' = min(g, limit),
+ * u' = clamp(u, -limit, limit), (u' + 1) * g' * sigmoid(alpha * g'). */
 typedef struct {
     int64_t hidden, inter;
     int64_t off_gu, off_gus, off_gus2, off_d, off_ds, off_ds2;
+    int64_t off_gub, off_db;
+    int32_t scheme, act;
+    float alpha, limit;
 } ft_layout;
 
 /* One MoE layer step: the arguments of `ft_nvfp4_moe`, split into work items of three phases (gate_up row chunks
@@ -34,6 +44,7 @@ typedef struct {
 } moe_job;
 
 void init_tables(void);
+int layout_ok(const ft_layout *L); /* 1 if the kernel takes this layout (sizes, scheme, activation) */
 void to_bf16(const float *src, uint16_t *dst, int64_t n); /* the top half of each float (exact for bf16 values) */
 void job_items(const moe_job *j, int64_t n[3]); /* items per phase */
 void gu_item(const moe_job *j, int64_t item);

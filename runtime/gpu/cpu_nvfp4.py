@@ -1,12 +1,14 @@
-"""CPU side of the expert store: NVFP4 expert MLPs computed from host memory.
+"""CPU side of the expert store: FP4 expert MLPs (NVFP4 or MXFP4 records) computed from host memory.
 
-The kernel is `cpu_nvfp4.c` (plain C + OpenMP; AVX-512, and AVX512-BF16 dot products, where the CPU has them), built
+The kernel is `cpu_nvfp4.c` (plain C + OpenMP; AVX-512, and AVX512-BF16 dot products, where the CPU has them; the
+per-scheme weight decode in `cpu_fp4_decode.h`, picked once per layout from `c_layout`'s scheme flag), built
 with the package for each x86-64 ISA level and picked by this CPU's flags (`cpu_build.py`; built here once, into the
 user cache, only where no prebuilt library fits) and called through ctypes.
 `CpuMoe.__call__` runs it in the calling thread; `CpuMoe.submit` hands it to the library's native worker thread and
 returns at once, so the CPU experts run while the calling thread goes on driving the GPU, without a Python thread
 that would first have to win the GIL. Where no C compiler is found, `CpuMoe` computes the same function with the
-PyTorch reference (much slower; `backend` says which is used), as it does for records of other formats (MXFP4).
+PyTorch reference (much slower; `backend` says which is used). Both refuse record schemes the kernel has no decode
+for (`KERNEL_SCHEMES`).
 """
 
 from __future__ import annotations
@@ -23,8 +25,30 @@ from .cpu_build import library_path
 from .moe_reference import expert_forward_ref
 from .record_layout import RecordLayout
 
+KERNEL_SCHEMES = {"nvfp4": 0, "mxfp4": 1}  # cpu_nvfp4.h FT_NVFP4 / FT_MXFP4
+KERNEL_ACTS = {"silu": 0, "clamped_swiglu": 1}  # FT_SILU / FT_CLAMPED_SWIGLU
+
+
 class _Layout(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_int64) for n in ("hidden", "inter", "gu", "gus", "gus2", "d", "ds", "ds2")]
+    """cpu_nvfp4.h `ft_layout`: component offsets (-1: absent), then the scheme, activation, alpha and limit."""
+
+    _fields_ = [*((n, ctypes.c_int64) for n in ("hidden", "inter", "gu", "gus", "gus2", "d", "ds", "ds2", "gub",
+                                                 "db")),
+                ("scheme", ctypes.c_int32), ("act", ctypes.c_int32), ("alpha", ctypes.c_float),
+                ("limit", ctypes.c_float)]
+
+
+def c_layout(layout: RecordLayout) -> _Layout:
+    """The C kernel's description of `layout`'s records; ValueError for a scheme or activation it has no code for."""
+    if layout.scheme not in KERNEL_SCHEMES:
+        raise ValueError(f"the CPU expert kernel reads {', '.join(KERNEL_SCHEMES)} records, not {layout.scheme!r}")
+    if layout.act not in KERNEL_ACTS:
+        raise ValueError(f"the CPU expert kernel computes the {', '.join(KERNEL_ACTS)} activations, "
+                         f"not {layout.act!r}")
+    lay = layout
+    return _Layout(lay.hidden, lay.inter, lay.off_gate_up, lay.off_gate_up_scale, lay.off_gate_up_scale_2,
+                   lay.off_down, lay.off_down_scale, lay.off_down_scale_2, lay.off_gate_up_bias, lay.off_down_bias,
+                   KERNEL_SCHEMES[lay.scheme], KERNEL_ACTS[lay.act], lay.alpha, lay.limit)
 
 
 _LIBS: dict[tuple[str, ...], ctypes.CDLL] = {}
@@ -83,10 +107,7 @@ class CpuMoe:
                  extra_flags: tuple[str, ...] = ()):
         if backend not in ("auto", "c", "torch"):
             raise ValueError(f"CPU expert backend {backend!r}; supported: auto, c, torch")
-        if layout.scheme != "nvfp4":  # the C kernel reads NVFP4 records only; the reference computes any format
-            if backend == "c":
-                raise ValueError(f"the C expert kernel reads nvfp4 records, not {layout.scheme}")
-            backend = "torch"
+        self._clayout = c_layout(layout)  # refuses schemes the kernel cannot read, also for the torch backend
         self.layout = layout
         self.threads = threads or default_threads()
         self.lib = None if backend == "torch" else load_library(extra_flags)
@@ -95,9 +116,6 @@ class CpuMoe:
         self.backend = "torch" if self.lib is None else ("c-avx512" if self.lib.ft_has_avx512() else "c")
         self._worker = None  # native worker of `submit` (ft_worker *), started on first use
         self._inflight: CpuJob | None = None  # the submitted job whose result() has not been taken
-        lay = layout
-        self._clayout = _Layout(lay.hidden, lay.inter, lay.off_gate_up, lay.off_gate_up_scale,
-                                lay.off_gate_up_scale_2, lay.off_down, lay.off_down_scale, lay.off_down_scale_2)
 
     def __call__(self, records: list[torch.Tensor], group_pairs: list[np.ndarray], pair_tok: np.ndarray,
                  pair_w: np.ndarray, x: torch.Tensor) -> torch.Tensor:
@@ -173,7 +191,7 @@ def _check(rc: int) -> None:
     if rc == -2:
         raise RuntimeError("a CPU expert job is still in flight; wait for its result first")
     if rc != 0:
-        raise RuntimeError(f"CPU NVFP4 kernel refused its arguments (code {rc})")
+        raise RuntimeError(f"CPU FP4 expert kernel refused its arguments (code {rc})")
 
 
 class CpuJob:

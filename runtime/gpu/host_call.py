@@ -72,9 +72,9 @@ def _split(ex, layer: int, misses: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     order = np.argsort(-ex.cache.counts[layer, misses], kind="stable")
     misses = misses[order]
     cap = ex.num_slots - int((ex.cache.protect_until >= ex.cache.clock).sum())
-    # a format the native CPU kernel does not read (MXFP4: the CPU side is the PyTorch reference, far slower than
-    # the link): fetch what fits
-    nf = min(len(misses), cap) if ex.layout.scheme != "nvfp4" else ex.split.count(len(misses), cap=cap)
+    # no native CPU kernel (no C compiler: the CPU side is the PyTorch reference, far slower than the link): fetch
+    # what fits
+    nf = min(len(misses), cap) if ex.cpu.backend == "torch" else ex.split.count(len(misses), cap=cap)
     return misses[:nf], misses[nf:]
 
 

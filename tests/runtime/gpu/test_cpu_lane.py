@@ -16,7 +16,7 @@ from ft.runtime.gpu.moe_reference import moe_ref  # noqa: E402
 from ft.runtime.gpu.nvfp4_decode import moe_nvfp4_device  # noqa: E402
 from ft.runtime.gpu.record_layout import RecordLayout  # noqa: E402
 
-from .gpu_fixtures import random_records, rel_err  # noqa: E402
+from .gpu_fixtures import random_mxfp4_records, random_records, rel_err  # noqa: E402
 
 pytestmark = pytest.mark.skipif(load_library() is None, reason="no C compiler for the CPU expert kernel")
 
@@ -95,6 +95,38 @@ def test_split_follows_the_bandwidths(bank, bw, expect):
         assert rel_err(y, moe_ref(recs, layout, x, ids, w)) < TOL
     finally:
         lane.close()
+
+
+@pytest.mark.parametrize("act", ["clamped_swiglu", "silu"])
+def test_an_mxfp4_split_call_equals_reference_over_all_pairs(act):
+    """gpt-oss records (E8M0 scales per 32, biases; its clamped SwiGLU, or silu): the lane takes its share of the
+    misses like for NVFP4, and GPU + CPU shares sum to the reference."""
+    layout = RecordLayout.packed(H, I, "mxfp4", act=act)
+    recs = random_mxfp4_records(layout, E, 12)
+    host = recs.clone().pin_memory() if CUDA else recs.clone()
+    lane = _lane(layout, host, 4)
+    g = torch.Generator().manual_seed(13)
+    ids = torch.stack([torch.randperm(E, generator=g)[:4] for _ in range(2)])
+    w = torch.rand(2, 4, generator=g)
+    x = (torch.randn(2, H, generator=g) * 2).to(torch.bfloat16)
+    try:
+        y, slot, copy = _call(lane, layout, host, ids, w, x, resident=(int(ids[0, 0]),))
+        assert rel_err(y, moe_ref(recs, layout, x, ids, w)) < TOL
+        assert int((copy == 2).sum()) == int((copy != 0).sum()) // 2 >= 3
+        assert lane.counters()["jobs"] == 1 and lane.counters()["refused"] == 0
+    finally:
+        lane.close()
+
+
+def test_a_scheme_without_a_cpu_decode_is_refused(bank):
+    """RecordLayout refuses unknown scheme names itself; this stands for one the GPU kernels gain before the CPU's."""
+    import dataclasses
+
+    layout, recs, host = bank
+    other = dataclasses.replace(layout)
+    object.__setattr__(other, "scheme", "mxfp8")
+    with pytest.raises(ValueError, match="reads nvfp4, mxfp4 records, not 'mxfp8'"):
+        _lane(other, host, 4)
 
 
 def test_a_post_for_a_layer_without_a_bank_is_refused(bank):
