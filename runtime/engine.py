@@ -148,6 +148,23 @@ class Engine(Scheduling):
         self._persisted = version
         return n
 
+    def warm_up(self, tokens: int = 16) -> None:
+        """One short greedy request through the whole serving path (scheduling, prefill, a decode step, sampling,
+        detokenizing), then forgotten: kept by no prefix cache, counted by no counter but the expert cache's routing
+        counts. The server runs it before it says ready, so the first real request finds every lazy start-up cost
+        (allocator growth, library handles, a kernel not prebuilt) already paid."""
+        prefix, self.prefix = self.prefix, None
+        try:
+            ids = [(31 * i + 7) % self.config.vocab_size for i in range(min(tokens, self.kv.max_context - 2))]
+            self.add_request("ft-warm-up", ids, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+            while self.has_unfinished():
+                self.step()
+        finally:
+            self.prefix = prefix
+        self._counters = EngineCounters()
+        if callable(getattr(self._experts, "reset_stats", None)):
+            self._experts.reset_stats()
+
     def check_storage(self) -> None:
         """Raise OSError if a data file of the FTW was truncated, replaced or removed since the engine opened it:
         reading the mapped weights would then kill the process (SIGBUS), so the server stops using them instead."""

@@ -1,5 +1,6 @@
 """Cold start with and without prebuilt kernels: `ft serve` launch -> ready (GET /health) -> first token of a short
-request (and the same request again: its time is what the first should approach), the kernels Triton compiled and
+request (and one of the same length on other tokens: its time is what the first should approach; `ft serve` runs a
+warm-up request before it is ready, `Engine.warm_up`), the kernels Triton compiled and
 the host launchers it built in the process, each run with an empty Triton cache.
 
     python tools/bench_coldstart.py --ftw DIR --out benchmarks/coldstart [--vram-budget 8GiB] [--build] [--runs 1]
@@ -35,6 +36,7 @@ import urllib.request
 from pathlib import Path
 
 FT = [sys.executable, "-c", "from ft.cli.main import main; main()"]
+PROMPT_TOKENS = 16  # prompt token ids of the timed requests
 
 
 def _free_port() -> int:
@@ -84,7 +86,8 @@ def _from_log(log_path: Path) -> dict:
 
 def serve_once(ftw: Path | str, serve_args: list[str], env: dict, log_path: Path, deadline_s: float) -> dict:
     """One `ft serve --ftw FTW *serve_args` process (an FTW directory or a Hub repo id): seconds to ready, to the
-    first token of a 16-token completion and of the same request again, the engine's kernel stats, and the host
+    first token of a PROMPT_TOKENS-token completion and of a second one on other tokens (the same work without
+    first-use costs; other tokens, so that the prefix cache cannot serve it), the engine's kernel stats, and the host
     launchers built in the process (from its TRITON_CACHE_DIR)."""
     cache = Path(env["TRITON_CACHE_DIR"]) if env.get("TRITON_CACHE_DIR") else None
     before = _launchers(cache)
@@ -100,14 +103,14 @@ def serve_once(ftw: Path | str, serve_args: list[str], env: dict, log_path: Path
                 raise RuntimeError(f"ft serve did not become ready (exit {proc.poll()}); see {log_path}")
             time.sleep(0.05)
         ready = time.perf_counter() - t0
-        body = json.dumps({"prompt": "The quick brown fox jumps over the lazy dog. " * 2, "max_tokens": 1,
-                           "temperature": 0}).encode()
-        req = urllib.request.Request(f"{base}/v1/completions", body, {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=deadline_s) as r:
-            r.read()
-        first = time.perf_counter() - t0
-        with urllib.request.urlopen(req, timeout=deadline_s) as r:  # the same request again: no first-use costs
-            r.read()
+        for i, start in enumerate((1000, 2000)):  # then the same work again, on other tokens: no prefix reuse
+            body = json.dumps({"prompt": list(range(start, start + PROMPT_TOKENS)), "max_tokens": 1,
+                               "temperature": 0}).encode()
+            req = urllib.request.Request(f"{base}/v1/completions", body, {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=deadline_s) as r:
+                r.read()
+            if i == 0:
+                first = time.perf_counter() - t0
         repeat = time.perf_counter() - t0 - first
         kernels = _kernel_stats(base)
     finally:

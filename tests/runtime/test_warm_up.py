@@ -1,0 +1,37 @@
+"""Engine.warm_up, which `ft serve` runs before it says ready: afterwards the engine is as a fresh one (no counters,
+no KV held, nothing kept for prefix reuse) and serves the same tokens; attention-only and hybrid families."""
+
+from __future__ import annotations
+
+import pytest
+
+from ft.runtime.engine import Engine, EngineSettings, SamplingParams, generate
+
+PROMPT = [(11 * i + 5) % 180 + 10 for i in range(19)]
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])
+def test_warm_up_leaves_no_trace(ftw_for, arch):
+    ftw = ftw_for(arch, "none")
+    settings = EngineSettings(kv_reserve_tokens=256, max_prefill_length=8)
+    want = generate(Engine(ftw, settings), PROMPT, GREEDY).token_ids
+    eng = Engine(ftw, settings)
+    eng.warm_up()
+    s = eng.stats()
+    assert s["requests_total"] == 0 and s["prompt_tokens_total"] == 0 and s["steps"] == 0
+    assert s["kv_tokens_used"] == 0 and s["kv_tokens_cached"] == 0 and eng.kv.used == 0
+    assert s["prefix_cache"]["entries"] == 0 and not eng.has_unfinished()
+    assert generate(eng, PROMPT, GREEDY).token_ids == want
+    eng.close()
+
+
+def test_the_server_warms_the_engine_up_before_it_is_ready(ftw_for, monkeypatch):
+    from ft.runtime.server import app as server_app
+    from ft.runtime.server.state import ServeSettings
+
+    calls = []
+    monkeypatch.setattr(Engine, "warm_up", lambda self: calls.append(self))
+    engine = server_app.load_engine(ServeSettings(ftw=ftw_for("qwen3_moe", "none"), engine=EngineSettings()))
+    assert calls == [engine]
+    engine.close()
