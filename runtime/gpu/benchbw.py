@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from .cpu_build import cache_dir
-from .cpu_nvfp4 import CpuMoe, default_threads
+from .cpu_nvfp4 import CpuMoe, lane_threads
 from .record_layout import RecordLayout
 
 PROFILE_VERSION = 1
@@ -167,7 +167,7 @@ def run_bench(*, hidden: int = 2048, inter: int = 512, top_k: int = 8, pool_gib:
     del vram, pinned
 
     say("host memory read")
-    threads = cpu_threads or default_threads()
+    threads = cpu_threads or lane_threads()  # as many as the CPU lane runs, the CPU path of steady-state decode
     flat = host_pool.view(-1)[: (host_pool.numel() // 4) * 4].view(torch.float32)
     res["host_read"] = _rate(flat.numel() * 4, lambda: flat.sum(), iters=5, cuda=False)
 
