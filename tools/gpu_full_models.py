@@ -189,14 +189,15 @@ WARM_TOKENS = 256  # decoded before the steady-state window of a budget row
 TRACE = 200_000  # routing steps the budget engines keep for the Belady row
 
 
-def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64, variant: dict | None = None) -> dict:
+def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64, variant: dict | None = None,
+                 traces: Path | None = None, preset: str = "model") -> dict:
     """The default scheduler (`ft serve --vram-budget`) at `gib` GiB: decode batch 1 at a 32-token context once the
     banks are page-locked, prefill of 4096 tokens twice (the first in a process includes compiling the prefill
     kernels: `prefill_first`), and the process's peak device memory against the budget: the
     allocator's peak plus what the device held outside the allocator while the engine ran (what nvidia-smi shows;
     meaningful for the first engine of a process only: later ones may find memory the earlier ones left).
     `variant`: OffloadConfig fields that differ from the default scheduler's (e.g. {"cpu_lane": False}: the GPU
-    copies every miss)."""
+    copies every miss). `traces`: where the engine's routing trace goes (`preset` names the file)."""
     torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
     eng = _engine(ftw, vram_budget=int(gib * (1 << 30)), offload=OffloadConfig(**{"trace_limit": TRACE, **variant}))
@@ -221,6 +222,13 @@ def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64, v
         if lane_obj is not None:  # the lane's own counts over the same window as the read-back counters
             res["lane_window"] = {k: v - before[k] for k, v in lane_obj.counters().items()}
         res["belady"] = belady_row(ex, window)
+        if traces is not None:  # the routing (warm-up and window) for offline admission studies (tools/belady.py)
+            from belady import save_trace
+
+            name = f"routing-{preset}-{gib:g}gib" + "".join(f"-{k}={v}" for k, v in (variant or {}).items())
+            save_trace(traces / f"{name}.jsonl", ex.trace)
+            res["trace"] = {"file": f"{name}.jsonl", "window_from": window, "num_slots": ex.num_slots,
+                            "num_experts": ex.E, "moe_layers": list(ex.moe_layers)}
         stats = ex.stats()
         res["moe"] = {k: v for k, v in stats.items() if isinstance(v, (int, float))}
         res["lane"] = stats.get("cpu_lane")
@@ -274,7 +282,8 @@ def bench_model(ftw, preset: str, *, hbm_gbs: float, log, llama: dict | None, de
         if time.perf_counter() > deadline - 90:
             break
         try:
-            res["budgets"].append(bench_budget(ftw, gib, log=log, llama=llama, variant=variant))
+            res["budgets"].append(bench_budget(ftw, gib, log=log, llama=llama, variant=variant, traces=traces,
+                                               preset=preset))
         except Exception:  # noqa: BLE001
             res["budgets"].append({"budget_gib": gib, "error": traceback.format_exc()[-2000:]})
             log(f"budget {gib} GiB failed:\n{res['budgets'][-1]['error']}")
