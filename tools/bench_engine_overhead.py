@@ -105,8 +105,8 @@ def offload_compare(ftw: Path, prompt: list[int], tokens: int, repeats: int, slo
     in both)."""
     from ft.formats import FtwReader
     from ft.runtime.engine import Engine, EngineSettings, SamplingParams
-    from ft.runtime.gpu.store import GpuExperts
     from ft.runtime.gpu.offload_config import OffloadConfig
+    from ft.runtime.gpu.store import GpuExperts
     from ft.runtime.model import load_model
 
     reader = FtwReader(ftw)
@@ -135,7 +135,6 @@ def offload_compare(ftw: Path, prompt: list[int], tokens: int, repeats: int, slo
 
 def measure(args) -> dict:
     from bench_cpu_decode import _result_args, machine_info
-
     from ft.runtime.engine import Engine, EngineSettings, SamplingParams
 
     torch.set_num_threads(args.threads)

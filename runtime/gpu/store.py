@@ -38,13 +38,13 @@ from .expert_cache import ExpertCache, plan_num_slots
 from .graphs import graph_call
 from .host_call import host_call
 from .mapped_path import MappedDecode, uses_mapped
-from .store_stats import experts_stats, reset_experts_stats
 from .moe_reference import moe_ref
 from .offload_config import OffloadConfig
 from .pinning import BackgroundPinner
 from .prefill_pipeline import PrefillPipeline, uses_pipeline
 from .record_layout import RecordLayout
 from .split import SplitEstimator, split_from_profile
+from .store_stats import experts_stats, reset_experts_stats
 from .transfer import CudaUploader, HostUploader
 
 DEFAULT_B_PCIE = 25e9  # used only when neither options nor a bench profile give bandwidths

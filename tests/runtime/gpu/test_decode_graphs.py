@@ -9,11 +9,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from ft.formats import FtwReader
 from ft.runtime.gpu.graphs import DecodeGraphs
-from ft.runtime.gpu.store import GpuExperts
 from ft.runtime.gpu.offload_config import OffloadConfig
+from ft.runtime.gpu.store import GpuExperts
 from ft.runtime.layers.batch import decode_inputs, decode_inputs_size
 from ft.runtime.model import Segment, load_model
 

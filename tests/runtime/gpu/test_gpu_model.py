@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from ft.formats import FtwReader
-from ft.runtime.gpu.store import GpuExperts
 from ft.runtime.gpu.offload_config import OffloadConfig
+from ft.runtime.gpu.store import GpuExperts
 from ft.runtime.model import Segment, load_model
 
 from .gpu_fixtures import rel_err

@@ -9,16 +9,15 @@ import os
 import numpy as np
 import pytest
 import torch
-
 from ft.formats import FtwReader
 from ft.runtime.gpu.device_path import MAX_DEVICE_PAIRS
 from ft.runtime.gpu.expert_cache import ExpertCache
-from ft.runtime.gpu.store import GpuExperts
 from ft.runtime.gpu.mapped_path import uses_mapped
 from ft.runtime.gpu.moe_reference import moe_ref
 from ft.runtime.gpu.offload_config import OffloadConfig
 from ft.runtime.gpu.prefill_stream import prefill_call
 from ft.runtime.gpu.record_layout import RecordLayout
+from ft.runtime.gpu.store import GpuExperts
 
 from .gpu_fixtures import rel_err, tiny_moe_ftw
 

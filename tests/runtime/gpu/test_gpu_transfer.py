@@ -10,7 +10,6 @@ import threading
 import numpy as np
 import pytest
 import torch
-
 from ft.formats import FtwReader
 from ft.runtime.gpu.pinning import BackgroundPinner, bank_range, pin_banks, prefault
 from ft.runtime.gpu.transfer import HostUploader
@@ -104,8 +103,8 @@ def test_background_pinner_reports_a_failure_and_finishes(reader):
 
 
 def test_gpu_experts_adopt_the_pinned_copy_rate_once_pinning_finished(reader):
-    from ft.runtime.gpu.store import GpuExperts
     from ft.runtime.gpu.offload_config import OffloadConfig
+    from ft.runtime.gpu.store import GpuExperts
 
     profile = {"b_pcie": 10e9, "b_cpu": 20e9, "gbs": {"h2d_expert_pinned": 50.0}}
     ex = GpuExperts(reader, OffloadConfig(num_slots=4, b_cpu=1.0), device="cpu", profile=profile)

@@ -7,13 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from ft.formats import FtwReader
-from ft.runtime.gpu.store import GpuExperts
 from ft.runtime.gpu.moe_reference import moe_ref
 from ft.runtime.gpu.offload_config import OffloadConfig
 from ft.runtime.gpu.record_layout import RecordLayout
 from ft.runtime.gpu.split import AffineCost, SplitEstimator, fetch_count, optimal_share
+from ft.runtime.gpu.store import GpuExperts
 
 from .gpu_fixtures import rel_err, tiny_moe_ftw
 

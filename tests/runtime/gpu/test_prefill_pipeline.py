@@ -9,12 +9,11 @@ import os
 import numpy as np
 import pytest
 import torch
-
 from ft.formats import FtwReader
-from ft.runtime.gpu.store import GpuExperts
 from ft.runtime.gpu.offload_config import OffloadConfig
 from ft.runtime.gpu.prefill_pipeline import uses_pipeline
 from ft.runtime.gpu.prefill_plan import moe_nvfp4_prefill
+from ft.runtime.gpu.store import GpuExperts
 
 from .gpu_fixtures import rel_err, tiny_moe_ftw
 from .test_gpu_moe_mapped import _full
