@@ -3,7 +3,7 @@
  *
  * Same math as the GPU kernels (W4A16): x is fp32 holding bf16 values; [g; u] = gate_up . x with fp32 accumulation,
  * each dot then times its row's fp32 scale_2 (NVFP4) or plus its row's bias (MXFP4); act = bf16_rne(act(g, u)) with
- * the layout's activation (silu(g) * u, or gpt_oss's clamped SwiGLU); y = (down . act * scale_2 or + bias) * weight.
+ * the layout's activation (silu(g) * u, gpt_oss's clamped SwiGLU, deepseek_v4's clamped silu); y = (down . act * scale_2 or + bias) * weight.
  * Rows 0..I-1 of gate_up are the gate, I..2I-1 the up projection (the compiler de-interleaves gpt-oss's rows).
  * Weight decode per scheme: cpu_fp4_decode.h.
  *
@@ -36,7 +36,7 @@ void init_tables(void) {
 int layout_ok(const ft_layout *L) {
     if (L->hidden % 32 || L->inter % 32 || L->hidden <= 0 || L->inter <= 0) return 0;
     if (L->scheme != FT_NVFP4 && L->scheme != FT_MXFP4) return 0;
-    if (L->act != FT_SILU && L->act != FT_CLAMPED_SWIGLU) return 0;
+    if (L->act != FT_SILU && L->act != FT_CLAMPED_SWIGLU && L->act != FT_CLAMPED_SILU) return 0;
     return L->scheme == FT_MXFP4 || (L->off_gus2 >= 0 && L->off_ds2 >= 0); /* NVFP4 rows always have a scale_2 */
 }
 
@@ -69,6 +69,7 @@ static inline float gate(const ft_layout *L, float g, float u) {
     if (L->act == FT_SILU) return g / (1.f + expf(-g)) * u;
     g = fminf(g, L->limit);
     u = fminf(fmaxf(u, -L->limit), L->limit);
+    if (L->act == FT_CLAMPED_SILU) return g / (1.f + expf(-g)) * u;
     return (u + 1.f) * (g * (1.f / (1.f + expf(-g * L->alpha))));
 }
 

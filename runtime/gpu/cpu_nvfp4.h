@@ -14,12 +14,14 @@ typedef float in_t;
 #endif
 
 enum { FT_NVFP4 = 0, FT_MXFP4 = 1 };          /* record schemes (record_layout.py SCHEMES) */
-enum { FT_SILU = 0, FT_CLAMPED_SWIGLU = 1 };  /* expert activations (record_layout.py ACTS) */
+/* expert activations (record_layout.py ACTS) */
+enum { FT_SILU = 0, FT_CLAMPED_SWIGLU = 1, FT_CLAMPED_SILU = 2 };
 
 /* One expert record: byte offsets of its components (see record_layout.py) and the expert's function, fixed per model.
  * off_gus2 / off_ds2: the per-row second-level scales (NVFP4; -1 absent); off_gub / off_db: the per-row biases added
  * to gate/up and down (MXFP4; -1 absent). act FT_SILU: silu(g) * u; FT_CLAMPED_SWIGLU (gpt_oss): g' = min(g, limit),
- * u' = clamp(u, -limit, limit), (u' + 1) * g' * sigmoid(alpha * g'). */
+ * u' = clamp(u, -limit, limit), (u' + 1) * g' * sigmoid(alpha * g'); FT_CLAMPED_SILU (deepseek_v4): silu(g') * u'.
+ */
 typedef struct {
     int64_t hidden, inter;
     int64_t off_gu, off_gus, off_gus2, off_d, off_ds, off_ds2;

@@ -26,7 +26,7 @@ from .moe_reference import expert_forward_ref
 from .record_layout import RecordLayout
 
 KERNEL_SCHEMES = {"nvfp4": 0, "mxfp4": 1}  # cpu_nvfp4.h FT_NVFP4 / FT_MXFP4
-KERNEL_ACTS = {"silu": 0, "clamped_swiglu": 1}  # FT_SILU / FT_CLAMPED_SWIGLU
+KERNEL_ACTS = {"silu": 0, "clamped_swiglu": 1, "clamped_silu": 2}  # cpu_nvfp4.h FT_SILU, ...
 
 
 class _Layout(ctypes.Structure):

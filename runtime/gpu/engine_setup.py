@@ -32,17 +32,24 @@ log = logging.getLogger("ft.gpu")
 
 
 def unsupported_reason(reader: FtwReader) -> str | None:
-    """None if the GPU scheduler can serve this FTW, else why not (the expert kernels read NVFP4 and MXFP4 banks; the
-    decode kernels and graphs cover GQA and Gated DeltaNet layers, not MLA / DSA yet)."""
-    if "mla_attention" in reader.config.layer_types:
-        return (f"family {reader.config.family}: multi-head latent attention with the DSA indexer has no GPU decode "
-                "kernel or CUDA graph yet (its layers run as PyTorch ops)")
-    if "compressed_attention" in reader.config.layer_types:
-        return (f"family {reader.config.family}: compressed sliding attention and hyper-connections have no GPU "
-                "decode kernel or CUDA graph yet (the model runs as PyTorch ops on the CPU)")
+    """None if the GPU expert store can serve this FTW, else why not (its kernels read NVFP4 and MXFP4 banks)."""
     scheme = (reader.quant or {}).get("experts")
     if scheme not in SCHEMES:
         return f"expert scheme {scheme!r} has no GPU kernel (supported: {', '.join(SCHEMES)})"
+    return None
+
+
+# layer types whose decode step is graph-safe (device kernels reading positions and KV / state tables from the
+# graph's inputs); the others' PyTorch ops take lengths on the host, which a captured graph would freeze
+GRAPHED_LAYERS = frozenset({"full_attention", "sliding_attention", "linear_attention"})
+
+
+def eager_reason(config) -> str | None:
+    """None if decode steps of this model can be CUDA graphs, else why not."""
+    other = sorted(set(config.layer_types) - GRAPHED_LAYERS)
+    if other:
+        return (f"family {config.family}: its {', '.join(other)} layers run as PyTorch ops, which take sequence "
+                "lengths on the host")
     return None
 
 
@@ -124,7 +131,10 @@ def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, m
         preload, priors = placement.preload(experts.moe_layers, experts.E, num_slots, num_layers=experts.L)
     experts.allocate(num_slots=num_slots, priors=priors, preload=preload)  # the plan's experts resident before capture
     experts.vram_plan, experts.placement = plan, placement
-    if cuda and cuda_graphs:
+    eager = eager_reason(model.config) if cuda and cuda_graphs else None
+    if eager is not None:
+        log.info("decode runs eagerly, without CUDA graphs: %s", eager)
+    elif cuda and cuda_graphs:
         from .graphs import DecodeGraphs, bucket_sizes
 
         model.graphs = DecodeGraphs(model, experts, batch_sizes=bucket_sizes(max_running_requests))

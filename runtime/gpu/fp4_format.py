@@ -6,8 +6,9 @@ From bits, with no lookup table in memory:
   an E8M0 byte b (MXFP4, 2^(b - 127)) as the fp32 bits of 2^(b - 135).
 So a weight is decoded as value * 2^-22 in every format, and the kernels undo the shift once on the fp32 accumulator
 (`_row_scale`: times 2^22, times the row's scale_2 for NVFP4), add the row's bias where the format has one
-(`_row_bias`), and apply the expert's activation (`_gated`: silu, or gpt_oss's clamped SwiGLU). Which variant runs is
-a constexpr from `RecordLayout.kernel_args`, so every model compiles its own kernels without per-call branching.
+(`_row_bias`), and apply the expert's activation (`_gated`: silu, gpt_oss's clamped SwiGLU, or deepseek_v4's
+clamped silu). Which variant runs is a constexpr from `RecordLayout.kernel_args`, so every model compiles its own
+kernels without per-call branching.
 """
 
 from __future__ import annotations
@@ -45,11 +46,16 @@ def _scale_shifted(b, E8M0: tl.constexpr):
 
 @triton.jit
 def _gated(g, u, SWIGLU: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr):
-    # the expert's activation of fp32 g, u (record_layout): silu(g) * u, or the clamped SwiGLU of gpt_oss
+    # the expert's activation of fp32 g, u (record_layout): the clamped SwiGLU of gpt_oss, or silu(g) * u with g, u
+    # first clamped at LIMIT when it is > 0 (deepseek_v4's clamped_silu)
     if SWIGLU:
         gc = tl.minimum(g, LIMIT)
         uc = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
         a = (uc + 1.0) * (gc / (1.0 + tl.exp(-ALPHA * gc)))
+    elif LIMIT > 0:
+        gc = tl.minimum(g, LIMIT)
+        uc = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+        a = gc / (1.0 + tl.exp(-gc)) * uc
     else:
         a = g / (1.0 + tl.exp(-g)) * u
     return a

@@ -2,9 +2,9 @@
 
 Weights dequantize exactly by the record's format (`ft.formats.quant`): NVFP4 `E2M1 * f32(e4m3 scale per 16) *
 scale_2[o]`, MXFP4 `E2M1 * 2^(e8m0 scale per 32 - 127)`. Expert `y = down @ act(g, u) (+ down_bias)` with
-`[g; u] = gate_up @ x (+ gate_up_bias)`, `act` the layout's (`silu(g) * u`, or gpt_oss's clamped SwiGLU,
-`ft.runtime.experts.clamped_swiglu`). Activations are bf16 (W4A16): x enters as bf16, the activation is rounded to
-bf16 before `down`, accumulation is fp32.
+`[g; u] = gate_up @ x (+ gate_up_bias)`, `act` the layout's (`silu(g) * u`, gpt_oss's clamped SwiGLU or
+deepseek_v4's clamped silu, `ft.runtime.experts`). Activations are bf16 (W4A16): x enters as bf16, the activation is
+rounded to bf16 before `down`, accumulation is fp32.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ def activation(g: torch.Tensor, u: torch.Tensor, layout: RecordLayout) -> torch.
         return torch.nn.functional.silu(g) * u
     g = g.clamp(max=layout.limit)
     u = u.clamp(min=-layout.limit, max=layout.limit)
+    if layout.act == "clamped_silu":
+        return torch.nn.functional.silu(g) * u
     return (u + 1) * (g * torch.sigmoid(g * layout.alpha))
 
 

@@ -11,9 +11,10 @@ components at fixed byte offsets (each a multiple of 256), see the "Expert banks
     down_scale      e4m3 [H, I/16]                   down_scale    u8  [H, I/32]
     down_scale_2    f32  [H]                         down_bias     f32 [H]
 
-The layout also carries the expert's function, fixed per model: `act` "silu" (`silu(g) * u`) or "clamped_swiglu"
+The layout also carries the expert's function, fixed per model: `act` "silu" (`silu(g) * u`), "clamped_swiglu"
 (gpt_oss: `(clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g')`, `g' = min(g, limit)`, with the biases added
-to g, u and the down projection first; `ft.runtime.experts`). `kernel_args` turns both into the Triton kernels'
+to g, u and the down projection first) or "clamped_silu" (deepseek_v4: `silu(min(g, limit)) * clamp(u, -limit,
+limit)`; `ft.runtime.experts`). `kernel_args` turns both into the Triton kernels'
 constexprs, so each model compiles one specialisation of each kernel and no call branches on the format.
 
 The GPU kernels, the CPU kernel and the reference all read records through this one description, so a slot in VRAM,
@@ -32,7 +33,7 @@ MXFP4_COMPONENTS = ("gate_up", "gate_up_scale", "gate_up_bias", "down", "down_sc
 COMPONENTS = NVFP4_COMPONENTS  # the NVFP4 record (benchmarks and tools build NVFP4 records)
 SCHEMES = {"nvfp4": NVFP4_COMPONENTS, "mxfp4": MXFP4_COMPONENTS}
 GROUP = {"nvfp4": 16, "mxfp4": 32}  # inputs per block scale
-ACTS = ("silu", "clamped_swiglu")
+ACTS = ("silu", "clamped_swiglu", "clamped_silu")
 
 
 @dataclass(frozen=True)
@@ -101,7 +102,7 @@ class RecordLayout:
         """Keyword arguments of the `which` ("gate_up" or "down") expert kernels: the optional components' offsets
         (0 where absent: never read) and the format and activation constexprs. GPS: 16-element code words per block
         scale; E8M0: E8M0 scales (else e4m3); S2: a per-row second-level scale; BIAS: per-row biases; SWIGLU (gate_up
-        kernels only): the clamped SwiGLU with ALPHA, LIMIT (else silu)."""
+        kernels only): the clamped SwiGLU with ALPHA, LIMIT, else silu, of g and u clamped at LIMIT when LIMIT > 0."""
         common = {"GPS": self.group // 16, "E8M0": self.scheme == "mxfp4", "S2": self.off_down_scale_2 >= 0,
                   "BIAS": self.off_down_bias >= 0}
         if which == "down":
@@ -111,7 +112,7 @@ class RecordLayout:
         swiglu = self.act == "clamped_swiglu"
         return {"OFF_GUS2": max(self.off_gate_up_scale_2, 0), "OFF_GUB": max(self.off_gate_up_bias, 0), **common,
                 "SWIGLU": swiglu, "ALPHA": float(self.alpha) if swiglu else 0.0,
-                "LIMIT": float(self.limit) if swiglu else 0.0}
+                "LIMIT": float(self.limit) if self.act != "silu" else 0.0}
 
     def view(self, record: torch.Tensor, name: str) -> torch.Tensor:
         """Typed zero-copy view of one component inside a uint8 record (any device)."""

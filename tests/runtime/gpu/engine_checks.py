@@ -7,7 +7,7 @@ import torch
 from ft.runtime.engine import Engine, EngineSettings, SamplingParams, generate
 from ft.runtime.gpu.engine_setup import _weight_bytes
 from ft.runtime.gpu.offload_config import OffloadConfig
-from ft.runtime.gpu.sizing import state_bytes
+from ft.runtime.gpu.sizing import LATE_OUTSIDE, state_bytes
 from ft.runtime.model import Segment
 
 GIB = 1 << 30
@@ -52,8 +52,8 @@ def resident_then_budget(ftw, prompt, params) -> tuple[int, dict]:
 
 
 def cuda_engine_matches_cpu(ftw, prompt, params) -> None:
-    """A family the GPU scheduler refuses: on CUDA the engine runs the layers as PyTorch ops on the device with the
-    experts on the CPU (no scheduler), and its greedy tokens equal the CPU engine's."""
+    """A bank the GPU expert store has no kernel for (BF16 experts): on CUDA the engine runs the layers on the device
+    with the experts on the CPU (no store), and its greedy tokens equal the CPU engine's."""
     kw = dict(kv_reserve_tokens=256, max_prefill_length=8, max_running_requests=2)
     want = generate(Engine(ftw, EngineSettings(device="cpu", **kw)), prompt, params).token_ids
     eng = Engine(ftw, EngineSettings(device="cuda", **kw))
@@ -62,3 +62,32 @@ def cuda_engine_matches_cpu(ftw, prompt, params) -> None:
         assert generate(eng, prompt, params).token_ids == want
     finally:
         eng.close()
+
+
+def store_matches_cpu(ftw, prompt, params, *, device: str) -> dict:
+    """The GPU expert store with a few slots (CPU emulation on device "cpu"; on CUDA a VRAM budget, decoding eagerly
+    where the family's layers are PyTorch ops) gives the CPU engine's greedy tokens. -> the store's counters."""
+    kw = dict(kv_reserve_tokens=256, max_prefill_length=8, max_running_requests=2)
+    want = generate(Engine(ftw, EngineSettings(device="cpu", **kw)), prompt, params).token_ids
+    if device == "cpu":
+        eng = Engine(ftw, EngineSettings(device="cpu", **kw), offload=OffloadConfig(num_slots=3))
+    else:
+        probe = Engine(ftw, EngineSettings(device="cuda", memory_ratio=0.5, **kw))  # everything fits: resident
+        plan, stride = probe.vram_plan, probe._experts.layout.stride
+        probe.close()
+        budget = LATE_OUTSIDE + plan.dense + plan.kv + plan.prefill_buffers + plan.reserve + 3 * stride + 4096
+        eng = Engine(ftw, EngineSettings(device="cuda", vram_budget=budget, **kw))  # the caller zeroes device_in_use
+    try:
+        assert eng._experts is not None and eng._experts.num_slots < len(eng._experts.moe_layers) * eng._experts.E
+        assert generate(eng, prompt, params).token_ids == want
+        eng._experts.settle()
+        return eng.stats()["moe"]
+    finally:
+        eng.close()
+
+
+def quantized_ftw(hf, out_dir):
+    """The family's tiny checkpoint compiled with its routed experts quantized to NVFP4 (`--quantize nvfp4`)."""
+    from ft.compiler import compile_checkpoint
+
+    return compile_checkpoint(hf, out_dir / "nvfp4.ftw", quantize="nvfp4", progress=False)

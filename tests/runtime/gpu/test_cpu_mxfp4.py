@@ -54,7 +54,7 @@ def _route(T: int, k: int, seed: int):
 @needs_cc
 @pytest.mark.parametrize("level,flags", _levels(), ids=[n for n, _ in _levels()])
 @pytest.mark.parametrize("act,biases", [("clamped_swiglu", True), ("clamped_swiglu", False), ("silu", True),
-                                        ("silu", False)])
+                                        ("silu", False), ("clamped_silu", False)])
 @pytest.mark.parametrize("T,k,seed", [(1, 4, 0), (5, 3, 1)])
 def test_c_kernel_matches_the_reference_on_mxfp4_records(level, flags, act, biases, T, k, seed):
     layout = RecordLayout.packed(H, I, "mxfp4", act=act, alpha=1.702, limit=7.0)

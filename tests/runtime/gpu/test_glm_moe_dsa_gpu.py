@@ -1,6 +1,6 @@
-"""glm_moe_dsa and the GPU path: the expert scheduler refuses MLA by name (no decode kernel or CUDA graph for it yet);
-on CUDA the engine then runs the model's layers as PyTorch ops on the device with the experts on the CPU, and its
-greedy tokens equal the CPU engine's."""
+"""glm_moe_dsa (MLA with the DSA indexer) and the GPU path: its attention runs as PyTorch ops on the device, so decode
+steps are not CUDA graphs; its routed experts, quantized, are served by the GPU expert store (CPU emulation here,
+CUDA where present) with the CPU engine's greedy tokens; BF16 experts stay on the CPU."""
 
 from __future__ import annotations
 
@@ -11,25 +11,44 @@ from ft.formats import FtwReader
 from ft.runtime.engine import SamplingParams
 from ft.runtime.gpu import engine_setup
 
-from .engine_checks import cuda_engine_matches_cpu
+from .engine_checks import cuda_engine_matches_cpu, quantized_ftw, store_matches_cpu
 
+ARCH = "glm_moe_dsa"
 PROMPT = [5, 17, 3, 99, 42, 7, 11, 2, 9, 4, 31, 8, 60, 21]  # longer than the tiny preset's index_topk (8)
 PARAMS = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 
-def test_the_gpu_scheduler_refuses_mla_by_name(ftw_for):
-    why = engine_setup.unsupported_reason(FtwReader(ftw_for("glm_moe_dsa")))
-    assert why is not None and "glm_moe_dsa" in why and "latent attention" in why
+@pytest.fixture(scope="module")
+def nvfp4_ftw(hf_for, tmp_path_factory):
+    return quantized_ftw(hf_for(ARCH), tmp_path_factory.mktemp(ARCH))
+
+
+def test_the_store_serves_it_and_decode_is_eager(nvfp4_ftw):
+    reader = FtwReader(nvfp4_ftw)
+    assert engine_setup.unsupported_reason(reader) is None
+    why = engine_setup.eager_reason(reader.config)
+    assert why is not None and ARCH in why and "mla_attention" in why
+
+
+def test_store_matches_the_cpu_engine(nvfp4_ftw):
+    moe = store_matches_cpu(nvfp4_ftw, PROMPT, PARAMS, device="cpu")
+    assert moe["misses"] > 0 and moe["fetched"] + moe["cpu_experts"] == moe["misses"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_engine_matches_the_cpu_engine(ftw_for, monkeypatch):
+def test_cuda_store_matches_the_cpu_engine(nvfp4_ftw, monkeypatch):
     monkeypatch.setattr(engine_setup, "device_in_use", lambda dev: 0)
-    cuda_engine_matches_cpu(ftw_for("glm_moe_dsa"), PROMPT, PARAMS)
+    assert store_matches_cpu(nvfp4_ftw, PROMPT, PARAMS, device="cuda")["misses"] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_engine_with_bf16_experts_matches_the_cpu_engine(ftw_for, monkeypatch):
+    monkeypatch.setattr(engine_setup, "device_in_use", lambda dev: 0)
+    cuda_engine_matches_cpu(ftw_for(ARCH), PROMPT, PARAMS)
 
 
 def test_kernels_build_refuses_mla(ftw_for):
     from ft.compiler.kernels.build import build_kernel_set
 
-    with pytest.raises(ValueError, match="glm_moe_dsa has no GPU kernels yet"):
-        build_kernel_set(FtwReader(ftw_for("glm_moe_dsa")), 90)
+    with pytest.raises(ValueError, match=f"{ARCH} has no prebuilt GPU kernels yet .its mla_attention layers"):
+        build_kernel_set(FtwReader(ftw_for(ARCH)), 90)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 triton = pytest.importorskip("triton")
 
 from ft.formats.quant import mxfp4  # noqa: E402
-from ft.runtime.experts import clamped_swiglu  # noqa: E402
+from ft.runtime.experts import clamped_silu, clamped_swiglu  # noqa: E402
 from ft.runtime.gpu.host_plan import moe_nvfp4  # noqa: E402
 from ft.runtime.gpu.moe_reference import expert_forward_ref, moe_ref  # noqa: E402
 from ft.runtime.gpu.nvfp4_decode import moe_nvfp4_device  # noqa: E402
@@ -84,9 +84,10 @@ def test_reference_is_the_cpu_experts_math():
 GEMV_CASES = [(1, 4, 64, 32, "tokens"), (2, 3, 160, 96, "pairs"), (2, 2, 96, 64, "tokens")]
 
 
+@pytest.mark.parametrize("act", ["clamped_swiglu", "clamped_silu"])
 @pytest.mark.parametrize("T,k,H,I,combine", GEMV_CASES)
-def test_gemv_decode_kernel_matches_reference(T, k, H, I, combine):
-    layout, recs, x, ids, table, w = _case(H, I, T, k, T * 3 + k, dead=(T == 2))
+def test_gemv_decode_kernel_matches_reference(T, k, H, I, combine, act):
+    layout, recs, x, ids, table, w = _case(H, I, T, k, T * 3 + k, dead=(T == 2), act=act)
     ref = moe_ref(recs, layout, x, table.long()[ids], w)
     got = moe_nvfp4_device(recs.to(DEV), layout, x.to(DEV), ids.to(DEV), table.to(DEV), w.to(DEV), combine=combine,
                            blocks={"BLOCK_K": 32, "BLOCK_N_GU": 16, "BLOCK_N_D": 32}).cpu()
@@ -117,7 +118,22 @@ def test_mma_decode_kernel_matches_reference(T, k, H, I, blocks):
     assert torch.isfinite(got).all() and rel_err(got, ref) < TOL
 
 
-@pytest.mark.parametrize("act", ["clamped_swiglu", "silu"])
+def test_reference_clamped_silu_is_deepseek_v4s():
+    """deepseek_v4's activation: the reference = ft.runtime.experts.clamped_silu, and the clamp changes the result."""
+    lay = _layout(64, 32, act="clamped_silu")
+    rec = random_mxfp4_records(lay, 1, 4)[0]
+    x = (torch.randn(5, 64, generator=torch.Generator().manual_seed(1)) * 3).to(torch.bfloat16)
+    gu_w = mxfp4.dequantize(lay.view(rec, "gate_up"), lay.view(rec, "gate_up_scale"))
+    d_w = mxfp4.dequantize(lay.view(rec, "down"), lay.view(rec, "down_scale"))
+    g, u = F.linear(x.float(), gu_w, lay.view(rec, "gate_up_bias")).chunk(2, dim=-1)
+    want = F.linear(clamped_silu(g, u, LIMIT).to(torch.bfloat16).float(), d_w, lay.view(rec, "down_bias"))
+    torch.testing.assert_close(expert_forward_ref(rec, lay, x), want, rtol=1e-6, atol=1e-5)
+    plain = expert_forward_ref(rec, dataclasses.replace(lay, act="silu"), x)
+    assert (plain - want).abs().max() > 1e-2 * want.abs().max()
+    assert lay.kernel_args("gate_up")["LIMIT"] == LIMIT and not lay.kernel_args("gate_up")["SWIGLU"]
+
+
+@pytest.mark.parametrize("act", ["clamped_swiglu", "silu", "clamped_silu"])
 def test_prefill_tiles_match_reference(act):
     layout, recs, x, ids, table, w = _case(64, 64, 6, 3, 21, act=act)
     slots = table.long()[ids]
