@@ -6,12 +6,17 @@ the parallel compile path (same bytes with any thread count)."""
 from __future__ import annotations
 
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 import torch
 
+from ft.compiler import CheckpointError, compile_checkpoint
+from ft.compiler.expert_jobs import ExpertJobs
 from ft.compiler.quant import nvfp4 as q
+from ft.compiler.synth import synth
 from ft.formats.quant import nvfp4 as fmt
+from ft.formats.reader import STAMP_NAME
 
 GRID = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
 
@@ -112,3 +117,60 @@ def test_bad_inputs_are_refused() -> None:
         q.quantize(torch.zeros(4, 24))
     with pytest.raises(ValueError, match="float32/bfloat16/float16"):
         q.quantize(torch.zeros(4, 32, dtype=torch.int32))
+
+
+# -- the parallel compile path ---------------------------------------------------------------------------------------
+
+def test_expert_jobs_write_in_order_bounded_and_raise_the_first_failure() -> None:
+    jobs = ExpertJobs(3, max_bytes=1000)
+    try:
+        events: list[tuple[str, int]] = []
+
+        def read(e: int):
+            events.append(("read", e))
+            return (lambda: e * e), 300  # 300 bytes each: at most 3 held under max_bytes=1000
+
+        def write(e: int, v: int) -> None:
+            assert v == e * e
+            events.append(("write", e))
+
+        jobs.run(10, read, write)
+        assert [e for k, e in events if k == "write"] == list(range(10))
+        held = 0
+        for k, _ in events:
+            held += 1 if k == "read" else -1
+            assert held <= 4  # three held plus the one just read, waiting for room
+        written: list[int] = []
+
+        def bad_read(e: int):
+            def job() -> int:
+                if e == 4:
+                    raise ValueError("expert 4 is bad")
+                return e
+            return job, 0
+
+        with pytest.raises(ValueError, match="expert 4 is bad"):
+            jobs.run(10, bad_read, lambda e, v: written.append(e))
+        assert written == [0, 1, 2, 3]
+    finally:
+        jobs.close()
+    with pytest.raises(ValueError, match=">= 1"):
+        ExpertJobs(0)
+
+
+@pytest.mark.parametrize("layout,quant", [("per_expert", "none"), ("fused", "none"), ("per_expert", "fp8")])
+def test_compile_bytes_do_not_depend_on_threads(tmp_path: Path, layout: str, quant: str) -> None:
+    src = synth("qwen3_5_moe", "tiny", tmp_path / "src", dtype="bf16", expert_layout=layout, quant=quant,
+                twin=False)
+    one = compile_checkpoint(src, tmp_path / "one.ftw", progress=False, quantize="nvfp4", threads=1)
+    many = compile_checkpoint(src, tmp_path / "many.ftw", progress=False, quantize="nvfp4", threads=3)
+    names = sorted(p.name for p in one.iterdir())
+    assert names == sorted(p.name for p in many.iterdir())
+    for n in set(names) - {STAMP_NAME}:
+        assert (one / n).read_bytes() == (many / n).read_bytes(), n
+
+
+def test_bad_thread_counts_are_refused(tmp_path: Path) -> None:
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(CheckpointError, match="positive number of threads"):
+            compile_checkpoint(tmp_path, tmp_path / "x.ftw", progress=False, quantize="nvfp4", threads=bad)
