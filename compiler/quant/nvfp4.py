@@ -14,17 +14,24 @@ For `W [out, in]` (`in % 16 == 0`):
 How (the bytes are those of the rule above, checked against a literal reference in tests/compiler/
 test_quantize_fast.py): the weight is processed in row chunks of about `CHUNK_ELEMS` elements, so that the float32
 working copy and its integer temporaries stay in the core's cache and no float32 copy of a whole weight exists
-(bf16 / fp16 weights are converted chunk by chunk). The magnitude (the E2M1 code index, i.e. |x| rounded half to
-even on the grid) is computed without a search:
+(bf16 / fp16 weights are converted chunk by chunk); the chunk loop is TorchScript (`_scripted`), so one call per
+weight runs without the GIL and expert workers (`ft.compiler.expert_jobs`) scale over cores. Block amax is a
+max-pool of |x| over windows of 16. The magnitude (the E2M1 code index, i.e. |x| rounded half to even on the grid)
+is computed without a search:
   * |x| >= 1: the E2M1 grid there is "1 mantissa bit", so rounding the float32 bits of |x| to 1 mantissa bit (add
     0x1FFFFF plus the kept bit, shift right by 22) gives `(biased exponent << 1 | mantissa bit)`, and the code is that
     minus 252 (1.0 = 127 << 1 -> 2, ..., 6.0 -> 7); anything larger saturates at 7;
   * |x| < 1: the grid is 0, 0.5, 1 (codes 0, 1, 2) = rint(2|x|) half to even, read off the float32 bits of
     `2 min(|x|, 1) + 2**23` (one correctly rounded addition of an exact value);
-  * the larger of the two is the code (each one is below the true code outside its own range).
+  * the larger of the two is the code (each one is below the true code outside its own range);
+  * the sign: bit 31 of `x + 0.0` (which turns -0.0 into +0.0, so that it is exactly `x < 0`).
 """
 
 from __future__ import annotations
+
+import functools
+import warnings
+from typing import Callable
 
 import torch
 
@@ -50,53 +57,81 @@ def joint_global_scale(*ws: torch.Tensor) -> torch.Tensor:
 
 
 class _Scratch:
-    """Reusable buffers for one row chunk of `n` elements (x float32, t and sign int32)."""
+    """Reusable buffers for one row chunk of `n` elements: x, a float32 (xb: x's bits as int32), t, sign int32
+    (t64: t as int64 pairs)."""
 
     def __init__(self, n: int) -> None:
-        self.x = torch.empty(n, dtype=torch.float32)
-        self.t = torch.empty(n, dtype=torch.int32)
-        self.sign = torch.empty(n, dtype=torch.int32)
+        n += n & 1  # t64 needs an even length
+        self.x, self.a = torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32)
+        self.t, self.sign = torch.empty(n, dtype=torch.int32), torch.empty(n, dtype=torch.int32)
+        self.xb, self.t64 = self.x.view(torch.int32), self.t.view(torch.int64)
 
 
-def _codes_into(x: torch.Tensor, t: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
-    """float32 x [n] (overwritten) -> int32 E2M1 codes in t [n] (module doc, step 4); `sign` [n] int32 scratch."""
-    bits = x.add_(0.0).view(torch.int32)  # + 0.0 turns -0.0 into +0.0: `x < 0` is the sign bit from here on
-    torch.bitwise_right_shift(bits, 31, out=sign).bitwise_and_(8)  # 8 where x < 0
-    bits.bitwise_and_(0x7FFFFFFF)  # |x|
-    torch.bitwise_right_shift(bits, 22, out=t)
-    t.bitwise_and_(1).add_(0x1FFFFF).add_(bits).bitwise_right_shift_(22).sub_(252)  # |x| >= 1: exp << 1 | mantissa
-    lo = x.clamp_(max=1.0).mul_(2.0).add_(_MAGIC).view(torch.int32).sub_(_MAGIC_BITS)  # |x| < 1: rint(2|x|)
+if (BLOCK, E4M3_MAX) != (16, 448.0):  # written as literals in the TorchScript below
+    raise ImportError("ft.compiler.quant.nvfp4 assumes blocks of 16 and an e4m3 maximum of 448")
+
+
+def _codes_into(x: torch.Tensor, xb: torch.Tensor, t: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
+    """float32 x [n] and its bits xb (int32 view of x; both overwritten) -> int32 E2M1 codes in t [n] (module doc,
+    step 4); `sign` [n] int32 scratch."""
+    x.add_(0.0)  # -0.0 + 0.0 = +0.0: from here on the sign bit is `x < 0`
+    torch.bitwise_right_shift(xb, 31, out=sign).bitwise_and_(8)  # 8 where x < 0
+    xb.bitwise_and_(0x7FFFFFFF)  # |x|
+    torch.bitwise_right_shift(xb, 22, out=t)
+    t.bitwise_and_(1).add_(0x1FFFFF).add_(xb).bitwise_right_shift_(22).sub_(252)  # |x| >= 1: exp << 1 | mantissa
+    x.clamp_(max=1.0).mul_(2.0).add_(8388608.0)  # 2 min(|x|, 1) + 2**23: rounded half to even to an integer
+    lo = xb.sub_(0x4B000000)  # |x| < 1: rint(2|x|) (0x4B000000: the float32 bits of 2**23)
     torch.maximum(t, lo, out=t)
     return t.clamp_(max=7).bitwise_or_(sign)
 
 
+def _quantize_loop(w: torch.Tensor, six_s2: torch.Tensor, s2: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                   x: torch.Tensor, xb: torch.Tensor, a: torch.Tensor, t: torch.Tensor, t64: torch.Tensor,
+                   sign: torch.Tensor, rows: int) -> None:
+    """w [out, in] (any float dtype) -> packed codes q [out, in/2] and e4m3 block scales scale [out, in/16], `rows`
+    rows at a time through the scratch buffers (see _Scratch)."""
+    out, n = w.shape[0], w.shape[1]
+    for r0 in range(0, out, rows):
+        r1 = min(out, r0 + rows)
+        r, m = r1 - r0, (r1 - r0) * n
+        xs = x[:m]
+        xs.copy_(w[r0:r1].reshape(-1))  # exact widening to float32
+        amax = torch.nn.functional.max_pool1d(torch.abs(xs, out=a[:m]).view(1, 1, m), 16).view(r, n // 16)
+        bs = amax.div_(six_s2)  # block amax / (6 s2), step 2
+        # all-zero blocks get 1.0 (ModelOpt); so do blocks whose scale underflows e4m3 (< 2**-9): their values are
+        # < 2**-9 * 6 * s2 and quantize to code 0 instead of ModelOpt's inf/0 -> the dequantized block is 0 anyway
+        bs = bs.clamp_(max=448.0).to(torch.float8_e4m3fn).float()
+        bs.masked_fill_(bs == 0, 1.0)
+        scale[r0:r1].copy_(bs)  # exact: bs is an e4m3 value
+        xs.view(r, n // 16, 16).div_(bs.mul_(s2).unsqueeze(-1))  # step 3
+        _codes_into(xs, xb[:m], t[:m], sign[:m])
+        # pack: two int32 codes as one little-endian int64 (low word = element 2j) -> c[2j] | c[2j+1] << 4
+        pair = t64[: m // 2]
+        q[r0:r1].view(-1).copy_(pair.bitwise_right_shift(28).bitwise_or_(pair).bitwise_and_(0xFF))
+
+
+@functools.cache
+def _scripted() -> tuple[Callable, Callable]:
+    """(_codes_into, _quantize_loop) as TorchScript: one call runs every op of every chunk of a weight in C++ with
+    the GIL released, so that `ExpertJobs` workers scale over cores instead of queueing for the interpreter between
+    small ops (about 40 per chunk). Callers run them with optimization off: exactly these eager ops, in this order.
+    A torch without TorchScript gets the same functions run eagerly (same bytes; threads then scale less)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit.script is deprecated, not removed
+            return torch.jit.script(_codes_into), torch.jit.script(_quantize_loop)
+    except Exception:  # noqa: BLE001 - any TorchScript failure falls back to the identical eager code
+        return _codes_into, _quantize_loop
+
+
 def e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     """float32 values already divided by their block scale -> uint8 E2M1 codes (round half to even, saturating)."""
-    flat = x.detach().to(torch.float32, copy=True).reshape(-1)
-    t, sign = torch.empty(flat.shape, dtype=torch.int32), torch.empty(flat.shape, dtype=torch.int32)
-    return _codes_into(flat, t, sign).to(torch.uint8).reshape(x.shape)
-
-
-def _quantize_chunk(w: torch.Tensor, six_s2: torch.Tensor, s2: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
-                    sc: _Scratch) -> None:
-    """Rows w [r, in] (any float dtype) -> packed codes q [r, in/2] and e4m3 block scales scale [r, in/16]."""
-    r, n = w.shape
-    m = r * n
-    x = sc.x[:m]
-    x.copy_(w.view(-1))  # exact widening to float32
-    a = torch.abs(x, out=sc.t[:m].view(torch.float32))
-    amax = torch.nn.functional.max_pool1d(a.view(1, 1, m), BLOCK).view(r, n // BLOCK)  # block amax (exact)
-    bs = amax.div_(six_s2)  # block amax / (6 s2), step 2
-    # all-zero blocks get 1.0 (ModelOpt); so do blocks whose scale underflows e4m3 (< 2**-9): their values are
-    # < 2**-9 * 6 * s2 and quantize to code 0 instead of ModelOpt's inf/0 -> the dequantized block is 0 either way
-    bs = bs.clamp_(max=E4M3_MAX).to(torch.float8_e4m3fn).float()
-    bs.masked_fill_(bs == 0, 1.0)
-    scale.copy_(bs)  # exact: bs is an e4m3 value
-    x.view(r, n // BLOCK, BLOCK).div_(bs.mul_(s2).unsqueeze(-1))  # step 3
-    t = _codes_into(x, sc.t[:m], sc.sign[:m])
-    # pack: two int32 codes as one little-endian int64 (low word = element 2j) -> c[2j] | c[2j+1] << 4
-    pair = t.view(torch.int64)
-    q.view(-1).copy_(pair.bitwise_right_shift(28).bitwise_or_(pair).bitwise_and_(0xFF))
+    n = x.numel()
+    sc = _Scratch(n)
+    sc.x[:n].copy_(x.detach().reshape(-1))
+    with torch.jit.optimized_execution(False):
+        codes = _scripted()[0](sc.x, sc.xb, sc.t, sc.sign)
+    return codes[:n].to(torch.uint8).reshape(x.shape)
 
 
 def quantize(w: torch.Tensor, scale_2: torch.Tensor | float | None = None
@@ -120,9 +155,8 @@ def quantize(w: torch.Tensor, scale_2: torch.Tensor | float | None = None
     rows = max(1, CHUNK_ELEMS // max(1, n))
     six_s2 = E2M1_MAX * s2
     sc = _Scratch(min(out, rows) * n)
-    for r0 in range(0, out, rows):
-        r1 = min(out, r0 + rows)
-        _quantize_chunk(w[r0:r1], six_s2, s2, q[r0:r1], scale[r0:r1], sc)
+    with torch.jit.optimized_execution(False):
+        _scripted()[1](w, six_s2, s2, q, scale, sc.x, sc.xb, sc.a, sc.t, sc.t64, sc.sign, rows)
     return q, scale, s2.clone()
 
 

@@ -174,3 +174,15 @@ def test_bad_thread_counts_are_refused(tmp_path: Path) -> None:
     for bad in (0, -2, 1.5, True):
         with pytest.raises(CheckpointError, match="positive number of threads"):
             compile_checkpoint(tmp_path, tmp_path / "x.ftw", progress=False, quantize="nvfp4", threads=bad)
+
+
+def test_eager_fallback_gives_the_same_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without TorchScript the same functions run eagerly: same bytes (scripted ones run unoptimized, as eager)."""
+    g = torch.Generator().manual_seed(8)
+    w = _edge_weight(g, torch.bfloat16, False)
+    x = torch.randn(999, generator=g) * 4
+    want, want_codes = q.quantize(w), q.e2m1_codes(x)
+    monkeypatch.setattr(q, "_scripted", lambda: (q._codes_into, q._quantize_loop))
+    got = q.quantize(w)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1].view(torch.uint8), want[1].view(torch.uint8))
+    assert torch.equal(q.e2m1_codes(x), want_codes)
