@@ -38,8 +38,6 @@ import torch
 from ft.formats.quant.nvfp4 import BLOCK, E2M1_MAX, E4M3_MAX
 
 CHUNK_ELEMS = 1 << 16  # elements per row chunk: 256 KiB of float32 plus temporaries, within a core's L2
-_MAGIC = 8388608.0  # 2**23: adding it rounds a value in [0, 2**22) to an integer, half to even
-_MAGIC_BITS = 0x4B000000  # float32 bits of 2**23
 
 
 def global_scale(w: torch.Tensor) -> torch.Tensor:
