@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ft.compiler import CheckpointError, compile_checkpoint
+from ft.compiler.expert_jobs import default_threads
 from ft.compiler.synth import synth
 from ft.compiler.synth.presets import ARCHS
 from ft.runtime.model import Segment, load_model
@@ -87,8 +88,10 @@ def report(rows: list[dict], meta: dict) -> str:
              "the error is measured with both FTWs compiled with `--dtype fp32` "
              "(fp32 compute: the difference is the expert quantization alone) on one fixed seeded token sequence. "
              "Random synthetic weights and random tokens: the perplexities mean nothing in absolute terms; compare the "
-             "two columns. Compile times are best of 2, the checkpoint's dtype (bf16), `--verify sample`; the "
-             "compile runs single-threaded, so quantization adds about 1/throughput per MB of experts.",
+             "two columns. Compile times are best of 2, the checkpoint's dtype (bf16), `--verify sample`; "
+             f"`--quantize` runs the experts' quantization on `--threads` workers (default: all {meta['cpus']} "
+             "cores) beside the compile's reading, hashing and writing threads; speed per core, over threads and "
+             "against the disk bound: `benchmarks/quantize_speed.md` (tools/bench_quantize_speed.py).",
              "", f"| family | max abs Δlogit | max abs logit | top-1 agreement | ppl {src} | ppl NVFP4 | source MB | "
              "compile s | compile --quantize s |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -122,7 +125,7 @@ def main() -> None:
         (args.out / f"{stem}.md").write_text(report(data["rows"], data["meta"]))
         return
     meta = {"preset": args.preset, "tokens": args.tokens, "torch": torch.__version__,
-            "cpus": torch.get_num_threads(), "machine": platform.machine(), "source": args.source}
+            "cpus": default_threads(), "machine": platform.machine(), "source": args.source}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.archs.split(","):
