@@ -24,6 +24,9 @@ def checkpoint(
                                                                     "or block-FP8 checkpoint at compile time: nvfp4 "
                                                                     "(ModelOpt's NVFP4 recipe; the GPU expert cache "
                                                                     "needs it)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="Threads quantizing experts (--quantize) while the "
+                                                                  "source is read and the FTW written (default: all "
+                                                                  "cores). The output does not depend on it."),
     force: bool = typer.Option(False, "--force", help="Replace --out if it exists."),
     progress: bool = typer.Option(True, "--progress/--no-progress", help="Show a progress bar on stderr."),
     verify: str = typer.Option("sample", "--verify", help="Final check before the output is moved into place. "
@@ -50,7 +53,7 @@ def checkpoint(
 
             parse_archs(kernels)
         path = compile_checkpoint(model, out, revision=revision, dtype=dtype, dequant=dequant, force=force,
-                                  progress=progress, verify=verify, quantize=quantize)
+                                  progress=progress, verify=verify, quantize=quantize, threads=threads)
     except (CheckpointError, ValueError) as e:
         console.print(f"[red]error[/red] {escape(str(e))}")
         raise typer.Exit(1)

@@ -25,6 +25,7 @@ import torch
 from ft.compiler.async_writer import AsyncWriter
 from ft.compiler.emit import Emitter
 from ft.compiler.errors import CheckpointError, supported
+from ft.compiler.expert_jobs import default_threads
 from ft.compiler.families import family_for
 from ft.compiler.linear import DtypePolicy
 from ft.compiler.metadata import (Hasher, free_bytes, generation_defaults, provenance, source_files,
@@ -76,27 +77,32 @@ def _check_out(out_dir: Path, root: Path, force: bool) -> None:
 
 def compile_checkpoint(model: str | Path, out_dir: str | Path, *, revision: str | None = None, dtype: str = "auto",
                        dequant: bool = False, force: bool = False, progress: bool = True,
-                       verify: str = "sample", quantize: str | None = None) -> Path:
+                       verify: str = "sample", quantize: str | None = None, threads: int | None = None) -> Path:
     """Compile `model` (a directory or a hub repo id) into the FTW directory `out_dir`; returns `out_dir`.
     `verify`: the final check, "sample" or "full" (module doc). Raises CheckpointError with a one-line reason for
     any bad or unsupported input, and for a failed final check (then nothing is left at `out_dir`).
     `quantize` ("nvfp4"): quantize the routed experts of an unquantized or block-FP8 source to NVFP4 (ModelOpt's
     recipe, `ft.compiler.quant.nvfp4`); dense linears, routers and embeddings keep their dtype (block-FP8 dense
-    linears are dequantized, as without `quantize`)."""
+    linears are dequantized, as without `quantize`). `threads`: workers quantizing experts in parallel with the
+    reading and writing (default: all cores; `ft.compiler.expert_jobs`); the output does not depend on it."""
     if verify not in VERIFY_MODES:
         raise CheckpointError(f"--verify {verify!r} is not supported; supported: {', '.join(VERIFY_MODES)}")
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise CheckpointError(f"--threads {threads!r}: a positive number of threads is needed")
     # The work is streaming copies of at most a few MB per op: torch's intra-op thread pool only adds barrier
     # latency (tens of ms per op on a busy machine), so run single-threaded and restore the caller's setting.
+    # --quantize spreads whole experts over `threads` workers instead (expert_jobs.py).
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _compile(model, Path(out_dir), revision, dtype, dequant, force, progress, verify, quantize)
+        return _compile(model, Path(out_dir), revision, dtype, dequant, force, progress, verify, quantize,
+                        threads or default_threads())
     finally:
         torch.set_num_threads(threads)
 
 
 def _compile(model: str | Path, out_dir: Path, revision: str | None, dtype: str, dequant: bool, force: bool,
-             progress: bool, verify: str, quantize: str | None) -> Path:
+             progress: bool, verify: str, quantize: str | None, threads: int) -> Path:
     loc = locate(str(model), revision)
     _check_out(out_dir, loc.root, force)
     # sha256 of every source file: the small metadata files on a background thread, the weight files by the
@@ -115,7 +121,7 @@ def _compile(model: str | Path, out_dir: Path, revision: str | None, dtype: str,
     hasher.start()
     try:
         ck = Checkpoint.open(loc.root, on_files=start)
-        return _emit(loc, ck, out_dir, hasher, streams[0], dtype, dequant, force, progress, verify, quantize)
+        return _emit(loc, ck, out_dir, hasher, streams[0], dtype, dequant, force, progress, verify, quantize, threads)
     finally:
         for s in streams:
             s.stop()
@@ -123,7 +129,7 @@ def _compile(model: str | Path, out_dir: Path, revision: str | None, dtype: str,
 
 
 def _emit(loc, ck: Checkpoint, out_dir: Path, hasher: Hasher, stream: SourceStream, dtype: str, dequant: bool,
-          force: bool, progress: bool, verify: str, quantize: str | None) -> Path:
+          force: bool, progress: bool, verify: str, quantize: str | None, threads: int) -> Path:
     family = family_for(ck.config)
     gen = read_json_if_exists(loc.root, "generation_config.json")
     cfg = family.normalize(ck.config, gen)
@@ -154,7 +160,7 @@ def _emit(loc, ck: Checkpoint, out_dir: Path, hasher: Hasher, stream: SourceStre
     aw = AsyncWriter(w)
     try:
         with byte_progress(progress, "compile", prep.read_bytes) as advance:
-            em = Emitter(ck, aw, pol, advance, stream)
+            em = Emitter(ck, aw, pol, advance, stream, threads)
             em.run(prep)
             aw.drain()
         for name, data in assets.items():

@@ -13,6 +13,7 @@ import torch
 
 from ft.compiler.async_writer import AsyncWriter
 from ft.compiler.errors import CheckpointError
+from ft.compiler.expert_jobs import ExpertJobs
 from ft.compiler.experts import Bank
 from ft.compiler.linear import DtypePolicy, Rows, Sniffed, cat, dequantize, finalize, load, take, to_dtype
 from ft.compiler.plan import LinearItem, TensorItem
@@ -32,8 +33,8 @@ def _chunks(rows: int, row_bytes: int):
 
 class Emitter:
     def __init__(self, ck: Checkpoint, w: AsyncWriter, pol: DtypePolicy, on_read: Callable[[int], None],
-                 reader: TensorReader | SourceStream | None = None) -> None:
-        self.ck, self.w, self.pol, self.on_read = ck, w, pol, on_read
+                 reader: TensorReader | SourceStream | None = None, threads: int = 1) -> None:
+        self.ck, self.w, self.pol, self.on_read, self.threads = ck, w, pol, on_read, threads
         self.reader = reader if reader is not None else TensorReader()
         self.linears: dict[str, str] = {}  # FTW module -> quantized scheme (manifest.quant.linears)
         self._pre: dict[str, torch.Tensor] = {}  # tensors read ahead by `prefetch`, taken by `read`
@@ -119,13 +120,14 @@ class Emitter:
                 b = b.index_select(0, item.perm)
             self.w.add_tensor(f"{item.name}.bias", b.contiguous())
 
-    def bank(self, bank: Bank) -> None:
+    def bank(self, bank: Bank, jobs: ExpertJobs) -> None:
+        """Experts read in order here, built on `jobs`' workers (--quantize), written in order (expert_jobs.py)."""
         bw = self.w.add_expert_bank(bank.item.name, bank.scheme, bank.item.num_experts, bank.components())
-        for e in range(bank.item.num_experts):
-            bw.write_expert(e, bank.expert(self, e))
+        jobs.run(bank.item.num_experts, lambda e: bank.job(self, e), bw.write_expert)
 
     def run(self, prep: Prepared) -> None:
         self.reader.expect([self.ck.info(n) for n in prep.consumed])
+        jobs = ExpertJobs(self.threads if self.pol.quantize else 1)  # only quantizing banks have work to spread
         try:
             for item, src in prep.steps:
                 if isinstance(item, TensorItem):
@@ -133,7 +135,8 @@ class Emitter:
                 elif isinstance(item, LinearItem):
                     self.linear(item, src)
                 else:
-                    self.bank(src)
+                    self.bank(src, jobs)
         finally:
+            jobs.close()
             self.reader.close()
 

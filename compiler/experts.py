@@ -3,15 +3,15 @@
 A family names its layer's experts with an `ExpertSource` (plan data). `resolve` checks it against the checkpoint
 headers and returns a `Bank` that knows its scheme, the source tensors it consumes and how to build expert e's
 components (families.md "Expert banks"). A new on-disk expert format (DeepSeek FP8 block scales) is one more source/bank
-pair here plus its scheme's components (gpt-oss: `GptOssExperts`, MXFP4 or plain, with biases); prepare and emit stay
-generic.
+pair here plus its scheme's components (gpt-oss: `experts_gpt_oss.GptOssExperts`, MXFP4 or plain, with biases);
+prepare and emit stay generic.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from ft.compiler.emit import Emitter
     from ft.compiler.plan import BankItem
 
-_DTYPE_OF = {v: k for k, v in PLAIN_SCHEME.items()}
+DTYPE_OF = {v: k for k, v in PLAIN_SCHEME.items()}
 
 
 class Bank(ABC):
@@ -47,12 +47,18 @@ class Bank(ABC):
             return {"gate_up": (u8, (2 * I, H // 2)), "gate_up_scale": (f8, (2 * I, H // 16)),
                     "gate_up_scale_2": (f32, (2 * I,)),
                     "down": (u8, (H, I // 2)), "down_scale": (f8, (H, I // 16)), "down_scale_2": (f32, (H,))}
-        dt = _DTYPE_OF[self.scheme]
+        dt = DTYPE_OF[self.scheme]
         return {"gate_up": (dt, (2 * I, H)), "down": (dt, (H, I))}
 
     @abstractmethod
     def expert(self, em: Emitter, e: int) -> dict[str, torch.Tensor | tuple[torch.Tensor, ...]]:
         """Expert e's components (shapes and dtypes of `components()`); a tuple is a component's dim-0 pieces."""
+
+    def job(self, em: Emitter, e: int) -> tuple[Callable[[], dict], int]:
+        """Expert e split for `ft.compiler.expert_jobs`: its source read now (this thread, plan order) and a
+        thread-safe `build()` -> `expert(em, e)`'s components; plus the bytes read. Default: all of it now."""
+        parts = self.expert(em, e)
+        return (lambda: parts), 0
 
 
 class ExpertSource(ABC):
@@ -120,12 +126,23 @@ class _FusedBank(Bank):
                          f"{n} expert {e}") for n in names]
 
     def expert(self, em: Emitter, e: int) -> dict[str, torch.Tensor]:
-        if self.scheme == "nvfp4":  # --quantize: gate rows first, then up rows (one global for the pair)
-            gate_up, down = self._values(em, e, torch.float32)
-            gate, up = gate_up.split(self.item.intermediate)
-            return _nvfp4_expert(*quantize_rows(gate, up), *quantize_rows(down))
-        gate_up, down = self._values(em, e, _DTYPE_OF[self.scheme])
+        if self.scheme == "nvfp4":
+            return self.job(em, e)[0]()
+        gate_up, down = self._values(em, e, DTYPE_OF[self.scheme])
         return {"gate_up": gate_up, "down": down}
+
+    def job(self, em: Emitter, e: int) -> tuple[Callable[[], dict], int]:
+        if self.scheme != "nvfp4":
+            return super().job(em, e)
+        rows, names = (e, e + 1), (self.src.gate_up, self.src.down)
+        raw = [(em.read(n, None, rows)[0], em.read(f"{n}_scale_inv", None, rows)[0] if self.fp8 else None)
+               for n in names]  # the source's own dtype: the quantizer widens row chunks itself
+        I = self.item.intermediate
+
+        def build() -> dict:  # --quantize: gate rows first, then up rows (one global for the pair)
+            (gate_up, down) = (fp8_block.dequantize(w, s) if s is not None else w for w, s in raw)
+            return _nvfp4_expert(*quantize_rows(*gate_up.split(I)), *quantize_rows(down))
+        return build, sum(t.nbytes for pair in raw for t in pair if t is not None)
 
 
 @dataclass(frozen=True)
@@ -173,20 +190,33 @@ class _PerExpertBank(Bank):
         super().__init__(item, scheme, names)
         self.trios, self.quantize = trios, quantize
 
-    def expert(self, em: Emitter, e: int) -> dict[str, torch.Tensor]:
+    def _read(self, em: Emitter, e: int) -> tuple[Rows, ...]:
         em.prefetch([n for sn in self.trios[e] for n in sn.names])  # ~9 small tensors side by side in the file
-        gate, up, down = (em.rows(sn, torch.float32 if self.quantize else None) for sn in self.trios[e])
+        return tuple(em.rows(sn, None) for sn in self.trios[e])
+
+    def job(self, em: Emitter, e: int) -> tuple[Callable[[], dict], int]:
+        if not self.quantize:
+            return super().job(em, e)
+        trio, what = self._read(em, e), f"{self.item.name} expert {e}"
+
+        def build() -> dict:  # --quantize: exactly the tensors a ModelOpt export would hold for these values
+            gate, up, down = (r.t["weight"] if r.scheme == "plain" else em.dequant_to(r, torch.float32, what)
+                              for r in trio)  # plain weights in their own dtype: the quantizer widens them exactly
+            return _nvfp4_expert(*quantize_rows(gate, up), *quantize_rows(down))
+        return build, sum(t.nbytes for r in trio for t in r.t.values())
+
+    def expert(self, em: Emitter, e: int) -> dict[str, torch.Tensor]:
+        if self.quantize:
+            return self.job(em, e)[0]()
+        gate, up, down = self._read(em, e)
         what = f"{self.item.name} expert {e}"
 
         def plain(r: Rows, dt: torch.dtype) -> torch.Tensor:
             return to_dtype(r.t["weight"], dt, what) if r.scheme == "plain" else em.dequant_to(r, dt, what)
 
-        if self.quantize:  # --quantize: exactly the tensors a ModelOpt export would hold for these float32 values
-            f32 = torch.float32
-            return _nvfp4_expert(*quantize_rows(plain(gate, f32), plain(up, f32)), *quantize_rows(plain(down, f32)))
         if self.scheme == "nvfp4":
             return _nvfp4_expert(gate.t, up.t, down.t)
-        dt = _DTYPE_OF[self.scheme]
+        dt = DTYPE_OF[self.scheme]
         return {"gate_up": torch.cat([plain(gate, dt), plain(up, dt)]), "down": plain(down, dt)}
 
 
@@ -202,86 +232,3 @@ def _nvfp4_expert(g: dict, u: dict, d: dict) -> dict[str, tuple[torch.Tensor, ..
     return {"gate_up": (g["weight"], u["weight"]), "gate_up_scale": (g["weight_scale"], u["weight_scale"]),
             "gate_up_scale_2": (g["weight_scale_2"], u["weight_scale_2"]), "down": d["weight"],
             "down_scale": d["weight_scale"], "down_scale_2": d["weight_scale_2"]}
-
-
-@dataclass(frozen=True)
-class GptOssExperts(ExpertSource):
-    """gpt-oss experts, fused 3-D with biases, `{p}` the layer's `mlp.experts.` prefix. Two on-disk forms:
-    MXFP4 (the release): `{p}gate_up_proj_blocks [E, 2I, H/32, 16]` u8, `_scales [E, 2I, H/32]` u8, and `down_proj_*`
-    `[E, H, I/32, 16]` / `[E, H, I/32]`; plain (transformers' save_pretrained): `{p}gate_up_proj [E, H, 2I]`,
-    `{p}down_proj [E, I, H]` (in x out). Both: `{p}gate_up_proj_bias [E, 2I]`, `{p}down_proj_bias [E, H]`.
-    gate_up rows (output units) are interleaved gate, up, gate, ...: de-interleaved here to [gate; up], which for
-    MXFP4 is a permutation of whole rows of codes and scales (never a dequantization)."""
-
-    prefix: str
-
-    def resolve(self, ck: Checkpoint, decl: QuantDecl, pol: DtypePolicy, item: BankItem) -> Bank:
-        E, I, H, p = item.num_experts, item.intermediate, item.hidden, self.prefix
-        if pol.quantize:
-            raise CheckpointError(f"{p}: --quantize {pol.quantize} is not supported for gpt_oss (its expert banks "
-                                  "carry biases, which the NVFP4 bank scheme has not; the release is MXFP4 already)")
-        biases = {f"{p}gate_up_proj_bias": (E, 2 * I), f"{p}down_proj_bias": (E, H)}
-        if ck.has(f"{p}gate_up_proj_blocks"):
-            if (decl.source or {}).get("quant_method") != "mxfp4":
-                raise CheckpointError(f"{p}gate_up_proj_blocks: MXFP4 experts, but config.json declares no "
-                                      "quantization_config with quant_method 'mxfp4'")
-            if H % 32 or I % 32:
-                raise CheckpointError(f"{p}: MXFP4 needs hidden and intermediate sizes that are multiples of 32, "
-                                      f"got {H} and {I}")
-            want = {f"{p}gate_up_proj_blocks": (E, 2 * I, H // 32, 16), f"{p}gate_up_proj_scales": (E, 2 * I, H // 32),
-                    f"{p}down_proj_blocks": (E, H, I // 32, 16), f"{p}down_proj_scales": (E, H, I // 32)}
-            for name in want:
-                if ck.info(name).dtype != "U8":
-                    raise CheckpointError(f"{name}: dtype {ck.info(name).dtype}, MXFP4 blocks and scales are U8")
-            scheme = pol.plain if pol.dequant else None
-        else:
-            want = {f"{p}gate_up_proj": (E, H, 2 * I), f"{p}down_proj": (E, I, H)}
-            dts = {ck.float_dtype(n) for n in want}
-            scheme = pol.dtype or (dts.pop() if len(dts) == 1 else torch.float32)
-        for name, shape in {**want, **biases}.items():
-            if ck.info(name).shape != shape:
-                raise CheckpointError(f"{name}: shape {list(ck.info(name).shape)} does not match the config's "
-                                      f"{list(shape)}")
-        for name in biases:
-            ck.float_dtype(name)
-        return _GptOssBank(item, "mxfp4" if scheme is None else PLAIN_SCHEME[scheme], [*want, *biases], self,
-                           mxfp4=f"{p}gate_up_proj_blocks" in want)
-
-
-class _GptOssBank(Bank):
-    def __init__(self, item: BankItem, scheme: str, names: list[str], src: GptOssExperts, *, mxfp4: bool) -> None:
-        super().__init__(item, scheme, names)
-        self.p, self.mxfp4 = src.prefix, mxfp4
-        two_i = 2 * item.intermediate
-        self.perm = torch.cat([torch.arange(0, two_i, 2), torch.arange(1, two_i, 2)])  # [gate rows; up rows]
-
-    def components(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        comps = super().components()
-        if self.scheme != "mxfp4":  # plain: the biases in the bank's dtype, after their weights
-            dt, I, H = _DTYPE_OF[self.scheme], self.item.intermediate, self.item.hidden
-            comps = {"gate_up": comps["gate_up"], "gate_up_bias": (dt, (2 * I,)), "down": comps["down"],
-                     "down_bias": (dt, (H,))}
-        return comps
-
-    def expert(self, em: Emitter, e: int) -> dict[str, torch.Tensor]:
-        from ft.formats.quant import mxfp4
-
-        p, rows = self.p, (e, e + 1)
-        bias_dt = torch.float32 if self.scheme == "mxfp4" else _DTYPE_OF[self.scheme]
-        out = {"gate_up_bias": em.read(f"{p}gate_up_proj_bias", bias_dt, rows)[0][self.perm],
-               "down_bias": em.read(f"{p}down_proj_bias", bias_dt, rows)[0]}
-        if not self.mxfp4:  # [in, out] on disk -> [out, in]
-            dt = _DTYPE_OF[self.scheme]
-            out["gate_up"] = em.read(f"{p}gate_up_proj", dt, rows)[0].t()[self.perm].contiguous()
-            out["down"] = em.read(f"{p}down_proj", dt, rows)[0].t().contiguous()
-            return out
-        for comp, src, perm in (("gate_up", "gate_up_proj", self.perm), ("down", "down_proj", None)):
-            blocks = em.read(f"{p}{src}_blocks", None, rows)[0].flatten(-2)    # [out, in/2]
-            scales = em.read(f"{p}{src}_scales", None, rows)[0]                # [out, in/32]
-            if perm is not None:
-                blocks, scales = blocks[perm], scales[perm]
-            if self.scheme == "mxfp4":
-                out[comp], out[f"{comp}_scale"] = blocks.contiguous(), scales.contiguous()
-            else:  # --dequant: exact values rounded once to the bank dtype
-                out[comp] = to_dtype(mxfp4.dequantize(blocks, scales), _DTYPE_OF[self.scheme], f"{p}{src}")
-        return out

@@ -5,7 +5,7 @@ attention layers alternating, YaRN RoPE, a biased router, and biased experts wit
 from __future__ import annotations
 
 from ft.compiler.errors import CheckpointError
-from ft.compiler.experts import GptOssExperts
+from ft.compiler.experts_gpt_oss import GptOssExperts
 from ft.compiler.families.base import Family, HFConfig, common_fields, make_config
 from ft.compiler.plan import Item, TensorItem
 from ft.compiler.source import Checkpoint

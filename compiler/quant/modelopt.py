@@ -1,7 +1,7 @@
 """Which quantization a checkpoint declares, and which scheme each linear is expected to carry.
 
 Supported: unquantized checkpoints, gpt-oss MXFP4 (`quant_method: "mxfp4"`: the expert bank's blocks and scales,
-read by `ft.compiler.experts.GptOssExperts`; every linear stays plain), and NVIDIA ModelOpt exports (`config.json` →
+read by `experts_gpt_oss.GptOssExperts`; every linear stays plain), and NVIDIA ModelOpt exports (`config.json` →
 `quantization_config` with `quant_method: "modelopt"`, and/or the legacy `hf_quant_config.json`) whose algorithms are
 NVFP4 / W4A16_NVFP4 (E2M1 codes + e4m3 block-16 scales + fp32 global), FP8 per-tensor, or MIXED_PRECISION of those,
 and block-scaled FP8 releases (`quant_method: "fp8"`, `fmt: "e4m3"`, `weight_block_size: [128, 128]`: DeepSeek-V3,
