@@ -34,7 +34,7 @@ def plan(
     kv_reserve_tokens: Optional[int] = typer.Option(None, "--kv-reserve-tokens", help="KV budget in tokens, as "
                                                     "`ft serve` takes it. Default: sized from the budget."),
     max_running_requests: int = typer.Option(4, "--max-running-requests", help="As `ft serve` will run."),
-    dense_weights: str = typer.Option("dequantized", "--dense-weights", help="As `ft serve` will run: dequantized "
+    dense_weights: str = typer.Option("auto", "--dense-weights", help="As `ft serve` will run: auto, dequantized "
                                       "or quantized."),
 ) -> None:
     """Plan how this model runs on this machine: VRAM split, the experts that start resident (from routing counts,

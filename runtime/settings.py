@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 
 from ft.formats.layout import is_safe_name
 
-DENSE_WEIGHTS = ("dequantized", "quantized")
+DENSE_WEIGHTS = ("dequantized", "quantized")  # how quantized dense linears sit on the GPU (OffloadConfig.dense)
 
 
 def _opt(default, flag: str, help: str, **extra):  # noqa: A002 - the typer keyword
@@ -66,10 +66,11 @@ class EngineSettings:
                                            "swapped out), e.g. 8GiB; the CPU computes every cache miss of the rest "
                                            "at decode (prefill reads it through pinned staging buffers); 0 = none. "
                                            "Default: half of the memory available at start.", cli_type=str)
-    dense_weights: str = _opt("dequantized", "--dense-weights",
+    dense_weights: str = _opt("auto", "--dense-weights",
                               "CUDA only: quantized dense linears (FP8 / NVFP4 in ModelOpt checkpoints) dequantized "
                               "to bf16 at load, or kept as stored and dequantized per call: 2-4x less VRAM for them, "
-                              "left to the expert cache, for extra work per step.")
+                              "left to the expert cache, for extra work per prefill. auto: kept quantized when "
+                              "dequantized they would take over half of the VRAM budget, else dequantized.")
     plan: str | None = _opt(None, "--plan",
                             "CUDA only: the FTW's placement plan to start from (`ft plan` writes them: VRAM split, "
                             "experts preloaded into the cache, KV size), by NAME, or none. Default: the plan made "
@@ -93,8 +94,8 @@ class EngineSettings:
             problems.append(f"--prefix-cache-entries must be >= 0, got {self.prefix_cache_entries}")
         if not 0 < self.memory_ratio <= 1:
             problems.append(f"--memory-ratio must be in (0, 1], got {self.memory_ratio}")
-        if self.dense_weights not in DENSE_WEIGHTS:
-            problems.append(f"--dense-weights {self.dense_weights!r}; use {' or '.join(DENSE_WEIGHTS)}")
+        if self.dense_weights not in ("auto", *DENSE_WEIGHTS):
+            problems.append(f"--dense-weights {self.dense_weights!r}; use auto, {' or '.join(DENSE_WEIGHTS)}")
         for name, zero_ok in (("vram_budget", False), ("pinned_memory", True)):
             value = getattr(self, name)
             if value is None:

@@ -135,6 +135,7 @@ def offload_compare(ftw: Path, prompt: list[int], tokens: int, repeats: int, slo
 
 def measure(args) -> dict:
     from bench_cpu_decode import _result_args, machine_info
+
     from ft.runtime.engine import Engine, EngineSettings, SamplingParams
 
     torch.set_num_threads(args.threads)

@@ -23,10 +23,11 @@ import torch
 
 from ft.formats import FtwReader
 
-from .store import GpuExperts
 from .offload_config import OffloadConfig
 from .record_layout import SCHEMES
-from .sizing import LATE_OUTSIDE, cap_allocator, device_in_use, resolve_budget, split_budget, state_bytes
+from .sizing import (LATE_OUTSIDE, cap_allocator, device_in_use, resolve_budget, resolve_dense, split_budget,
+                     state_bytes)
+from .store import GpuExperts
 
 log = logging.getLogger("ft.gpu")
 
@@ -90,7 +91,9 @@ def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, m
     if opts.vram_budget is None and budget is not None:
         opts = dataclasses.replace(opts, vram_budget=budget)
     if dense_weights is not None:
-        opts = dataclasses.replace(opts, dense=dense_weights)  # validated by OffloadConfig
+        opts = dataclasses.replace(opts, dense=resolve_dense(reader, dense_weights, budget))  # OffloadConfig checks
+        if dense_weights == "auto" and opts.dense == "quantized":
+            log.info("dense weights kept quantized: dequantized they would take over half of the VRAM budget")
     placement = None  # the FTW's plan for this machine, or one made now (`ft.runtime.plan.select`); before loading
     if budget is not None and plan_name != "none":
         from ft.runtime.plan.select import choose_placement

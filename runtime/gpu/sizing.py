@@ -195,3 +195,18 @@ def dense_weight_bytes(reader: FtwReader, *, keep_quantized: bool) -> tuple[int,
         else:
             nonlayer += size
     return nonlayer, per_layer
+
+
+DENSE_AUTO_SHARE = 0.5  # --dense-weights auto: past this share of the budget, dequantized dense weights crowd out
+
+
+def resolve_dense(reader: FtwReader, choice: str, budget: int | None) -> str:
+    """`--dense-weights` as the engine applies it: "auto" keeps an FTW's quantized dense linears as stored when
+    dequantizing them would take more than DENSE_AUTO_SHARE of the VRAM budget (GLM-4.5-Air's 13 GB at 8 GiB: it
+    would not even start), else dequantizes them (the faster prefill); "dequantized" and "quantized" pass through."""
+    if choice != "auto":
+        return choice
+    if budget is None or not reader.quant.get("linears"):
+        return "dequantized"
+    nonlayer, per_layer = dense_weight_bytes(reader, keep_quantized=False)
+    return "quantized" if nonlayer + sum(per_layer.values()) > DENSE_AUTO_SHARE * budget else "dequantized"

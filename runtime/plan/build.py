@@ -47,7 +47,7 @@ def make_plan(reader: FtwReader, settings: EngineSettings, routing: RoutingProfi
     from ft.runtime.gpu.pinning import mem_available
     from ft.runtime.gpu.record_layout import RecordLayout
     from ft.runtime.gpu.sizing import (LATE_OUTSIDE, dense_weight_bytes, device_in_use, resolve_budget,
-                                       split_budget, state_bytes)
+                                       resolve_dense, split_budget, state_bytes)
 
     why = unsupported_reason(reader)
     if why is not None:
@@ -61,13 +61,14 @@ def make_plan(reader: FtwReader, settings: EngineSettings, routing: RoutingProfi
     cuda = dev.type == "cuda"
     machine = this_machine(dev)
     opts = OffloadConfig()  # the default scheduler's buffers and reserve
-    keep = settings.dense_weights == "quantized"
     if measured is not None:
         budget, outside, dense = measured.budget, measured.outside, measured.dense
+        keep = measured.dense_quantized
     else:
         if not cuda and settings.vram_budget is None:
             raise ValueError("--vram-budget is needed: torch sees no GPU here to size a budget from")
         budget = resolve_budget(dev, settings.vram_budget, settings.memory_ratio)
+        keep = resolve_dense(reader, settings.dense_weights, budget) == "quantized"
         outside = 0
         if cuda:  # as the engine measures it at start (sizing.py)
             held = device_in_use(dev) if settings.vram_budget is not None else torch.cuda.memory_reserved(dev)

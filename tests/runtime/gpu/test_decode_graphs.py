@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from ft.formats import FtwReader
 from ft.runtime.gpu.graphs import DecodeGraphs
 from ft.runtime.gpu.offload_config import OffloadConfig

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from ft.formats import FtwReader
 from ft.runtime.engine import Engine, EngineSettings, generate
 from ft.runtime.gpu import engine_setup
@@ -16,6 +17,7 @@ from ft.runtime.model import load_model
 
 from .engine_checks import PARAMS, PROMPT, prompt_logits, resident_then_budget
 from .gpu_fixtures import rel_err
+
 
 
 def test_scheduler_with_few_slots_matches_cpu_experts(ftw_for):

@@ -12,6 +12,7 @@ import os
 import numpy as np
 import pytest
 import torch
+
 from ft.formats import FtwReader
 from ft.runtime.engine import Engine, EngineSettings, generate
 from ft.runtime.experts import CpuExperts

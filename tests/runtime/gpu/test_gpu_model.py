@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from ft.formats import FtwReader
 from ft.runtime.gpu.offload_config import OffloadConfig
 from ft.runtime.gpu.store import GpuExperts

@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 import torch
+
 from ft.formats import FtwReader
 from ft.runtime.gpu.device_path import MAX_DEVICE_PAIRS
 from ft.runtime.gpu.expert_cache import ExpertCache

@@ -10,6 +10,7 @@ import threading
 import numpy as np
 import pytest
 import torch
+
 from ft.formats import FtwReader
 from ft.runtime.gpu.pinning import BackgroundPinner, bank_range, pin_banks, prefault
 from ft.runtime.gpu.transfer import HostUploader

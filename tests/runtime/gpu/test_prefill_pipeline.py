@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 import torch
+
 from ft.formats import FtwReader
 from ft.runtime.gpu.offload_config import OffloadConfig
 from ft.runtime.gpu.prefill_pipeline import uses_pipeline

@@ -1,0 +1,47 @@
+"""--dense-weights auto: an FTW's quantized dense linears stay quantized on the GPU when dequantizing them would take
+over half of the VRAM budget, else they are dequantized; the engine and `ft plan` resolve it the same way."""
+
+from __future__ import annotations
+
+import pytest
+
+from ft.formats import FtwReader
+from ft.runtime.engine import Engine, EngineSettings
+from ft.runtime.gpu.offload_config import OffloadConfig
+from ft.runtime.gpu.sizing import DENSE_AUTO_SHARE, dense_weight_bytes, resolve_dense
+
+
+@pytest.fixture(scope="module")
+def reader(ftw_for):
+    r = FtwReader(ftw_for("qwen3_moe", "nvfp4"))
+    assert r.quant.get("linears")  # attention linears stored as NVFP4
+    return r
+
+
+def test_auto_keeps_them_quantized_when_dequantized_they_would_crowd_the_budget(reader):
+    nonlayer, per_layer = dense_weight_bytes(reader, keep_quantized=False)
+    dequantized = nonlayer + sum(per_layer.values())
+    edge = int(dequantized / DENSE_AUTO_SHARE)
+    assert resolve_dense(reader, "auto", edge - 1) == "quantized"
+    assert resolve_dense(reader, "auto", edge + 1) == "dequantized"
+    assert resolve_dense(reader, "auto", None) == "dequantized"  # no budget: nothing to share
+    for choice in ("dequantized", "quantized"):  # explicit choices pass through
+        assert resolve_dense(reader, choice, edge - 1) == choice
+
+
+def test_auto_dequantizes_an_ftw_without_quantized_dense_linears(ftw_for):
+    assert resolve_dense(FtwReader(ftw_for("qwen3_moe", "none")), "auto", 1) == "dequantized"
+
+
+def test_the_engine_applies_it(reader):
+    nonlayer, per_layer = dense_weight_bytes(reader, keep_quantized=False)
+    tight = int((nonlayer + sum(per_layer.values())) / DENSE_AUTO_SHARE) - 1
+    kw = dict(device="cpu", kv_reserve_tokens=16, max_running_requests=1)
+    for budget, want in ((tight, True), (64 << 30, False)):
+        eng = Engine(reader, EngineSettings(vram_budget=budget, **kw),
+                     offload=OffloadConfig(num_slots=2, reserve_bytes=0, prefill_slots=1))
+        assert eng._experts.vram_plan.dense_quantized is want and eng._experts.opts.dense == (
+            "quantized" if want else "dequantized")
+        eng.close()
+    with pytest.raises(ValueError, match="--dense-weights 'fp4'; use auto, dequantized or quantized"):
+        EngineSettings(dense_weights="fp4")
