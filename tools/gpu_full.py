@@ -1,7 +1,8 @@
 """Full-model GPU benchmark: the whole 40-layer models, resident, as a user runs them, against llama.cpp and the HBM
-bound. One command on the GPU machine (see tools/gpu_full.sh):
+bound. One command on the GPU machine (tools/gpu_run.sh runs it there):
 
-    python tools/gpu_full.py --out DIR [--models qwen3moe-35b-geom,qwen3.6-35b-a3b,gpt-oss-20b] [--routing uniform]
+    python tools/gpu_full.py --out DIR [--models qwen3moe-35b-geom,qwen3.6-35b-a3b,gpt-oss-20b,glm-4.5-air]
+                             [--routing uniform]
                              [--stages tests,models,kernels] [--deadline-s 560] [--quick] [--budgets 8,12]
 
 Stages (run in the order given):
@@ -34,7 +35,8 @@ import torch
 from gpu_timing import hbm_read_gbs
 
 GIB = 1 << 30
-ARCH = {"qwen3moe-35b-geom": "qwen3_moe", "qwen3.6-35b-a3b": "qwen3_5_moe", "gpt-oss-20b": "gpt_oss"}
+ARCH = {"qwen3moe-35b-geom": "qwen3_moe", "qwen3.6-35b-a3b": "qwen3_5_moe", "gpt-oss-20b": "gpt_oss",
+        "glm-4.5-air": "glm4_moe"}  # glm-4.5-air: ~62 GB synthesized + ~62 GB compiled, more disk than one GPU's host
 # the experts' format of each synthetic checkpoint: NVFP4 (ModelOpt), or the release's MXFP4 for gpt-oss
 QUANT = {"gpt_oss": "mxfp4"}
 # llama.cpp on the same H200, same geometry (qwen3moe, Q4_0 experts), all experts on the GPU:
