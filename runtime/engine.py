@@ -67,7 +67,7 @@ class _Inflight:
 
 class Engine(Scheduling):
     """Serves one FTW with `settings` (`ft.runtime.settings.EngineSettings`: device, KV budget, batch and queue bounds,
-    and on CUDA the VRAM budget, dense weights, offload mode, CUDA graphs). `experts` replaces the default CPU experts;
+    and on CUDA the VRAM budget, pinned memory, dense weights, CUDA graphs). `experts` replaces the default CPU experts;
     on CUDA the engine builds the GPU expert scheduler itself, sized from `settings.vram_budget` bytes (dense weights,
     KV, buffers and expert slots all count) or, when it is None, `memory_ratio` x the free VRAM at start; `offload`
     (an OffloadConfig, for tests and benchmarks) replaces the scheduler options the settings imply (but for
