@@ -153,9 +153,12 @@ class Engine(Scheduling):
         detokenizing), then forgotten: kept by no prefix cache, counted by no counter but the expert cache's routing
         counts. The server runs it before it says ready, so the first real request finds every lazy start-up cost
         (allocator growth, library handles, a kernel not prebuilt) already paid."""
+        n = min(tokens, self.kv.max_context - 2)  # room for its two output tokens
+        if n < 1:
+            return
         prefix, self.prefix = self.prefix, None
         try:
-            ids = [(31 * i + 7) % self.config.vocab_size for i in range(min(tokens, self.kv.max_context - 2))]
+            ids = [(31 * i + 7) % self.config.vocab_size for i in range(n)]
             self.add_request("ft-warm-up", ids, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
             while self.has_unfinished():
                 self.step()
