@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ft.runtime.gpu.expert_cache import ExpertCache
+from ft.runtime.gpu.mapped_readback import choose_admissions
 
 Trace = list[tuple[int, np.ndarray]]
 _NEVER = 1 << 62
@@ -99,6 +100,31 @@ def replay(trace: Trace, num_layers: int, num_experts: int, num_slots: int, *, p
     return {"accesses": hits + misses, "hits": hits, "misses": misses}
 
 
+def replay_mapped(trace: Trace, num_layers: int, num_experts: int, num_slots: int, *, admit_max: int = 2,
+                  admit_margin: float = 2.0, priors: np.ndarray | None = None, count_from: int = 0) -> dict:
+    """Replay mode mapped's cache on a trace: each call counts its hits and misses against the slots, then the
+    engine's own admission decision (`mapped_readback.choose_admissions`) picks which misses enter VRAM. Admitted
+    experts count as resident from the next call on (the engine's uploads land a step later: slightly optimistic).
+    Counts steps >= `count_from`, as `belady` does."""
+    cache = ExpertCache(num_layers, num_experts, num_slots, priors=priors)
+    hits = misses = admitted = 0
+    for i, (layer, experts) in enumerate(trace):
+        cache.clock += 1
+        e = np.unique(np.asarray(experts, np.int64))
+        cache.observe(layer, e, 1)
+        slots = cache.lookup(layer, e)
+        if i >= count_from:
+            hits += int((slots >= 0).sum())
+            misses += int((slots < 0).sum())
+        cache.touch(slots[slots >= 0])
+        chosen, into = choose_admissions(cache, layer * num_experts + e[slots < 0], num_experts, admit_max,
+                                         admit_margin)
+        if len(chosen):
+            cache.admit_many(layer, chosen % num_experts, into)
+            admitted += len(chosen)
+    return {"accesses": hits + misses, "hits": hits, "misses": misses, "admitted": admitted}
+
+
 def save_trace(path: Path, trace: Trace) -> None:
     """JSON lines: {"layer": l, "experts": [...]} per step (plain data; no pickle)."""
     with open(path, "w") as f:
@@ -116,3 +142,29 @@ def load_trace(path: Path) -> Trace:
             except (ValueError, KeyError, TypeError) as exc:
                 raise ValueError(f"{path}:{n}: not a routing-trace line ({exc})") from None
     return out
+
+
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Belady's MIN and mode mapped's admission replayed on a saved routing "
+                                             "trace (tools/gpu_full.py writes one per budget row, with its sizes)")
+    ap.add_argument("trace", type=Path)
+    ap.add_argument("--layers", type=int, required=True, help="the model's layer count (MoE layer ids index it)")
+    ap.add_argument("--experts", type=int, required=True)
+    ap.add_argument("--slots", type=int, required=True)
+    ap.add_argument("--from", dest="count_from", type=int, default=0, help="first counted step (the row's window)")
+    ap.add_argument("--admit-max", type=int, default=2)
+    ap.add_argument("--admit-margin", type=float, default=2.0)
+    a = ap.parse_args()
+    trace = load_trace(a.trace)
+    opt = belady(trace, a.experts, a.slots, bypass=True, count_from=a.count_from)
+    ours = replay_mapped(trace, a.layers, a.experts, a.slots, admit_max=a.admit_max, admit_margin=a.admit_margin,
+                         count_from=a.count_from)
+    for name, r in (("belady", opt), ("mapped", ours)):
+        print(f"{name:7s} hit rate {r['hits'] / max(1, r['accesses']):.3f}  ({r['hits']} of {r['accesses']}, "
+              f"{r['admitted']} admitted)")
+
+
+if __name__ == "__main__":
+    main()

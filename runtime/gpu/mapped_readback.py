@@ -44,29 +44,38 @@ def read_back(md, layers: list[int], T: int, entries: np.ndarray) -> None:
     admit_uploads(md, uniq[slots < 0])
 
 
-def admit_uploads(md, missed: np.ndarray) -> None:
-    """Upload missed experts (flat ids), at most `admit_max` per layer, most frequently routed first,
-    into victim slots whose owner is routed `admit_margin` x less often (empty slots always); their table entries stay
-    hidden until they land. One victims() choice for all (O(S) numpy work once per read-back)."""
-    ex, cache = md.ex, md.ex.cache
-    if ex.opts.admit_max == 0 or cache.S == 0 or len(missed) == 0:
-        return
-    E = ex.E
+def choose_admissions(cache, missed: np.ndarray, E: int, admit_max: int, admit_margin: float
+                      ) -> tuple[np.ndarray, np.ndarray]:
+    """(flat ids to admit, their slots) among missed experts (flat ids): at most `admit_max` per layer, most frequently
+    routed first, into victim slots whose owner is routed `admit_margin` x less often (empty slots always). One
+    victims() choice for all (O(S) numpy work once per read-back). Decides only: `admit_uploads` acts on it, and
+    tools/belady.py replays it on saved routing traces."""
+    none = np.empty(0, np.int64)
+    if admit_max == 0 or cache.S == 0 or len(missed) == 0:
+        return none, none
     freq = cache.frequency(missed)
     layer_of = missed // E
     by_layer = np.lexsort((-freq, layer_of))  # per layer, most frequent first
     lo = layer_of[by_layer]
     rank = np.arange(len(lo)) - np.searchsorted(lo, lo)
-    cand = by_layer[rank < ex.opts.admit_max]
+    cand = by_layer[rank < admit_max]
     cand = cand[np.argsort(-freq[cand], kind="stable")]
     victims = cache.victims(len(cand))
     owners = cache.owner[victims]
     # candidates most frequent first, victims easiest first: admit up to the first that does not pay
-    pays = (owners < 0) | (freq[cand[:len(victims)]] > ex.opts.admit_margin * cache.frequency(np.maximum(owners, 0)))
+    pays = (owners < 0) | (freq[cand[:len(victims)]] > admit_margin * cache.frequency(np.maximum(owners, 0)))
     keep = len(pays) if pays.all() else int(np.argmin(pays))
-    if keep == 0:
+    return missed[cand[:keep]], victims[:keep]
+
+
+def admit_uploads(md, missed: np.ndarray) -> None:
+    """Upload the missed experts (flat ids) `choose_admissions` picks; their table entries stay hidden until they
+    land."""
+    ex, cache = md.ex, md.ex.cache
+    E = ex.E
+    chosen, into = choose_admissions(cache, missed, E, ex.opts.admit_max, ex.opts.admit_margin)
+    if len(chosen) == 0:
         return
-    chosen, into = missed[cand[:keep]], victims[:keep]
     ex.uploader.after_compute(ex._record_compute())  # the evicted experts may still be read by queued kernels
     admitted_by_layer = []
     for layer in np.unique(chosen // E).tolist():

@@ -1,0 +1,41 @@
+"""tools/belady.py's replay of mode mapped (`replay_mapped`) is the engine's cache: on the CPU emulation (uploads land
+at once) it reproduces the engine's hits, misses and admissions call for call, so admission policies can be studied
+offline on the routing traces tools/gpu_full.py saves, against Belady's MIN on the same trace."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from belady import belady, load_trace, replay_mapped, save_trace  # tools/belady.py (conftest puts tools/ on the path)
+from ft.formats import FtwReader
+from ft.runtime.gpu.offload_config import OffloadConfig
+from ft.runtime.gpu.store import GpuExperts
+
+from .gpu_fixtures import tiny_moe_ftw
+
+E, K, L, S = 16, 2, 3, 5
+SKEW = torch.tensor([8.0, 4, 4, 2, 2] + [1.0] * 11)
+
+
+@pytest.fixture(scope="module")
+def reader(tmp_path_factory):
+    return FtwReader(tiny_moe_ftw(tmp_path_factory.mktemp("replay") / "m.ftw", experts=E, top_k=K, hidden=64))
+
+
+@pytest.mark.parametrize("admit_max,margin", [(1, 2.0), (2, 1.0), (2, 0.0)])
+def test_replay_reproduces_the_engine(reader, tmp_path, admit_max, margin):
+    opts = OffloadConfig(num_slots=S, admit_max=admit_max, admit_margin=margin, trace_limit=10_000)
+    ex = GpuExperts(reader, opts, device="cpu", device_plan=True)
+    g = torch.Generator().manual_seed(3)
+    for i in range(300):
+        ids = torch.multinomial(SKEW, K, generator=g)[None]
+        ex(i % L, torch.randn(1, 64, generator=g).to(torch.bfloat16), ids, torch.rand(1, K, generator=g))
+    ex.settle()
+    s = ex.stats()
+    save_trace(tmp_path / "t.jsonl", ex.trace)  # through the file format tools/gpu_full.py writes
+    trace = load_trace(tmp_path / "t.jsonl")
+    r = replay_mapped(trace, L, E, S, admit_max=admit_max, admit_margin=margin)
+    assert (r["hits"], r["misses"], r["admitted"]) == (s["hits"], s["misses"], s["fetched"]) and r["admitted"] > 0
+    assert belady(trace, E, S)["hits"] >= r["hits"]
+    ex.close()
