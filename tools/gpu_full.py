@@ -79,6 +79,25 @@ def run_script(name: str, out: Path, timeout: float, quick: bool = False, tests:
     return row
 
 
+def coldstart(ftw: Path, out: Path, left: float) -> dict:
+    """tools/bench_coldstart.py on `ftw` (its own processes: `ft kernels build` for this GPU, then the JIT, prebuilt
+    and warm starts with the page cache dropped), its log in <out>/log.txt, its table in the returned row."""
+    cmd = [sys.executable, "tools/bench_coldstart.py", "--ftw", str(ftw), "--out", str(out), "--build",
+           "--drop-caches", "--deadline", str(max(30.0, (left - 30) / 4))]
+    out.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=left - 20)
+        text, rc = r.stdout + r.stderr, r.returncode
+    except subprocess.TimeoutExpired as e:
+        text, rc = f"{e.stdout or ''}{e.stderr or ''}\ntimed out", None
+    text = text if isinstance(text, str) else text.decode(errors="replace")
+    (out / "log.txt").write_text(text)
+    tail = text.strip().splitlines()[-8:]
+    log(f"coldstart: rc {rc} in {time.perf_counter() - t:.0f} s\n    " + "\n    ".join(tail))
+    return {"returncode": rc, "seconds": time.perf_counter() - t, "tail": tail}
+
+
 def parse_variants(text: str) -> tuple[dict, ...]:
     """'a=1,b=False;c=2.0' -> ({"a": 1, "b": False}, {"c": 2.0}) (values as Python literals)."""
     import ast
@@ -121,6 +140,9 @@ def main() -> None:
     ap.add_argument("--budgets", default="", help="comma-separated VRAM budgets in GiB to run each model at too")
     ap.add_argument("--skip-resident", action="store_true",
                     help="models: only the --budgets rows (peak memory is then the budget engine's alone)")
+    ap.add_argument("--coldstart", action="store_true",
+                    help="models: after each model's rows, tools/bench_coldstart.py on its FTW (kernels built for this "
+                         "GPU, page cache dropped before each start) into <out>/coldstart-<model>/")
     ap.add_argument("--variants", default="",
                     help="each budget also with these scheduler options, after the default: ';'-separated variants of "
                          "','-separated OffloadConfig fields, e.g. 'cpu_lane=False;admit_margin=2.0'")
@@ -174,6 +196,10 @@ def main() -> None:
                     res["models"][preset] = {"error": traceback.format_exc()[-3000:]}
                     log(f"{preset} failed:\n{res['models'][preset]['error']}")
                 flush()
+                left = args.deadline_s - (time.perf_counter() - T0)
+                if args.coldstart and ftw is not None and left > 60:
+                    res.setdefault("coldstart", {})[preset] = coldstart(ftw, args.out / f"coldstart-{preset}", left)
+                    flush()
                 if ftw is not None:
                     shutil.rmtree(ftw, ignore_errors=True)  # the disk holds one full-size FTW at a time
         else:
