@@ -79,23 +79,32 @@ def run_script(name: str, out: Path, timeout: float, quick: bool = False, tests:
     return row
 
 
-def coldstart(ftw: Path, out: Path, left: float) -> dict:
-    """tools/bench_coldstart.py on `ftw` (its own processes: `ft kernels build` for this GPU, then the JIT, prebuilt
-    and warm starts with the page cache dropped), its log in <out>/log.txt, its table in the returned row."""
-    cmd = [sys.executable, "tools/bench_coldstart.py", "--ftw", str(ftw), "--out", str(out), "--build",
-           "--drop-caches", "--deadline", str(max(30.0, (left - 30) / 4))]
+# tools that run on a model's FTW after its rows (the FTW is deleted before the next model: one full size at a time)
+AFTER = {"coldstart": ["tools/bench_coldstart.py", "--build", "--drop-caches"],  # kernels built, page cache dropped
+         "agent_replay": ["tools/bench_agent_replay.py", "--device", "cuda", "--vram-budget", "8GiB", "--skip-off"],
+         "soak": ["tools/campaign_soak.py", "--device", "cuda", "--vram-budget", "8GiB"]}
+
+
+def run_after(tool: str, ftw: Path, out: Path, left: float) -> dict:
+    """One of AFTER on `ftw`, its results in `out`, its log in <out>/log.txt; it gets what is left of the deadline
+    (the soak runs for that long, less a minute for its start and its report)."""
+    cmd = [sys.executable, *AFTER[tool], "--ftw", str(ftw), "--out", str(out)]
+    if tool == "coldstart":
+        cmd += ["--deadline", str(max(30.0, (left - 30) / 4))]
+    elif tool == "soak":
+        cmd += ["--minutes", f"{max(1.0, (left - 90) / 60):.1f}"]
     out.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=left - 20)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=left - 15)
         text, rc = r.stdout + r.stderr, r.returncode
     except subprocess.TimeoutExpired as e:
         text, rc = f"{e.stdout or ''}{e.stderr or ''}\ntimed out", None
     text = text if isinstance(text, str) else text.decode(errors="replace")
     (out / "log.txt").write_text(text)
     tail = text.strip().splitlines()[-8:]
-    log(f"coldstart: rc {rc} in {time.perf_counter() - t:.0f} s\n    " + "\n    ".join(tail))
-    return {"returncode": rc, "seconds": time.perf_counter() - t, "tail": tail}
+    log(f"{tool}: rc {rc} in {time.perf_counter() - t:.0f} s\n    " + "\n    ".join(tail))
+    return {"command": " ".join(cmd), "returncode": rc, "seconds": time.perf_counter() - t, "tail": tail}
 
 
 def parse_variants(text: str) -> tuple[dict, ...]:
@@ -140,9 +149,8 @@ def main() -> None:
     ap.add_argument("--budgets", default="", help="comma-separated VRAM budgets in GiB to run each model at too")
     ap.add_argument("--skip-resident", action="store_true",
                     help="models: only the --budgets rows (peak memory is then the budget engine's alone)")
-    ap.add_argument("--coldstart", action="store_true",
-                    help="models: after each model's rows, tools/bench_coldstart.py on its FTW (kernels built for this "
-                         "GPU, page cache dropped before each start) into <out>/coldstart-<model>/")
+    ap.add_argument("--after", default="", help=f"models: after each model's rows, these tools on its FTW, in order "
+                                                f"({', '.join(AFTER)}), each into <out>/<tool>-<model>/")
     ap.add_argument("--variants", default="",
                     help="each budget also with these scheduler options, after the default: ';'-separated variants of "
                          "','-separated OffloadConfig fields, e.g. 'cpu_lane=False;admit_margin=2.0'")
@@ -196,10 +204,11 @@ def main() -> None:
                     res["models"][preset] = {"error": traceback.format_exc()[-3000:]}
                     log(f"{preset} failed:\n{res['models'][preset]['error']}")
                 flush()
-                left = args.deadline_s - (time.perf_counter() - T0)
-                if args.coldstart and ftw is not None and left > 60:
-                    res.setdefault("coldstart", {})[preset] = coldstart(ftw, args.out / f"coldstart-{preset}", left)
-                    flush()
+                for tool in filter(None, args.after.split(",")):
+                    left = args.deadline_s - (time.perf_counter() - T0)
+                    if ftw is not None and left > 60:
+                        res.setdefault(tool, {})[preset] = run_after(tool, ftw, args.out / f"{tool}-{preset}", left)
+                        flush()
                 if ftw is not None:
                     shutil.rmtree(ftw, ignore_errors=True)  # the disk holds one full-size FTW at a time
         else:
