@@ -43,12 +43,18 @@ def test_e8m0_scale_values_are_transformers_powers_of_two():
         fp8_block.scale_values(torch.ones(2, dtype=torch.float16))
 
 
-@pytest.mark.parametrize("shape", [(128, 128), (256, 384), (384, 128)])
+@pytest.mark.parametrize("shape", [(128, 128), (256, 384), (384, 128), (129, 257), (300, 200)])
 def test_ue8m0_tiles_dequantize_as_transformers(shape):
+    """Whole tiles: transformers' own dequantization; ragged edges (which its loader floors): the tile formula."""
     g = torch.Generator().manual_seed(shape[1])
     q = (torch.randn(*shape, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
     s = torch.randint(100, 140, fp8_block.grid(*shape), generator=g, dtype=torch.uint8).view(torch.float8_e8m0fnu)
-    assert torch.equal(fp8_block.dequantize(q, s), _hf_dequant(q, s))
+    i, j = torch.arange(shape[0])[:, None] // 128, torch.arange(shape[1])[None, :] // 128
+    want = q.float() * torch.exp2(s.view(torch.uint8).float() - 127)[i, j]
+    assert torch.equal(fp8_block.dequantize(q, s), want)
+    assert torch.equal(fp8_block.dequantize(q, s.view(torch.uint8)), want)
+    if shape[0] % 128 == 0 and shape[1] % 128 == 0:
+        assert torch.equal(want, _hf_dequant(q, s))
 
 
 def test_fp4_bytes_are_mxfp4_bytes():
@@ -175,19 +181,34 @@ def _rewrite(src: Path, dst: Path, edit) -> Path:
     return dst
 
 
-def test_v4_spellings_compile_the_same(v4, work):
-    """transformers' `weight_scale_inv` names, U8 exponent bytes and V4.1's expert_dtype inside the
-    quantization_config give the FTW of the release's spelling."""
-    def edit(t):
-        return {(k[: -len("scale")] + "weight_scale_inv" if k.endswith(".scale") else k):
-                (v.view(torch.uint8) if v.dtype == torch.float8_e8m0fnu else v) for k, v in t.items()}
+_RELEASE_NAMES = {"model.embed_tokens.weight": "embed.weight", "model.hc_head.hc_fn": "hc_head_fn",
+                  "model.hc_head.hc_base": "hc_head_base", "model.hc_head.hc_scale": "hc_head_scale"}
 
-    alt = _rewrite(v4, work / "v4-alt", edit)
-    cfg = json.loads((alt / "config.json").read_text())
-    cfg["quantization_config"]["expert_dtype"] = cfg.pop("expert_dtype")
-    (alt / "config.json").write_text(json.dumps(cfg))
+
+def _hf_spelling(t):
+    """transformers' `weight_scale_inv` names and U8 exponent bytes."""
+    return {(k[: -len("scale")] + "weight_scale_inv" if k.endswith(".scale") else k):
+            (v.view(torch.uint8) if v.dtype == torch.float8_e8m0fnu else v) for k, v in t.items()}
+
+
+def _release_names(t):
+    """DeepSeek's own names (`embed.weight`, `layers.*`, `hc_head_fn`, ... without `model.`), as the release has."""
+    return {_RELEASE_NAMES.get(k, k.removeprefix("model.")): v for k, v in t.items()}
+
+
+@pytest.mark.parametrize("spelling", ["transformers", "release-names"])
+def test_v4_spellings_compile_the_same(v4, work, spelling):
+    """transformers' spelling (`weight_scale_inv`, U8 exponents, V4.1's expert_dtype inside the quantization_config)
+    and the release's own tensor names give the FTW of the synthetic layout."""
+    alt = _rewrite(v4, work / f"v4-{spelling}", _hf_spelling if spelling == "transformers" else _release_names)
+    if spelling == "transformers":
+        cfg = json.loads((alt / "config.json").read_text())
+        cfg["quantization_config"]["expert_dtype"] = cfg.pop("expert_dtype")
+        (alt / "config.json").write_text(json.dumps(cfg))
+    else:
+        assert "layers.1.ffn.experts.0.w1.scale" in _tensors(alt)
     ref = work / "v4.ftw" if (work / "v4.ftw").is_dir() else compile_checkpoint(v4, work / "v4.ftw", progress=False)
-    _same_ftw(compile_checkpoint(alt, work / "v4-alt.ftw", progress=False), ref)
+    _same_ftw(compile_checkpoint(alt, work / f"v4-{spelling}.ftw", progress=False), ref)
 
 
 # ---- refusals -------------------------------------------------------------------------------------------------------
