@@ -253,3 +253,42 @@ def test_bad_fp4_scales_and_requantizing_are_refused(v4, work):
     with pytest.raises(Exception, match="FP4 \\(MXFP4\\) experts are kept as they are; --quantize nvfp4"):
         compile_checkpoint(v4, work / "v4-nv.ftw", progress=False, quantize="nvfp4")
     assert not (work / "v4-nv.ftw").exists()
+
+
+@pytest.mark.parametrize("quantize", [None, "nvfp4"])
+def test_glm5_with_ue8m0_scales(glm5, work, quantize):
+    """GLM-5 block-FP8 re-encoded with E8M0 (power-of-two) tile scales, experts included, compiles to exactly what its
+    float32 dequantization compiles to (dense linears, an fp32 bank, or NVFP4 with --quantize)."""
+    from ft.compiler.synth.fp4_checkpoint import pow2_ceil
+
+    def ue8m0(t):
+        out = {}
+        for k, v in t.items():
+            if k.endswith(".weight_scale_inv"):
+                continue
+            s = k[: -len("weight")] + "weight_scale_inv"
+            if s not in t:
+                out[k] = v
+                continue
+            q, sc = fp8_block.quantize(fp8_block.dequantize(v, t[s]), pow2_ceil)
+            out.update({k: q, s: fp8_block.e8m0(sc)})
+        return out
+
+    def plain(t):
+        return {k: (fp8_block.dequantize(v, t[k[: -len("weight")] + "weight_scale_inv"])
+                    if k[: -len("weight")] + "weight_scale_inv" in t else v)
+                for k, v in t.items() if not k.endswith(".weight_scale_inv")}
+
+    tag = quantize or "plain"
+    src = work / "glm5-ue8m0" if (work / "glm5-ue8m0").is_dir() else _rewrite(glm5, work / "glm5-ue8m0", ue8m0)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"]["scale_fmt"] = "ue8m0"
+    (src / "config.json").write_text(json.dumps(cfg))
+    ref = _rewrite(src, work / f"glm5-ue8m0-plain-{tag}", plain)
+    cfg.pop("quantization_config")
+    (ref / "config.json").write_text(json.dumps(cfg))
+    assert _tensors(src)["model.layers.1.mlp.experts.2.down_proj.weight_scale_inv"].dtype == torch.float8_e8m0fnu
+    ours = compile_checkpoint(src, work / f"glm5-ue8m0-{tag}.ftw", progress=False, dtype="fp32", quantize=quantize)
+    _same_ftw(ours, compile_checkpoint(ref, work / f"glm5-ue8m0-plain-{tag}.ftw", progress=False, dtype="fp32",
+                                       quantize=quantize))
+    assert FtwReader(ours).quant["experts"] == (quantize or "fp32")
