@@ -33,11 +33,13 @@ def synth(
     preset: str = typer.Option(..., "--preset", help="tiny, small, demo (qwen3_5_moe) or a full-size release: "
                                "qwen3-30b-a3b, qwen3moe-35b-geom, qwen3.6-35b-a3b, qwen3-next-80b-a3b, "
                                "qwen1.5-moe-a2.7b, mixtral-8x7b, gpt-oss-20b, gpt-oss-120b, glm-4.5-air, glm-4.5."),
-    out: Path = typer.Option(..., "--out", help="Directory to create (NVFP4 / MXFP4 / FP8 also write <out>-twin)."),
+    out: Path = typer.Option(..., "--out", help="Directory to create (quantized layouts also write <out>-twin)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="bf16 or fp32 (default: fp32 for tiny, else bf16)."),
     quant: str = typer.Option("none", "--quant", help="none, nvfp4 (ModelOpt layout + exact BF16 twin), fp8 "
-                              "(128x128 block-FP8 release layout + exact twin; tiny/small/demo), or for gpt_oss "
-                              "mxfp4 (the release's MXFP4 experts + exact twin)."),
+                              "(128x128 block-FP8 release layout + exact twin; tiny/small/demo; glm_moe_dsa: "
+                              "GLM-5-FP8), "
+                              "for gpt_oss mxfp4 (the release's MXFP4 experts + exact twin), for deepseek_v4 fp4 "
+                              "(DeepSeek-V4's release: FP8 with E8M0 scales, FP4 experts + exact twin)."),
     routing: str = typer.Option("uniform", "--routing", help="uniform, or skewed (Zipf-like expert popularity)."),
     seed: int = typer.Option(0, "--seed", help="Random seed; same seed, same values."),
     expert_layout: str = typer.Option("auto", "--expert-layout",
@@ -45,7 +47,7 @@ def synth(
     layers: Optional[int] = typer.Option(None, "--layers", help="Cut the preset to this many layers."),
     max_shard_size: Optional[str] = typer.Option(None, "--max-shard-size", help="e.g. 500MB, 4GB."),
     override: list[str] = typer.Option([], "--override", help="HF config KEY=VALUE (JSON value); repeatable."),
-    no_twin: bool = typer.Option(False, "--no-twin", help="With --quant nvfp4/mxfp4/fp8: skip the twin <out>-twin."),
+    no_twin: bool = typer.Option(False, "--no-twin", help="With a quantized --quant: skip the twin <out>-twin."),
     force: bool = typer.Option(False, "--force", help="Replace --out (and its twin) if not empty."),
 ) -> None:
     """Generate a synthetic checkpoint with the exact tensor names, shapes, dtypes and configs of a real release."""

@@ -73,7 +73,8 @@ class Emitter:
 
     def dequant_to(self, r: Rows, dtype: torch.dtype, what: str) -> torch.Tensor:
         """Exact dequantization rounded once to `dtype`, in row chunks (bounded float32 temporaries)."""
-        out = torch.empty((r.out_features, r.t["weight"].shape[1] * (2 if r.scheme == "nvfp4" else 1)), dtype=dtype)
+        packed = 2 if r.scheme in ("nvfp4", "mxfp4") else 1  # two 4-bit codes per byte
+        out = torch.empty((r.out_features, r.t["weight"].shape[1] * packed), dtype=dtype)
         for a, b in _chunks(out.shape[0], out.shape[1] * 4):
             out[a:b] = to_dtype(dequantize(Rows(r.scheme, {k: v[a:b] for k, v in r.t.items()})), dtype, what)
         return out

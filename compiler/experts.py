@@ -37,11 +37,10 @@ class Bank(ABC):
 
     def components(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         I, H = self.item.intermediate, self.item.hidden
-        if self.scheme == "mxfp4":  # biases are always present with mxfp4 (gpt-oss) and stored in f32
-            u8, f32 = torch.uint8, torch.float32
+        if self.scheme == "mxfp4":  # without biases (DeepSeek-V4's FP4 experts); gpt-oss's bank adds them
+            u8 = torch.uint8
             return {"gate_up": (u8, (2 * I, H // 2)), "gate_up_scale": (u8, (2 * I, H // 32)),
-                    "gate_up_bias": (f32, (2 * I,)), "down": (u8, (H, I // 2)), "down_scale": (u8, (H, I // 32)),
-                    "down_bias": (f32, (H,))}
+                    "down": (u8, (H, I // 2)), "down_scale": (u8, (H, I // 32))}
         if self.scheme == "nvfp4":
             u8, f8, f32 = torch.uint8, torch.float8_e4m3fn, torch.float32
             return {"gate_up": (u8, (2 * I, H // 2)), "gate_up_scale": (f8, (2 * I, H // 16)),
@@ -98,10 +97,11 @@ class FusedExperts(ExpertSource):
             if ck.info(name).dtype != "F8_E4M3" or not ck.has(s):
                 raise CheckpointError(f"{name}: block-FP8 fused experts need F8_E4M3 {self.gate_up} and {self.down} "
                                       f"with their _scale_inv tensors; got {ck.info(name).dtype}")
-            want = (E, *fp8_block.grid(rows, cols))
-            if ck.info(s).dtype != "F32" or ck.info(s).shape != want:
+            want, fmt = (E, *fp8_block.grid(rows, cols)), fp8_block.scale_fmt(ck.config)
+            dts = fp8_block.SCALE_FMTS.get(fmt, ("F32",))
+            if ck.info(s).dtype not in dts or ck.info(s).shape != want:
                 raise CheckpointError(f"{s}: {ck.info(s).dtype} {list(ck.info(s).shape)}; 128x128 block-FP8 "
-                                      f"experts [{E}, {rows}, {cols}] need F32 {list(want)}")
+                                      f"experts [{E}, {rows}, {cols}] need {' or '.join(dts)} {list(want)}")
         module = self.gate_up.rsplit(".", 1)[0]
         if "fp8_block" not in decl.allowed(module):
             raise CheckpointError(f"{module}: stored as fp8_block, but the checkpoint's quantization config allows "
@@ -122,8 +122,11 @@ class _FusedBank(Bank):
         rows, names = (e, e + 1), (self.src.gate_up, self.src.down)
         if not self.fp8:
             return [em.read(n, dt, rows)[0] for n in names]
-        return [to_dtype(fp8_block.dequantize(em.read(n, None, rows)[0], em.read(f"{n}_scale_inv", None, rows)[0]), dt,
-                         f"{n} expert {e}") for n in names]
+        try:
+            return [to_dtype(fp8_block.dequantize(em.read(n, None, rows)[0], em.read(f"{n}_scale_inv", None, rows)[0]),
+                             dt, f"{n} expert {e}") for n in names]
+        except ValueError as err:  # an E8M0 NaN scale
+            raise CheckpointError(str(err)) from None
 
     def expert(self, em: Emitter, e: int) -> dict[str, torch.Tensor]:
         if self.scheme == "nvfp4":
@@ -140,7 +143,10 @@ class _FusedBank(Bank):
         I = self.item.intermediate
 
         def build() -> dict:  # --quantize: gate rows first, then up rows (one global for the pair)
-            (gate_up, down) = (fp8_block.dequantize(w, s) if s is not None else w for w, s in raw)
+            try:
+                (gate_up, down) = (fp8_block.dequantize(w, s) if s is not None else w for w, s in raw)
+            except ValueError as err:  # an E8M0 NaN scale
+                raise CheckpointError(f"expert {e}: {err}") from None
             return _nvfp4_expert(*quantize_rows(*gate_up.split(I)), *quantize_rows(down))
         return build, sum(t.nbytes for pair in raw for t in pair if t is not None)
 
@@ -170,6 +176,12 @@ class PerExpert(ExpertSource):
         schemes = {sn.scheme for trio in trios for sn in trio}
         if schemes == {"nvfp4"} and not pol.dequant:
             return _PerExpertBank(item, "nvfp4", names, trios)
+        if "mxfp4" in schemes and pol.quantize:
+            raise CheckpointError(f"{self.gate.format(e=0)}: the release's FP4 (MXFP4) experts are kept as they are; "
+                                  f"--quantize {pol.quantize} would re-quantize 4-bit values (the GPU kernels take "
+                                  "MXFP4 records as they take NVFP4)")
+        if schemes == {"mxfp4"} and not pol.dequant:  # DeepSeek-V4's FP4 experts: the bytes kept, no biases
+            return _PerExpertBank(item, "mxfp4", names, trios)
         if pol.quantize and schemes <= {"plain", "fp8_block"}:  # block FP8 is re-quantized from its float32 values
             _check_quantizable(self.gate.format(e=0), item)
             return _PerExpertBank(item, pol.quantize, names, trios, quantize=True)
@@ -216,6 +228,10 @@ class _PerExpertBank(Bank):
 
         if self.scheme == "nvfp4":
             return _nvfp4_expert(gate.t, up.t, down.t)
+        if self.scheme == "mxfp4":  # gate rows then up rows, the codes and E8M0 bytes unchanged
+            return {"gate_up": (gate.t["weight"], up.t["weight"]),
+                    "gate_up_scale": (gate.t["weight_scale"], up.t["weight_scale"]),
+                    "down": down.t["weight"], "down_scale": down.t["weight_scale"]}
         dt = DTYPE_OF[self.scheme]
         return {"gate_up": torch.cat([plain(gate, dt), plain(up, dt)]), "down": plain(down, dt)}
 

@@ -71,12 +71,12 @@ class _GptOssBank(Bank):
         self.perm = torch.cat([torch.arange(0, two_i, 2), torch.arange(1, two_i, 2)])  # [gate rows; up rows]
 
     def components(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        comps = super().components()
-        if self.scheme != "mxfp4":  # plain: the biases in the bank's dtype, after their weights
-            dt, I, H = DTYPE_OF[self.scheme], self.item.intermediate, self.item.hidden
-            comps = {"gate_up": comps["gate_up"], "gate_up_bias": (dt, (2 * I,)), "down": comps["down"],
-                     "down_bias": (dt, (H,))}
-        return comps
+        """The base bank's components with the biases after their weights (f32 beside MXFP4, else the bank dtype)."""
+        comps, I, H = super().components(), self.item.intermediate, self.item.hidden
+        dt = torch.float32 if self.scheme == "mxfp4" else DTYPE_OF[self.scheme]
+        gate_up = {k: v for k, v in comps.items() if k.startswith("gate_up")}
+        down = {k: v for k, v in comps.items() if k.startswith("down")}
+        return {**gate_up, "gate_up_bias": (dt, (2 * I,)), **down, "down_bias": (dt, (H,))}
 
     def expert(self, em: Emitter, e: int) -> dict[str, torch.Tensor]:
         from ft.formats.quant import mxfp4

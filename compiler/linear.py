@@ -6,7 +6,12 @@ A `Rows` holds one linear's tensors with the output rows as dim 0 of every tenso
   nvfp4  {"weight": u8 [out, in/2], "weight_scale": f8_e4m3 [out, in/16], "weight_scale_2": f32 [out]}
   fp8    {"weight": f8_e4m3 [out, in], "weight_scale": f32 [out]}
   fp8_block {"weight": f8_e4m3 [out, in], "weight_scale_inv": f32 [out, ceil(in/128)]}  (128x128 tiles; the tile
-         grid [ceil(out/128), ceil(in/128)] is expanded along the rows on load, ft.compiler.quant.fp8_block)
+         grid [ceil(out/128), ceil(in/128)] is expanded along the rows on load, ft.compiler.quant.fp8_block; scales
+         stored as F32, or E8M0 with scale_fmt "ue8m0", under `weight_scale_inv` or DeepSeek-V4's `scale`, become
+         their exact float32 values on load)
+  mxfp4  {"weight": u8 [out, in/2], "weight_scale": u8 [out, in/32]}  (DeepSeek-V4's FP4 experts, expert_dtype
+         "fp4": I8 E2M1 pairs, element 2j in the low nibble, and one E8M0 scale per 32 inputs, the bytes of
+         ft.formats.quant.mxfp4; only expert banks take it)
 
 Per-tensor globals are broadcast to one value per row on load. Row concatenation (q|k|v, gate|up) and row
 permutation (de-interleaving, per-head regrouping) are then plain `cat`/`index_select` on each tensor: exact, bit for
@@ -35,7 +40,7 @@ class Sniffed:
     """What the header says about one HF linear module: its scheme, logical [out, in] and its tensor names."""
 
     module: str
-    scheme: str  # plain | nvfp4 | fp8 | fp8_block
+    scheme: str  # plain | nvfp4 | fp8 | fp8_block | mxfp4
     out_features: int
     in_features: int
     names: tuple[str, ...]
@@ -49,7 +54,7 @@ def sniff(ck: Checkpoint, module: str) -> Sniffed:
     s, s2 = f"{module}.weight_scale", f"{module}.weight_scale_2"
     if len(info.shape) != 2:
         raise CheckpointError(f"{w}: expected a 2-D linear weight, got shape {list(info.shape)}")
-    if ck.has(f"{module}.weight_scale_inv"):
+    if ck.has(f"{module}.weight_scale_inv") or ck.has(f"{module}.scale"):
         return _sniff_block(ck, module, info)
     out, cols = info.shape
     if info.dtype in ("F32", "F16", "BF16") and not ck.has(s):
@@ -71,22 +76,44 @@ def sniff(ck: Checkpoint, module: str) -> Sniffed:
         return Sniffed(module, "fp8", out, cols, (w, s))
     raise CheckpointError(f"{w}: dtype {info.dtype} with the tensors present is not a supported encoding; supported: "
                           "F32/F16/BF16, ModelOpt NVFP4 (U8 + weight_scale + weight_scale_2), FP8 + F32 weight_scale, "
-                          "FP8 + F32 weight_scale_inv (128x128 blocks)")
+                          "FP8 + F32 or E8M0 weight_scale_inv / scale (128x128 blocks), I8 FP4 experts + E8M0 scale")
 
 
 def _sniff_block(ck: Checkpoint, module: str, info: TensorInfo) -> Sniffed:
-    """128x128 block-scaled FP8: weight F8_E4M3 [N, K] + weight_scale_inv F32 [ceil(N/128), ceil(K/128)]."""
-    w, si = f"{module}.weight", f"{module}.weight_scale_inv"
+    """128x128 block-scaled FP8: weight F8_E4M3 [N, K] + weight_scale_inv (or DeepSeek-V4's `scale`) [ceil(N/128),
+    ceil(K/128)], F32 or E8M0 as the config's scale_fmt says; or an FP4 expert (I8 [N, K/2] + E8M0 [N, K/32])."""
+    w = f"{module}.weight"
+    si = f"{module}.weight_scale_inv" if ck.has(f"{module}.weight_scale_inv") else f"{module}.scale"
     out, cols = info.shape
-    sinfo = ck.info(si)
+    sinfo, fmt = ck.info(si), fp8_block.scale_fmt(ck.config)
+    dts = fp8_block.SCALE_FMTS.get(fmt)
+    if dts is None:
+        raise CheckpointError(f"{si}: scale_fmt {fmt!r} is not supported; supported: "
+                              f"{', '.join(map(repr, fp8_block.SCALE_FMTS))}")
+    if info.dtype == "I8":
+        return _sniff_fp4(module, info, si, sinfo, fmt)
     if info.dtype != "F8_E4M3":
-        raise CheckpointError(f"{w}: dtype {info.dtype} next to a weight_scale_inv; block-scaled FP8 weights are "
-                              "F8_E4M3")
+        raise CheckpointError(f"{w}: dtype {info.dtype} next to a {si.rsplit('.', 1)[1]}; block-scaled FP8 weights "
+                              "are F8_E4M3 (FP4 experts I8)")
     want = fp8_block.grid(out, cols)
-    if sinfo.dtype != "F32" or tuple(sinfo.shape) != want:
+    if sinfo.dtype not in dts or tuple(sinfo.shape) != want:
         raise CheckpointError(f"{si}: {sinfo.dtype} {list(sinfo.shape)}; a {fp8_block.BLOCK}x{fp8_block.BLOCK} "
-                              f"block-FP8 weight [{out}, {cols}] needs F32 {list(want)}")
+                              f"block-FP8 weight [{out}, {cols}] with scale_fmt {fmt!r} needs {' or '.join(dts)} "
+                              f"{list(want)}")
     return Sniffed(module, "fp8_block", out, cols, (w, si))
+
+
+def _sniff_fp4(module: str, info: TensorInfo, si: str, sinfo: TensorInfo, fmt: str) -> Sniffed:
+    """FP4 (E2M1 pairs in I8) with one E8M0 scale per row per 32 inputs: transformers' `expert_dtype: "fp4"`."""
+    out, half = info.shape
+    if fmt != "ue8m0":
+        raise CheckpointError(f"{module}.weight: FP4 (I8) weight with scale_fmt {fmt!r}; FP4 experts are read with "
+                              "E8M0 scales only (scale_fmt 'ue8m0')")
+    if sinfo.dtype not in fp8_block.SCALE_FMTS["ue8m0"] or tuple(sinfo.shape) != (out, half * 2 // 32) or \
+            (half * 2) % 32:
+        raise CheckpointError(f"{si}: {sinfo.dtype} {list(sinfo.shape)}; an FP4 weight [{out}, {half * 2}] needs "
+                              f"F8_E8M0 [{out}, {half * 2 // 32}] (one scale per 32 inputs, inputs a multiple of 32)")
+    return Sniffed(module, "mxfp4", out, half * 2, (f"{module}.weight", si))
 
 
 @dataclass
@@ -103,12 +130,19 @@ def load(ck: Checkpoint, read, sn: Sniffed) -> Rows:
     """Read one module's tensors (`read(name)` does the I/O) into row-wise form."""
     t = {n[len(sn.module) + 1:]: read(n) for n in sn.names}
     out = sn.out_features
+    if sn.scheme in ("fp8_block", "mxfp4"):
+        scale = t.pop("scale") if "scale" in t else t.pop("weight_scale_inv")
+        try:
+            values = fp8_block.scale_values(scale, sn.names[1])  # exact float32; E8M0 NaN refused
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+        if sn.scheme == "mxfp4":  # the bytes as they are: E2M1 pairs and E8M0 exponents
+            return Rows("mxfp4", {"weight": t["weight"].view(torch.uint8), "weight_scale": scale.view(torch.uint8)})
+        t["weight_scale_inv"] = fp8_block.rows_of(values, out)
     if sn.scheme == "nvfp4":
         t["weight_scale_2"] = t["weight_scale_2"].reshape(1).expand(out).contiguous()
     elif sn.scheme == "fp8":
         t["weight_scale"] = t["weight_scale"].reshape(-1).expand(out).contiguous()
-    elif sn.scheme == "fp8_block":
-        t["weight_scale_inv"] = fp8_block.rows_of(t["weight_scale_inv"], out)
     return Rows(sn.scheme, t)
 
 
@@ -122,6 +156,10 @@ def dequantize(r: Rows) -> torch.Tensor:
         return nvfp4.dequantize(r.t["weight"], r.t["weight_scale"], r.t["weight_scale_2"])
     if r.scheme == "fp8_block":
         return fp8_block.dequantize_rows(r.t["weight"], r.t["weight_scale_inv"])
+    if r.scheme == "mxfp4":
+        from ft.formats.quant import mxfp4
+
+        return mxfp4.dequantize(r.t["weight"], r.t["weight_scale"])
     from ft.formats.quant import fp8
 
     return fp8.dequantize(r.t["weight"], r.t["weight_scale"])

@@ -33,7 +33,7 @@ SCHEMES: dict[str, int] = {
     "fp16": 2,
     "bf16": 3,
     "nvfp4": 4,  # ModelOpt NVFP4: E2M1 codes, e4m3 scale per 16 inputs, fp32 scale_2 per output row
-    "mxfp4": 5,  # reserved for gpt-oss banks
+    "mxfp4": 5,  # OCP MXFP4 expert banks: gpt-oss (with biases), DeepSeek-V4's FP4 experts (without)
     "fp8_block": 6,  # reserved for DeepSeek-style 128x128 block FP8
     "fp8_row": 7,  # e4m3 weights, fp32 scale per output row
 }

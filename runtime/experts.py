@@ -36,13 +36,14 @@ def expected_components(scheme: str, hidden: int, inter: int, bias: bool = False
         return {"gate_up": (2 * inter, hidden // 2), "gate_up_scale": (2 * inter, hidden // 16),
                 "gate_up_scale_2": (2 * inter,), "down": (hidden, inter // 2),
                 "down_scale": (hidden, inter // 16), "down_scale_2": (hidden,)}
-    if scheme == "mxfp4" and bias:
-        return {"gate_up": (2 * inter, hidden // 2), "gate_up_scale": (2 * inter, hidden // 32),
-                "gate_up_bias": (2 * inter,), "down": (hidden, inter // 2), "down_scale": (hidden, inter // 32),
-                "down_bias": (hidden,)}
-    if scheme in ("nvfp4", "mxfp4"):
-        raise ValueError(f"expert scheme {scheme} {'has no' if bias else 'needs'} expert biases; the config says "
-                         f"expert_bias={bias}")
+    if scheme == "mxfp4":  # gpt-oss: with biases; DeepSeek-V4's FP4 experts: without
+        gate_up = {"gate_up": (2 * inter, hidden // 2), "gate_up_scale": (2 * inter, hidden // 32)}
+        down = {"down": (hidden, inter // 2), "down_scale": (hidden, inter // 32)}
+        if bias:
+            return {**gate_up, "gate_up_bias": (2 * inter,), **down, "down_bias": (hidden,)}
+        return {**gate_up, **down}
+    if scheme == "nvfp4":
+        raise ValueError("expert scheme nvfp4 has no expert biases; the config says expert_bias=True")
     raise ValueError(f"unsupported expert scheme {scheme!r}; supported: {', '.join(PLAIN)}, nvfp4, mxfp4")
 
 
@@ -149,5 +150,6 @@ def check_bank(bank: ExpertBankView, config: ModelConfig) -> None:
         dts = {name: c.dtype for name, c in bank.components.items()}
         want = {"gate_up": "U8", "gate_up_scale": "U8", "gate_up_bias": "F32", "down": "U8", "down_scale": "U8",
                 "down_bias": "F32"}
+        want = {k: v for k, v in want.items() if k in dts}  # the biases: present iff expert_bias (shapes above)
         if dts != want:
             raise ValueError(f"bank {bank.name} (mxfp4): component dtypes {dts}, expected {want}")

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-QUANTS = ("none", "nvfp4", "mxfp4", "fp8")
+QUANTS = ("none", "nvfp4", "mxfp4", "fp8", "fp4")
 
 torch.set_num_threads(1)
 
@@ -46,7 +46,7 @@ class TinyCheckpoints:
         return self._hf[key]
 
     def twin(self, arch: str, synth_dtype: str | None = None, quant: str = "nvfp4") -> Path:
-        """The exact-dequantized twin written next to the NVFP4 / FP8 (gpt_oss: MXFP4) checkpoint."""
+        """The exact-dequantized twin written next to the NVFP4 / FP8 (gpt_oss: MXFP4; deepseek_v4: FP4) checkpoint."""
         hf = self.hf(arch, quant, synth_dtype)
         twin = hf.parent / f"{hf.name}-twin"
         if not twin.is_dir():

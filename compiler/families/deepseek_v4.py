@@ -16,6 +16,9 @@ save_pretrained writes them, `model.embed_tokens.weight`, `model.layers.{i}.*`, 
     ffn.gate.{weight, bias, tid2eid} -> mlp.{gate, e_score_correction_bias, tid2eid (int32)}
     ffn.experts.{e}.{w1, w3, w2} -> the bank (gate, up, down);  ffn.shared_experts.{w1|w3, w2}
       -> mlp.shared_expert.{gate_up_proj, down_proj}
+The release (`quantization_config` quant_method "fp8", scale_fmt "ue8m0", `expert_dtype` "fp4") is read by the
+generic encodings: each FP8 linear's `scale` (E8M0 128x128 tiles) next to its `weight` (`ft.compiler.linear`), and
+the routed experts' FP4 weights kept as an MXFP4 bank without biases (`ft.compiler.experts.PerExpert`).
 Every layer is `compressed_attention` (`compress_kinds`: none / csa / hca from transformers' `layer_types`) and MoE
 (`hash_moe_layers` from `mlp_layer_types`). The multi-token-prediction head (`mtp.*`) is skipped.
 """
@@ -52,8 +55,6 @@ class DeepseekV4(Family):
                  ok=lambda v: v in (None, "sqrtsoftplus"))
         c.refuse("attention_bias", "DeepSeek-V4's projections have no biases")
         c.refuse("mlp_bias", "DeepSeek-V4's MLPs have no biases")
-        c.refuse("quantization_config", "DeepSeek-V4's FP8 / FP4-expert releases (`expert_dtype`) are not "
-                 "compiled yet; a BF16 / FP32 checkpoint is")
         c.refuse("norm_topk_prob", "DeepSeek-V4 always renormalizes the routed weights", ok=lambda v: v in (None, True))
         kv = c.int("num_key_value_heads", 1)
         if kv != 1:

@@ -5,6 +5,13 @@ despite its name is the dequantization MULTIPLIER of each tile (ragged last tile
 
     W[i, j] = float32(weight[i, j]) * weight_scale_inv[i // 128, j // 128]
 
+Scale formats (`quantization_config.scale_fmt`, transformers' `FineGrainedFP8Config`): "float" stores the grid as
+F32 (DeepSeek-V3, Qwen3-*-FP8, GLM-*-FP8); "ue8m0" stores each scale as one E8M0 byte, the power of two
+2^(e - 127) (DeepSeek-V4: F8_E8M0, `torch.float8_e8m0fnu`; MXFP8-style checkpoints: U8 bytes, which transformers
+reads as the same exponents). `scale_values` turns either into the exact float32 multipliers (every 2^(e - 127),
+e in 0..254, is a float32, 2^-127 a subnormal one); e = 255 is E8M0's NaN (transformers' float8_e8m0fnu cast gives
+NaN, its U8 path 2^128 = inf) and is refused: no real weight has it.
+
 FTW has no block-FP8 scheme: the compiler dequantizes these linears (exact float32, rounded once to the output
 dtype) or re-quantizes experts to NVFP4. For row-wise handling (`ft.compiler.linear.Rows`: concatenation and row
 permutation act on dim 0 of every tensor) the tile grid is expanded along the rows to `[N, ceil(K/128)]` on load;
@@ -21,6 +28,39 @@ from ft.formats.quant.fp8 import E4M3_MAX
 
 BLOCK = 128
 MIN_AMAX = 1e-12  # an all-zero tile still gets a positive scale
+
+
+SCALE_FMTS = {"float": ("F32",), "ue8m0": ("F8_E8M0", "U8")}  # scale_fmt -> safetensors dtypes of its scales
+E8M0_NAN = 255
+
+
+def scale_fmt(config: dict) -> str:
+    """The checkpoint's declared scale format ("float" unless its quantization_config says otherwise)."""
+    qc = config.get("quantization_config")
+    if qc is None and isinstance(config.get("text_config"), dict):
+        qc = config["text_config"].get("quantization_config")
+    return (qc or {}).get("scale_fmt") or "float"
+
+
+def scale_values(s: torch.Tensor, what: str = "scales") -> torch.Tensor:
+    """Exact float32 multipliers of stored scales: F32 as is, E8M0 (float8_e8m0fnu or U8 exponent bytes) as
+    2^(e - 127). Raises ValueError on an E8M0 NaN (255) or any other dtype."""
+    if s.dtype == torch.float32:
+        return s
+    if s.dtype not in (torch.float8_e8m0fnu, torch.uint8):
+        raise ValueError(f"{what}: block scales must be float32 or E8M0 (float8_e8m0fnu / uint8), got {s.dtype}")
+    e = s.view(torch.uint8)
+    if bool((e == E8M0_NAN).any()):
+        raise ValueError(f"{what}: E8M0 scale byte 255 (NaN) at {tuple(int(i) for i in (e == E8M0_NAN).nonzero()[0])}")
+    return torch.exp2(e.float() - 127)
+
+
+def e8m0(s: torch.Tensor) -> torch.Tensor:
+    """float32 powers of two 2^-127..2^127 -> their E8M0 bytes as float8_e8m0fnu (exact; anything else refused)."""
+    m, e = torch.frexp(s.float())  # s = 0.5 * 2^(e) for powers of two
+    if not bool((m == 0.5).all()) or int(e.min()) - 1 < -127 or int(e.max()) - 1 > 127:
+        raise ValueError("E8M0 scales must be powers of two in [2^-127, 2^127]")
+    return (e - 1 + 127).to(torch.uint8).view(torch.float8_e8m0fnu)
 
 
 def grid(rows: int, cols: int) -> tuple[int, int]:
@@ -45,7 +85,9 @@ def dequantize_rows(weight: torch.Tensor, row_scale: torch.Tensor) -> torch.Tens
 
 
 def dequantize(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """Exact float32 [N, K] from weight e4m3 [N, K] and the tile grid weight_scale_inv [ceil(N/128), ceil(K/128)]."""
+    """Exact float32 [N, K] from weight e4m3 [N, K] and the tile grid weight_scale_inv [ceil(N/128), ceil(K/128)]
+    (float32 or E8M0)."""
+    scale_inv = scale_values(scale_inv, "weight_scale_inv")
     if scale_inv.shape != grid(*weight.shape):
         raise ValueError(f"block FP8 weight_scale_inv {tuple(scale_inv.shape)} does not match weight "
                          f"{tuple(weight.shape)}: want {list(grid(*weight.shape))}")

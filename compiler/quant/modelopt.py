@@ -5,8 +5,12 @@ read by `experts_gpt_oss.GptOssExperts`; every linear stays plain), and NVIDIA M
 `quantization_config` with `quant_method: "modelopt"`, and/or the legacy `hf_quant_config.json`) whose algorithms are
 NVFP4 / W4A16_NVFP4 (E2M1 codes + e4m3 block-16 scales + fp32 global), FP8 per-tensor, or MIXED_PRECISION of those,
 and block-scaled FP8 releases (`quant_method: "fp8"`, `fmt: "e4m3"`, `weight_block_size: [128, 128]`: DeepSeek-V3,
-Qwen3-*-FP8, GLM-*-FP8), whose `modules_to_not_convert` / `ignored_layers` use transformers' matching (a regex from the
-start of the module path up to a module boundary, or a suffix). Everything else is refused here, before any tensor
+Qwen3-*-FP8, GLM-*-FP8; `scale_fmt` "float" or "ue8m0" (E8M0 power-of-two scales, DeepSeek-V4); `expert_dtype`
+"fp8" or "fp4" (DeepSeek-V4's routed experts: E2M1 pairs with an E8M0 scale per 32 inputs, scheme `mxfp4`, for the
+modules under an `experts.` path; V4 writes `expert_dtype` at the top level of config.json, V4.1 inside the
+quantization_config, and transformers moves the first into the second)), whose `modules_to_not_convert` /
+`ignored_layers` use transformers' matching (a regex from the start of the module path up to a module boundary, or a
+suffix). Everything else is refused here, before any tensor
 is read, with one message listing what is supported.
 
 Per-module schemes are still read off the tensors themselves (`linear.sniff`); this module only says which schemes
@@ -25,8 +29,11 @@ from ft.compiler.errors import CheckpointError
 # ModelOpt quant_algo -> the scheme of the stored weights ("nvfp4": packed E2M1; "fp8": e4m3 per-tensor scale)
 ALGOS = {"NVFP4": "nvfp4", "W4A16_NVFP4": "nvfp4", "FP8": "fp8"}
 SUPPORTED = ("unquantized bf16/fp16/fp32, quant_method 'modelopt' with quant_algo NVFP4, W4A16_NVFP4, "
-             "FP8 (per-tensor) or MIXED_PRECISION of these, quant_method 'fp8' with fmt 'e4m3' and "
-             "weight_block_size [128, 128], or quant_method 'mxfp4' (gpt-oss experts)")
+             "FP8 (per-tensor) or MIXED_PRECISION of these, quant_method 'fp8' with fmt 'e4m3', "
+             "weight_block_size [128, 128], scale_fmt 'float' or 'ue8m0' and expert_dtype 'fp8' or 'fp4', "
+             "or quant_method 'mxfp4' (gpt-oss experts)")
+EXPERT_DTYPES = {"fp8": "fp8_block", "fp4": "mxfp4"}  # block-FP8 expert_dtype -> the experts' scheme
+_EXPERT = re.compile(r"(^|\.)experts(\.\d+)?(\.|$)")  # a routed expert module (not shared_experts)
 
 
 @dataclass(frozen=True)
@@ -38,6 +45,7 @@ class QuantDecl:
     layers: dict[str, str]  # MIXED_PRECISION: module path -> scheme
     excluded: tuple[str, ...]  # patterns of modules left unquantized: fnmatch, or transformers' rule (`hf_match`)
     hf_match: bool = False  # block FP8: transformers' `should_convert_module` matching instead of fnmatch
+    experts: str | None = None  # block FP8: the scheme of routed expert modules (expert_dtype), else `default`
 
     @property
     def quantized(self) -> bool:
@@ -51,7 +59,9 @@ class QuantDecl:
             if path in self.layers:
                 return {self.layers[path]}
         if self.hf_match:
-            return {"plain"} if _hf_excluded(module, self.excluded) else {self.default, "plain"}
+            if _hf_excluded(module, self.excluded):
+                return {"plain"}
+            return {self.experts or self.default, "plain"} if _EXPERT.search(module) else {self.default, "plain"}
         if self.layers or any(fnmatch.fnmatchcase(p, pat)
                               for p in _self_and_ancestors(module) for pat in self.excluded):
             return {"plain"}
@@ -86,12 +96,16 @@ def _fp8_block(qc: dict, where: str) -> QuantDecl:
     if qc.get("activation_scheme", "dynamic") not in ("dynamic", "static"):
         raise CheckpointError(f"{where}: FP8 activation_scheme {qc.get('activation_scheme')!r} is not supported; "
                               "supported: 'dynamic', 'static' (weights are read alone either way)")
-    if qc.get("scale_fmt", "float") != "float":
+    if (qc.get("scale_fmt") or "float") not in ("float", "ue8m0"):
         raise CheckpointError(f"{where}: FP8 scale_fmt {qc.get('scale_fmt')!r} is not supported; supported: 'float' "
-                              "(F32 weight_scale_inv)")
-    if qc.get("expert_dtype", "fp8") != "fp8":
-        raise CheckpointError(f"{where}: FP8 expert_dtype {qc.get('expert_dtype')!r} is not supported; supported: "
-                              "'fp8'")
+                              "(F32 weight_scale_inv), 'ue8m0' (E8M0 power-of-two scales)")
+    expert_dtype = qc.get("expert_dtype") or "fp8"
+    if expert_dtype not in EXPERT_DTYPES:
+        raise CheckpointError(f"{where}: FP8 expert_dtype {expert_dtype!r} is not supported; supported: 'fp8', "
+                              "'fp4' (E2M1 experts with E8M0 scales per 32 inputs)")
+    if expert_dtype == "fp4" and (qc.get("scale_fmt") or "float") != "ue8m0":
+        raise CheckpointError(f"{where}: FP8 expert_dtype 'fp4' with scale_fmt {qc.get('scale_fmt')!r} is not "
+                              "supported; FP4 experts carry E8M0 scales (scale_fmt 'ue8m0')")
     if qc.get("modules_to_convert"):
         raise CheckpointError(f"{where}: FP8 modules_to_convert (quantized embeddings) is not supported")
     excluded = qc.get("modules_to_not_convert")
@@ -104,7 +118,7 @@ def _fp8_block(qc: dict, where: str) -> QuantDecl:
             re.compile(pat)
         except re.error as e:
             raise CheckpointError(f"{where}: module pattern {pat!r} is not a valid regex ({e})") from None
-    return QuantDecl(qc, "fp8_block", {}, tuple(excluded), hf_match=True)
+    return QuantDecl(qc, "fp8_block", {}, tuple(excluded), hf_match=True, experts=EXPERT_DTYPES[expert_dtype])
 
 
 def _algo(value, where: str) -> str:
@@ -135,7 +149,8 @@ def parse_quant(config: dict, hf_quant: dict | None) -> QuantDecl:
                                       f"not model_type {config.get('model_type')!r}")
             return QuantDecl(qc, "plain", {}, ())
         if method == "fp8":
-            return _fp8_block(qc, where)
+            top = config.get("expert_dtype")  # DeepSeek-V4's place for it; transformers moves it into the config
+            return _fp8_block(qc if top is None or "expert_dtype" in qc else dict(qc, expert_dtype=top), where)
         if method != "modelopt":
             raise CheckpointError(f"{where}: quant_method {method!r} is not supported; supported: {SUPPORTED}")
         source, algo = qc, qc.get("quant_algo")

@@ -8,7 +8,8 @@
 Writes sharded safetensors + index, a config.json / generation_config.json in the style of the real release, the real
 Qwen tokenizer files, the fake extra tensors real checkpoints carry (mtp.*, model.visual.*), and with
 `quant="nvfp4"` the ModelOpt NVFP4 layout (`quant="mxfp4"`: gpt_oss's MXFP4 experts, `synth.gpt_oss`; `quant="fp8"`:
-the 128x128 block-FP8 layout of Qwen3-*-FP8 / GLM-*-FP8, in-memory presets, `fp8_checkpoint`) plus its exact
+the 128x128 block-FP8 layout of Qwen3-*-FP8 / GLM-*-FP8 / GLM-5-FP8, in-memory presets, `fp8_checkpoint`;
+`quant="fp4"`: DeepSeek-V4's release, block-FP8 with E8M0 scales and FP4 experts, `fp4_checkpoint`) plus its exact
 BF16 twin in `<out_dir>-twin` (`twin=False` writes the
 quantized checkpoint alone: the qwen3.6-35b-a3b twin is 72 GB). Both directories are written into temporary siblings
 and renamed into place when complete. How values are chosen: `weights`; expert
@@ -29,10 +30,10 @@ from ft.compiler.synth.routing import ROUTINGS
 __all__ = ["ARCHS", "PRESETS", "FULL_SIZE", "QUANTS", "LAYOUTS", "SynthError", "synth", "tensor_table",
            "resolve_layout"]
 
-QUANTS = ("none", "nvfp4", "mxfp4", "fp8")
-# every other arch: none, nvfp4, fp8 (glm_moe_dsa: no quantized layout of GLM-5's MLA projections defined yet;
-# deepseek_v4: its FP8 / FP4-expert release formats are not written yet)
-_QUANTS_OF = {"gpt_oss": ("none", "mxfp4"), "glm_moe_dsa": ("none",), "deepseek_v4": ("none",)}
+QUANTS = ("none", "nvfp4", "mxfp4", "fp8", "fp4")
+# every other arch: none, nvfp4, fp8 (glm_moe_dsa: no NVFP4 layout of GLM-5's MLA projections defined; deepseek_v4:
+# its release, "fp4", FP8 dense with E8M0 scales and FP4 experts)
+_QUANTS_OF = {"gpt_oss": ("none", "mxfp4"), "glm_moe_dsa": ("none", "fp8"), "deepseek_v4": ("none", "fp4")}
 LAYOUTS = ("auto", "fused", "per_expert")
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B?)\s*$", re.IGNORECASE)
 
@@ -118,8 +119,8 @@ def _resolve(arch: str, preset: str, dtype: str | None, quant: str, routing: str
     allowed = _QUANTS_OF.get(arch, ("none", "nvfp4", "fp8"))
     if quant not in allowed:
         raise SynthError(f"quant {quant!r} does not exist for {arch}; supported: {', '.join(allowed)}")
-    if quant == "fp8" and p.kind != "hf":
-        raise SynthError(f"quant 'fp8' is written for the in-memory presets only "
+    if quant in ("fp8", "fp4") and p.kind != "hf":
+        raise SynthError(f"quant {quant!r} is written for the in-memory presets only "
                          f"({', '.join(n for n, q in PRESETS.items() if q.kind == 'hf')}), not {preset!r}")
     if routing not in ROUTINGS:
         raise SynthError(f"unknown routing {routing!r}; supported: {', '.join(ROUTINGS)}")
@@ -159,7 +160,7 @@ def synth(arch: str, preset: str, out_dir: Path, *, dtype: str | None = None, qu
     p, keys, torch_dtype, fused = _resolve(arch, preset, dtype, quant, routing, expert_layout, overrides, num_layers)
     out_dir = Path(out_dir).absolute()
     twin_dir = out_dir.with_name(out_dir.name + "-twin")
-    write_twin = quant in ("nvfp4", "mxfp4", "fp8") and twin
+    write_twin = quant in ("nvfp4", "mxfp4", "fp8", "fp4") and twin
     _check_out(out_dir, force)
     if write_twin:
         _check_out(twin_dir, force)

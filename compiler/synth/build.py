@@ -1,4 +1,5 @@
-"""One synthetic checkpoint (and its NVFP4 / FP8 twin) into prepared temporary directories: the steps behind `synth`."""
+"""One synthetic checkpoint (and its NVFP4 / FP8 / FP4 twin) into prepared temporary directories: the steps behind
+`synth`."""
 
 from __future__ import annotations
 
@@ -61,10 +62,10 @@ def _entries(arch: str, preset: Preset, cfg, dtype: torch.dtype, quant: str, fus
         state = build_state(table, ctx)
         if quant == "none":
             return table, [tensor_entry(n, t) for n, t in state.items()], None, None
-        if quant == "fp8":
-            from ft.compiler.synth import fp8_checkpoint
+        if quant in ("fp8", "fp4"):
+            from ft.compiler.synth import fp4_checkpoint, fp8_checkpoint
 
-            q, twin = fp8_checkpoint.quantize_state(state)
+            q, twin = (fp8_checkpoint if quant == "fp8" else fp4_checkpoint).quantize_state(state)
         else:
             q, twin = quantize_state(arch, state, ctx.seed)
         return table, [tensor_entry(n, t) for n, t in q.items()], [tensor_entry(n, t) for n, t in twin.items()], None
@@ -102,10 +103,10 @@ def plan_table(*, arch: str, preset: Preset, keys: dict, dtype: torch.dtype, qua
     if quant == "nvfp4":
         _check_quantizable(arch, table)
     ctx = ValueContext(arch, text.hidden_size, text.num_hidden_layers, 0, "uniform")
-    if quant == "fp8":  # in-memory presets only (checked by synth._resolve)
-        from ft.compiler.synth.fp8_checkpoint import quantized_table
+    if quant in ("fp8", "fp4"):  # in-memory presets only (checked by synth._resolve)
+        from ft.compiler.synth import fp4_checkpoint, fp8_checkpoint
 
-        return quantized_table(table)
+        return (fp8_checkpoint if quant == "fp8" else fp4_checkpoint).quantized_table(table)
     main, _ = FullSizeWriter(arch, ctx, quant).entries(table)
     return [TensorSpec(e.name, e.shape, e.dtype) for e in main]
 
@@ -131,7 +132,7 @@ def build_checkpoint(*, arch: str, preset: Preset, keys: dict, dtype: torch.dtyp
     table, main, twin_entries, writer = _entries(arch, preset, cfg, dtype, quant, fused, ctx)
 
     with tempfile.TemporaryDirectory(prefix="ft-synth-twin-") as scratch:
-        if quant in ("nvfp4", "fp8") and twin is None and writer is None:
+        if quant in ("nvfp4", "fp8", "fp4") and twin is None and writer is None:
             twin = Path(scratch)
         _write_files(arch, cfg, tok, table, dtype, quant, out, twin)
         total = total_bytes(main) + (total_bytes(twin_entries) if twin is not None else 0)
@@ -164,6 +165,10 @@ def _write_files(arch: str, cfg, tok: dict, table: list[TensorSpec], dtype: torc
         from ft.compiler.synth.fp8_checkpoint import quant_config
 
         config = dict(config, quantization_config=quant_config(arch, table))
+    elif quant == "fp4":  # DeepSeek-V4: expert_dtype at the top level, as V4's config.json has it
+        from ft.compiler.synth.fp4_checkpoint import CONFIG, EXPERT_DTYPE
+
+        config = dict(config, quantization_config=dict(CONFIG), expert_dtype=EXPERT_DTYPE)
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", gen)
 

@@ -1,15 +1,17 @@
 """Block-FP8 layout (Qwen3-*-FP8, GLM-*-FP8, DeepSeek-V3 style) for synthetic checkpoints: which linears are
 quantized, their tensors and the config.
 
-Quantized: attention q/k/v/o, routed experts (per expert, 2-D), shared experts, dense MLPs, and the linear-attention
-projections in_proj_qkvz / in_proj_qkv / in_proj_z / out_proj, in the decoder and in the MTP head alike (releases
-quantize every decoder Linear). Left in the checkpoint dtype: embeddings, lm_head, norms, routers (`mlp.gate`),
-shared_expert_gate, in_proj_ba / in_proj_a / in_proj_b, conv1d and the vision tower.
+Quantized: attention q/k/v/o (GLM-5's MLA: q_a / q_b / kv_a_proj_with_mqa / kv_b / o and the DSA indexer's wq_b /
+wk; its weights_proj stays, as transformers keeps it in float32), routed experts (per expert, 2-D), shared experts,
+dense MLPs, and the linear-attention projections in_proj_qkvz / in_proj_qkv / in_proj_z / out_proj, in the decoder
+and in the MTP head alike (releases quantize every decoder Linear). Left in the checkpoint dtype: embeddings, lm_head,
+norms, routers (`mlp.gate`), shared_expert_gate, in_proj_ba / in_proj_a / in_proj_b, conv1d and the vision tower.
 
 Tensors per quantized linear X: `X.weight` float8_e4m3fn [N, K] and `X.weight_scale_inv` float32 [ceil(N/128),
 ceil(K/128)] (`ft.compiler.quant.fp8_block`). `quantization_config`: {"activation_scheme": "dynamic", "fmt": "e4m3",
 "quant_method": "fp8", "weight_block_size": [128, 128]}; the Qwen families add `modules_to_not_convert` (lm_head,
-norms, routers, ... per layer, like Qwen3-30B-A3B-FP8), glm4_moe carries the bare DeepSeek-style config.
+norms, routers, ... per layer, like Qwen3-30B-A3B-FP8), glm4_moe and glm_moe_dsa carry the bare DeepSeek-style
+config.
 
 Exact BF16 twin: each tile's scale is the quantizer's amax/448 rounded UP to two significant bits (`two_bit_scales`);
 an e4m3 value (4 significant bits) times such a scale has at most 6, so every dequantized weight is exactly
@@ -26,7 +28,8 @@ import torch
 from ft.compiler.quant import fp8_block
 from ft.compiler.synth.tables import TensorSpec
 
-_QUANTIZED = re.compile(r"\.(self_attn\.(q_proj|k_proj|v_proj|o_proj)"
+_QUANTIZED = re.compile(r"\.(self_attn\.(q_proj|k_proj|v_proj|o_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj)"
+                        r"|self_attn\.indexer\.(wq_b|wk)"
                         r"|experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)"
                         r"|shared_experts?\.(gate_proj|up_proj|down_proj)|mlp\.(gate_proj|up_proj|down_proj)"
                         r"|linear_attn\.(in_proj_qkvz|in_proj_qkv|in_proj_z|out_proj))\.weight$")
@@ -40,7 +43,7 @@ def quantized(name: str, shape: tuple[int, ...]) -> bool:
 
 def quant_config(arch: str, table: list[TensorSpec]) -> dict:
     """config.json quantization_config for a checkpoint with this (unquantized) tensor table."""
-    if arch == "glm4_moe":
+    if arch in ("glm4_moe", "glm_moe_dsa"):
         return dict(CONFIG)
     keep = [t.name[: -len(".weight")] for t in table if t.name.endswith(".weight") and not quantized(t.name, t.shape)
             and not t.name.startswith(("model.visual.", "mtp.")) and not t.name.endswith("embed_tokens.weight")]

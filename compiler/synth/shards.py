@@ -19,7 +19,8 @@ from pathlib import Path
 import torch
 
 ST_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3",
-             torch.uint8: "U8", torch.int64: "I64", torch.int32: "I32"}
+             torch.uint8: "U8", torch.int8: "I8", torch.float8_e8m0fnu: "F8_E8M0", torch.int64: "I64",
+             torch.int32: "I32"}
 INDEX_NAME = "model.safetensors.index.json"
 
 

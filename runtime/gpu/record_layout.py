@@ -11,11 +11,14 @@ components at fixed byte offsets (each a multiple of 256), see the "Expert banks
     down_scale      e4m3 [H, I/16]                   down_scale    u8  [H, I/32]
     down_scale_2    f32  [H]                         down_bias     f32 [H]
 
+The mxfp4 biases are optional as a pair: gpt-oss records carry both, DeepSeek-V4's FP4 experts neither (their offsets
+-1, `kernel_args` BIAS false); a record with one bias is refused.
+
 The layout also carries the expert's function, fixed per model: `act` "silu" (`silu(g) * u`), "clamped_swiglu"
 (gpt_oss: `(clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g')`, `g' = min(g, limit)`, with the biases added
 to g, u and the down projection first) or "clamped_silu" (deepseek_v4: `silu(min(g, limit)) * clamp(u, -limit,
-limit)`; `ft.runtime.experts`). `kernel_args` turns both into the Triton kernels'
-constexprs, so each model compiles one specialisation of each kernel and no call branches on the format.
+limit)`; `ft.runtime.experts`). `kernel_args` turns format and function into the Triton kernels' constexprs, so
+each model compiles one specialisation of each kernel and no call branches on the format.
 
 The GPU kernels, the CPU kernel and the reference all read records through this one description, so a slot in VRAM,
 a pinned staging buffer and the mmapped file hold byte-identical records.
@@ -32,6 +35,7 @@ NVFP4_COMPONENTS = ("gate_up", "gate_up_scale", "gate_up_scale_2", "down", "down
 MXFP4_COMPONENTS = ("gate_up", "gate_up_scale", "gate_up_bias", "down", "down_scale", "down_bias")
 COMPONENTS = NVFP4_COMPONENTS  # the NVFP4 record (benchmarks and tools build NVFP4 records)
 SCHEMES = {"nvfp4": NVFP4_COMPONENTS, "mxfp4": MXFP4_COMPONENTS}
+BIASES = ("gate_up_bias", "down_bias")  # mxfp4: both or neither
 GROUP = {"nvfp4": 16, "mxfp4": 32}  # inputs per block scale
 ACTS = ("silu", "clamped_swiglu", "clamped_silu")
 
@@ -61,6 +65,9 @@ class RecordLayout:
             raise ValueError(f"unknown expert activation {self.act!r}; supported: {', '.join(ACTS)}")
         if self.hidden % 32 or self.inter % 32:
             raise ValueError(f"{self.scheme} experts need H and I divisible by 32, got H={self.hidden} I={self.inter}")
+        if self.scheme == "mxfp4" and (self.off_gate_up_bias < 0) != (self.off_down_bias < 0):
+            raise ValueError("mxfp4 records carry both expert biases or neither, got offsets "
+                             f"gate_up_bias {self.off_gate_up_bias}, down_bias {self.off_down_bias}")
         absent = set(NVFP4_COMPONENTS + MXFP4_COMPONENTS) - set(self.components)
         for name in absent:
             if getattr(self, "off_" + name) != -1:
@@ -75,6 +82,9 @@ class RecordLayout:
 
     @property
     def components(self) -> tuple[str, ...]:
+        """The record's components in table order (mxfp4 without biases: four)."""
+        if self.scheme == "mxfp4" and self.off_down_bias < 0:
+            return tuple(c for c in MXFP4_COMPONENTS if c not in BIASES)
         return SCHEMES[self.scheme]
 
     @property
@@ -89,7 +99,7 @@ class RecordLayout:
 
     @functools.cached_property
     def payload_bytes(self) -> int:
-        """Bytes of the six components (what a kernel must read), without record padding (read per layer call by
+        """Bytes of the components (what a kernel must read), without record padding (read per layer call by
         the schedulers' counters: computed once)."""
         return sum(self.nbytes(c) for c in self.components)
 
@@ -133,9 +143,14 @@ class RecordLayout:
         if bank.scheme not in SCHEMES:
             raise ValueError(f"expert bank scheme {bank.scheme!r} has no GPU kernel (supported: {', '.join(SCHEMES)})")
         comps, names = bank.components, SCHEMES[bank.scheme]
+        if bank.scheme == "mxfp4" and not any(b in comps for b in BIASES):
+            names = tuple(c for c in names if c not in BIASES)  # DeepSeek-V4's FP4 experts: no biases
         missing = [c for c in names if c not in comps]
         if missing:
             raise ValueError(f"{bank.scheme} expert bank lacks components {missing}")
+        extra = sorted(set(comps) - set(names))
+        if extra:
+            raise ValueError(f"{bank.scheme} expert bank has components {extra} the record layout does not know")
         offs = {f"off_{c}": int(comps[c].offset) for c in names}
         layout = cls(**{"off_gate_up_scale_2": -1, "off_down_scale_2": -1, **offs}, hidden=hidden, inter=inter,
                      stride=int(bank.stride), scheme=bank.scheme, act=act, alpha=alpha, limit=limit)
@@ -152,12 +167,15 @@ class RecordLayout:
 
     @classmethod
     def packed(cls, hidden: int, inter: int, scheme: str = "nvfp4", *, act: str = "silu", alpha: float = 1.702,
-               limit: float = 7.0) -> RecordLayout:
-        """A layout built like the compiler's: components in table order, 256-aligned, stride a multiple of 4096."""
+               limit: float = 7.0, bias: bool = True) -> RecordLayout:
+        """A layout built like the compiler's: components in table order, 256-aligned, stride a multiple of 4096
+        (`bias`: mxfp4 records with the expert biases, gpt-oss's, or without, DeepSeek-V4's)."""
         if scheme not in SCHEMES:
             raise ValueError(f"unknown expert scheme {scheme!r}; supported: {', '.join(SCHEMES)}")
         offs, pos = {"off_gate_up_scale_2": -1, "off_down_scale_2": -1}, 0
         for c in SCHEMES[scheme]:
+            if c in BIASES and not bias:
+                continue
             offs["off_" + c] = pos
             pos = (pos + component_nbytes(c, hidden, inter, GROUP[scheme]) + 255) // 256 * 256
         return cls(hidden=hidden, inter=inter, stride=(pos + 4095) // 4096 * 4096, scheme=scheme, act=act,

@@ -59,7 +59,6 @@ def test_legacy_keys_and_yarn_on_the_compressed_rope():
     (dict(mlp_layer_types=["dense"] * 43), "mlp_layer_types must list 43 entries"),
     (dict(compress_rates={"compressed_sparse_attention": 0}), "compress rate of compressed_sparse_attention"),
     (dict(compress_rates={"sliding_attention": 4}), "compress_rates must map"),
-    (dict(quantization_config={"quant_method": "fp8", "expert_dtype": "fp4"}), "FP4-expert releases"),
     (dict(index_head_dim=32), "index_head_dim >= rotary_dim"),
     (dict(o_groups=7), "split into o_groups 7"),
     (dict(rope_parameters={"main": {"rope_type": "linear", "factor": 2.0}, "compress": {}}),

@@ -182,8 +182,12 @@ def _qc(change):
     (lambda q: q.update(fmt="e5m2"), "FP8 fmt 'e5m2' is not supported; supported: 'e4m3'"),
     (lambda q: q.update(weight_block_size=[64, 64]), r"weight_block_size \[64, 64\] is not supported"),
     (lambda q: q.update(weight_block_size=None), "weight_block_size None is not supported"),
-    (lambda q: q.update(scale_fmt="ue8m0"), "scale_fmt 'ue8m0' is not supported"),
-    (lambda q: q.update(expert_dtype="fp4"), "expert_dtype 'fp4' is not supported"),
+    (lambda q: q.update(scale_fmt="ue8m0"), r"q_proj.weight_scale_inv: F32 \[1, 1\]; .* with scale_fmt 'ue8m0' needs "
+     r"F8_E8M0 or U8 \[1, 1\]"),
+    (lambda q: q.update(scale_fmt="e4m3"), "FP8 scale_fmt 'e4m3' is not supported"),
+    (lambda q: q.update(expert_dtype="fp4"), "expert_dtype 'fp4' with scale_fmt None is not supported"),
+    (lambda q: q.update(expert_dtype="fp4", scale_fmt="ue8m0"), r"weight_scale_inv: F32 .* needs F8_E8M0 or U8"),
+    (lambda q: q.update(expert_dtype="int4"), "FP8 expert_dtype 'int4' is not supported"),
     (lambda q: q.update(modules_to_convert=["model.embed_tokens"]), "modules_to_convert"),
     (lambda q: q.update(modules_to_not_convert=["model.layers.0.self_attn"]),
      r"model.layers.0.self_attn.q_proj: stored as fp8_block, but .* allows \['plain'\]"),
@@ -193,7 +197,8 @@ def _qc(change):
      r"layers.0.self_attn.o_proj: stored as fp8_block, but .* allows \['plain'\]"),
     (lambda q: q.update(modules_to_not_convert=["(unclosed"]), "is not a valid regex"),
     (lambda q: q.update(quant_method="fbgemm_fp8"), "quant_method 'fbgemm_fp8' is not supported"),
-], ids=["fmt", "block", "no-block", "ue8m0", "fp4-experts", "embeddings", "prefix", "regex", "suffix", "bad-regex",
+], ids=["fmt", "block", "no-block", "ue8m0-f32-scales", "scale-fmt", "fp4-float-scales", "fp4-f32-scales",
+         "expert-dtype", "embeddings", "prefix", "regex", "suffix", "bad-regex",
         "method"])
 def test_unsupported_variants_are_refused(src, work, change, match, request):
     tag = request.node.callspec.id

@@ -23,15 +23,15 @@ def random_records(layout: RecordLayout, num: int, seed: int) -> torch.Tensor:
 
 
 def random_mxfp4_records(layout: RecordLayout, num: int, seed: int) -> torch.Tensor:
-    """u8 [num, stride] MXFP4 records (gpt-oss): random E2M1 codes, E8M0 scales 2^-6 .. 2^1 (bytes 121..128), biases
-    N(0, 0.5^2) on both projections."""
+    """u8 [num, stride] MXFP4 records: random E2M1 codes, E8M0 scales 2^-6 .. 2^1 (bytes 121..128), biases
+    N(0, 0.5^2) on both projections where the layout has them (gpt-oss; DeepSeek-V4's FP4 experts have none)."""
     g = torch.Generator().manual_seed(seed)
     recs = torch.randint(0, 256, (num, layout.stride), dtype=torch.uint8, generator=g)  # padding stays random too
     for e in range(num):
         r = recs[e]
         for name in ("gate_up_scale", "down_scale"):
             layout.view(r, name).copy_(torch.randint(121, 129, layout.shape(name), dtype=torch.uint8, generator=g))
-        for name in ("gate_up_bias", "down_bias"):
+        for name in ("gate_up_bias", "down_bias")[: 2 if "down_bias" in layout.components else 0]:
             layout.view(r, name).copy_(torch.randn(layout.shape(name), generator=g) * 0.5)
     return recs
 

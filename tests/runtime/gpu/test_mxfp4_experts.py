@@ -140,3 +140,27 @@ def test_prefill_tiles_match_reference(act):
     ref = moe_ref(recs, layout, x, slots, w)
     got = moe_nvfp4(recs.to(DEV), layout, x.to(DEV), slots.reshape(-1).numpy(), w.to(DEV)).cpu()
     assert torch.isfinite(got).all() and rel_err(got, ref) < TOL
+
+
+def test_records_without_biases():
+    """DeepSeek-V4's FP4 experts as records: no bias components (offsets -1, BIAS off); the decode kernel and the
+    reference agree, and the reference is `silu(g) * u` on the exact weights (the engine itself refuses deepseek_v4:
+    its clamped_silu has no kernel)."""
+    lay = RecordLayout.packed(64, 32, "mxfp4", act="silu", bias=False)
+    assert lay.components == ("gate_up", "gate_up_scale", "down", "down_scale") and not lay.kernel_args("down")["BIAS"]
+    assert lay.payload_bytes == 64 * 32 + 64 * 2 + 64 * 16 + 64 * 1
+    with pytest.raises(ValueError, match="both expert biases or neither"):
+        dataclasses.replace(_layout(64, 32), off_down_bias=-1)
+    recs = random_mxfp4_records(lay, 9, 5)
+    x = (torch.randn(2, 64, generator=torch.Generator().manual_seed(2)) * 2).to(torch.bfloat16)
+    gu_w = mxfp4.dequantize(lay.view(recs[0], "gate_up"), lay.view(recs[0], "gate_up_scale"))
+    d_w = mxfp4.dequantize(lay.view(recs[0], "down"), lay.view(recs[0], "down_scale"))
+    g, u = F.linear(x.float(), gu_w).chunk(2, dim=-1)
+    want = F.linear((F.silu(g) * u).to(torch.bfloat16).float(), d_w)
+    torch.testing.assert_close(expert_forward_ref(recs[0], lay, x), want, rtol=1e-6, atol=1e-5)
+    ids, w = torch.tensor([[0, 3], [3, 5]]), torch.tensor([[0.6, 0.4], [0.3, 0.7]])
+    table = torch.arange(9, dtype=torch.int32)
+    ref = moe_ref(recs, lay, x, ids, w)
+    got = moe_nvfp4_device(recs.to(DEV), lay, x.to(DEV), ids.to(DEV), table.to(DEV), w.to(DEV),
+                           blocks={"BLOCK_K": 32, "BLOCK_N_GU": 16, "BLOCK_N_D": 32}).cpu()
+    assert torch.isfinite(got).all() and rel_err(got, ref) < TOL
