@@ -36,6 +36,15 @@ def test_store_matches_the_cpu_engine(nvfp4_ftw):
     assert moe["misses"] > 0 and moe["fetched"] + moe["cpu_experts"] == moe["misses"]
 
 
+def test_the_release_fp4_experts_go_to_the_store_as_they_are(ftw_for):
+    """The release's FP4 experts are an MXFP4 bank without biases: the store's kernels read it, clamped_silu and all."""
+    ftw = ftw_for(ARCH, "fp4")
+    reader = FtwReader(ftw)
+    assert reader.quant["experts"] == "mxfp4" and engine_setup.unsupported_reason(reader) is None
+    moe = store_matches_cpu(ftw, PROMPT, PARAMS, device="cpu")
+    assert moe["misses"] > 0 and moe["fetched"] + moe["cpu_experts"] == moe["misses"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_store_matches_the_cpu_engine(nvfp4_ftw, monkeypatch):
     monkeypatch.setattr(engine_setup, "device_in_use", lambda dev: 0)
