@@ -100,6 +100,17 @@ def replay(trace: Trace, num_layers: int, num_experts: int, num_slots: int, *, p
     return {"accesses": hits + misses, "hits": hits, "misses": misses}
 
 
+def static_oracle(trace: Trace, num_experts: int, num_slots: int, *, count_from: int = 0) -> dict:
+    """The best fixed set of `num_slots` experts for the counted steps, chosen knowing their routing counts: with
+    routing drawn independently step after step from fixed popularities (the independent reference model, which
+    synthetic checkpoints' routing follows), holding the most popular experts is the optimal online policy, so this
+    (not Belady, who also knows the order of the draws) is what an online cache can approach there."""
+    ids, steps = flatten(trace[count_from:], num_experts)
+    counts = np.bincount(ids, minlength=1) if len(ids) else np.zeros(1, np.int64)
+    hits = int(np.sort(counts)[::-1][:num_slots].sum())
+    return {"accesses": int(len(ids)), "hits": hits, "misses": int(len(ids)) - hits, "admitted": num_slots}
+
+
 def replay_mapped(trace: Trace, num_layers: int, num_experts: int, num_slots: int, *, admit_max: int = 2,
                   admit_margin: float = 2.0, priors: np.ndarray | None = None, count_from: int = 0) -> dict:
     """Replay mode mapped's cache on a trace: each call counts its hits and misses against the slots, then the
@@ -159,9 +170,10 @@ def main() -> None:
     a = ap.parse_args()
     trace = load_trace(a.trace)
     opt = belady(trace, a.experts, a.slots, bypass=True, count_from=a.count_from)
+    static = static_oracle(trace, a.experts, a.slots, count_from=a.count_from)
     ours = replay_mapped(trace, a.layers, a.experts, a.slots, admit_max=a.admit_max, admit_margin=a.admit_margin,
                          count_from=a.count_from)
-    for name, r in (("belady", opt), ("mapped", ours)):
+    for name, r in (("belady", opt), ("static", static), ("mapped", ours)):
         print(f"{name:7s} hit rate {r['hits'] / max(1, r['accesses']):.3f}  ({r['hits']} of {r['accesses']}, "
               f"{r['admitted']} admitted)")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from belady import belady, load_trace, replay_mapped, save_trace  # tools/belady.py (conftest puts tools/ on the path)
+from belady import belady, load_trace, replay_mapped, save_trace, static_oracle  # tools/belady.py (conftest puts tools/ on the path)
 from ft.formats import FtwReader
 from ft.runtime.gpu.offload_config import OffloadConfig
 from ft.runtime.gpu.store import GpuExperts
@@ -39,3 +39,12 @@ def test_replay_reproduces_the_engine(reader, tmp_path, admit_max, margin):
     assert (r["hits"], r["misses"], r["admitted"]) == (s["hits"], s["misses"], s["fetched"]) and r["admitted"] > 0
     assert belady(trace, E, S)["hits"] >= r["hits"]
     ex.close()
+
+
+def test_static_oracle_holds_the_most_routed_experts():
+    import numpy as np
+
+    trace = [(0, np.array([1, 2])), (1, np.array([1])), (0, np.array([1, 3])), (0, np.array([2, 1]))]
+    # flat ids (layer * 4 + expert): 1 three times, 2 twice, 5 and 3 once: two slots hold 1 and 2
+    assert static_oracle(trace, 4, 2) == {"accesses": 7, "hits": 5, "misses": 2, "admitted": 2}
+    assert static_oracle(trace, 4, 1, count_from=2)["hits"] == 2  # steps 2 and 3 only: expert 1 of layer 0
