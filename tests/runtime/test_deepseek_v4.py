@@ -182,3 +182,32 @@ def test_engine_resumes_a_kept_conversation_at_a_snapshot(ftw_for, tmp_path):
     assert cached == 8 and got == want and logprobs == pytest.approx(want_logprobs, abs=1e-4)
     again.close()
     fresh.close()
+
+
+@pytest.mark.parametrize("damage", ["snapshot part missing", "ring of another shape"])
+def test_the_disk_store_skips_a_state_whose_rings_do_not_fit(ftw_for, tmp_path, caplog, damage):
+    """A saved deepseek_v4 state whose snapshot lacks a ring, or whose ring has another shape, is not loaded (a
+    rewind from it would restore part of the state only): the file is named in the log and removed."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from ft.runtime.engine import Engine, EngineSettings, SamplingParams
+
+    kw = dict(device="cpu", kv_reserve_tokens=256, max_prefill_length=8, prefix_cache_entries=4,
+              prefix_cache_dir=str(tmp_path))
+    eng = Engine(ftw_for("deepseek_v4"), EngineSettings(**kw))
+    _serve(eng, [5, 17, 3, 99, 42, 7, 11, 2, 9, 4, 31, 8], SamplingParams(max_tokens=2, temperature=0.0))
+    eng.close()
+    (path,) = tmp_path.glob("prefix-*.safetensors")
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata()
+    t = load_file(str(path))
+    assert {"snap.8.raw.1", "snap.8.index_raw.1", "raw.2", "cmp.2.entries", "cmp.1.index_entries"} <= set(t)
+    if damage == "snapshot part missing":
+        del t["snap.8.raw.1"]
+    else:
+        t["raw.2"] = t["raw.2"][1:]
+    save_file(t, str(path), metadata=meta)
+    again = Engine(ftw_for("deepseek_v4"), EngineSettings(**kw))
+    assert again.stats()["prefix_cache"]["entries"] == 0 and path.name in caplog.text and not path.exists()
+    again.close()
