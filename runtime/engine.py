@@ -187,7 +187,7 @@ class Engine(Scheduling):
         """Queue a request. Raises ContextOverflowError, QueueFullError, or ValueError (bad ids, duplicate id).
         `snapshot_at`: a prompt position a later prompt is likely to share exactly (the server gives the start of the
         generation prompt's assistant header, where the next turn's re-rendered history may diverge); with the prefix
-        cache on, a hybrid model's prefill ends a chunk there, so its recurrent state is kept at that position."""
+        cache on, a hybrid or deepseek_v4 model's prefill ends a chunk there, so its state is snapshotted there."""
         if request_id in self._ids:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_ids = [int(t) for t in prompt_ids]
@@ -270,8 +270,8 @@ class Engine(Scheduling):
         # Requests that sample this step: every decode, and the prefill request once its prompt is done.
         sampling = [(r, lg) for r, lg in zip(decodes, logits)]
         prefill.num_prefilled += segments[-1].num_tokens
-        if self.prefix is not None and prefill.state.recurrent:  # a later prompt may share this much exactly
-            prefill.snapshots[prefill.state.length] = prefill.state.recurrent_snapshot()  # each chunk's end
+        if self.prefix is not None and prefill.state.rewinds_from_snapshots:  # a later prompt may share this much
+            prefill.snapshots[prefill.state.length] = prefill.state.snapshot()  # exactly: each chunk's end
         if not prefill.is_prefilling:
             sampling.append((prefill, logits[-1]))
         if sampling:

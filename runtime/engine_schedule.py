@@ -93,10 +93,11 @@ class Scheduling:
 
     def _chunk_length(self, req: Request) -> int:
         """Tokens of `req`'s next prefill chunk: up to max_prefill_length, ending at its snapshot position if the
-        chunk would cross it (hybrid models with the prefix cache on: the snapshot is taken at each chunk end)."""
+        chunk would cross it (models whose states rewind from snapshots, with the prefix cache on: the snapshot is
+        taken at each chunk end)."""
         n = min(self.max_prefill_length, req.prefill_length - req.num_prefilled)
         at = req.snapshot_at
-        if at is not None and self.prefix is not None and req.state.recurrent and req.num_prefilled < at:
+        if at is not None and self.prefix is not None and req.state.rewinds_from_snapshots and req.num_prefilled < at:
             n = min(n, at - req.num_prefilled)
         return n
 

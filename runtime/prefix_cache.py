@@ -7,15 +7,16 @@ tokens prefills only the rest. Coding agents resend the whole conversation on ev
 
 An entry is a `SequenceState` that consumed `tokens` (prompt + output but the last sampled token), its KV rows still
 on the device and held in the KV budget under a reservation of its own ("prefix:N"), plus `snapshots`: host copies of
-the recurrent layers' states at chosen lengths (the engine takes one at the end of each prefill chunk, the prompt's
-end included). A prompt matches an
-entry on their longest common token prefix L, capped at len(prompt) - 1 (one token must be run to get logits):
+the parts of its state that are valid at one length only (`SequenceState.snapshot`: the recurrent layers' states, the
+compressed layers' rings of raw compressor rows) at chosen lengths (the engine takes one at the end of each prefill
+chunk, the prompt's end included). A prompt matches an entry on their longest common token prefix L, capped at
+len(prompt) - 1 (one token must be run to get logits):
   * models with full attention only reuse any such length: KV rows past it are simply overwritten;
-  * models with recurrent layers (Gated DeltaNet) reuse the largest length <= L at which a state is known exactly:
-    the entry's own length (the next turn continues the whole conversation) or a snapshot's (the client re-rendered
-    the assistant's reply differently, e.g. without its thinking: the prompt end before it still matches);
-  * models with compressed attention layers (deepseek_v4: their compressors keep only the last windows' raw rows)
-    reuse an entry's own length only (they take no snapshots).
+  * models with recurrent layers (Gated DeltaNet) or compressed attention (deepseek_v4) reuse the largest length
+    <= L at which the state is known exactly: the entry's own length (the next turn continues the whole
+    conversation) or a snapshot's (the client re-rendered the assistant's reply differently, e.g. without its
+    thinking: the prompt end before it still matches); the rows are truncated there, the rest restored from the
+    snapshot (`SequenceState.rewind` / `clone`).
 The entry with the longest usable prefix wins; when the budget has room for the request beside it, the request gets a
 copy of its state (`SequenceState.clone`, a device copy of the KV rows) and the entry stays (else the entry's own
 state, and the entry goes), so requests that share a prefix at the same time all reuse it (an agent's
@@ -26,7 +27,7 @@ entries whose tokens it extends when it can resume from every length they could 
 snapshot at their length).
 The cache gives way to running requests: `evict` (least recently used first) frees an entry and its reservation,
 and the engine calls it whenever an admission or a request's growth does not fit. Entries park their recurrent states
-in host memory (`SequenceState.park`), so they hold device memory only for the KV rows the budget counts; an
+and rings in host memory (`SequenceState.park`), so they hold device memory only for the rows the budget counts; an
 entry's state is never run again, only copied.
 """
 
@@ -48,7 +49,7 @@ MAX_SNAPSHOTS = 32  # per kept state: the latest chunk and prompt ends of its co
 class PrefixHit:
     state: SequenceState
     length: int  # tokens of the prompt the state already holds
-    snapshots: dict[int, tuple[dict, dict]]  # the entry's snapshots at lengths <= length, still valid for the prompt
+    snapshots: dict[int, dict]  # the entry's snapshots at lengths <= length, still valid for the prompt
     source: str | None  # the entry copied (`put(..., replaces=source)`); None: the entry's own state, removed
 
 
@@ -57,7 +58,7 @@ class _Entry:
     key: str
     tokens: np.ndarray  # int64 [state.length]: matched against every prompt in one vectorized pass
     state: SequenceState
-    snapshots: dict[int, tuple[dict, dict]]
+    snapshots: dict[int, dict]  # length -> `SequenceState.snapshot` taken there
     used: int
 
 
@@ -73,7 +74,7 @@ class PrefixCache:
         self._ids = itertools.count()
         self._clock = itertools.count()
 
-    def put(self, tokens: list[int], state: SequenceState, snapshots: dict[int, tuple[dict, dict]], *,
+    def put(self, tokens: list[int], state: SequenceState, snapshots: dict[int, dict], *,
             replaces: str | None = None) -> bool:
         """Keep `state` (it consumed exactly `tokens`) in place of the entry `replaces` (the one it was copied from,
         if still kept); False (and the state freed) when the budget has no room for its KV rows even after evicting
@@ -124,8 +125,8 @@ class PrefixCache:
             return PrefixHit(src, best_len, snaps, None)
         state = src.clone(best_len, at, capacity=capacity)
         best.used = next(self._clock)
-        if src.recurrent and best_len == src.length:  # the entry's own end, resumable later too (its parked states
-            snaps[best_len] = (src.conv, src.recurrent)  # are host tensors that are never written: `unpark` copies)
+        if src.rewinds_from_snapshots and best_len == src.length:  # the entry's own end, resumable later too (its
+            snaps[best_len] = src.windows()  # parked parts are host tensors that are never written: `unpark` copies)
         self.counters["shared"] += 1
         return PrefixHit(state, best_len, snaps, best.key)
 
@@ -157,12 +158,12 @@ class PrefixCache:
 
 def _supersedes(tokens: np.ndarray, snapshots: dict, state: SequenceState, entry: _Entry) -> bool:
     """Whether a state that consumed `tokens` (with `snapshots`) serves every prompt `entry` serves, as far: the
-    entry's tokens start `tokens`, and a recurrent model can resume at the entry's length and at each of its
-    snapshots' lengths."""
+    entry's tokens start `tokens`, and a model that rewinds from snapshots can resume at the entry's length and at
+    each of its snapshots' lengths."""
     n = len(entry.tokens)
     if n > len(tokens) or not np.array_equal(entry.tokens, tokens[:n]):
         return False
-    if not state.recurrent and not state.compressed:
+    if not state.rewinds_from_snapshots:
         return True
     return all(m == len(tokens) or m in snapshots for m in (n, *entry.snapshots))
 
@@ -171,7 +172,7 @@ def _usable(entry: _Entry, prompt: np.ndarray) -> int:
     limit = min(len(entry.tokens), len(prompt) - 1)
     differ = np.flatnonzero(entry.tokens[:limit] != prompt[:limit])
     common = int(differ[0]) if len(differ) else limit
-    if not entry.state.recurrent and not entry.state.compressed:
+    if not entry.state.rewinds_from_snapshots:
         return common
     exact = [n for n in (len(entry.tokens), *entry.snapshots) if n <= common]
     return max(exact, default=0)

@@ -5,17 +5,18 @@ prefilling them again.
     load(cache, directory, model_key, new_state)   # at start: the newest ones that fit the KV budget, kept again
 
 One file per kept state, `prefix-<sha256 of its tokens>.safetensors` (written to a temporary name, fsynced, renamed):
-`tokens` int64 [n]; per full-attention layer i, `kv.i.k` / `kv.i.v` [n, kv heads, head dim] (its first n rows);
-per linear-attention layer, `conv.i` / `rec.i` (the state at n) and `snap.L.conv.i` / `snap.L.rec.i` for each
-snapshot length L. Metadata: `model` (the FTW's manifest hash, the compute dtype: states of another model or dtype
+`tokens` int64 [n]; the state's rows at n (`SequenceState.rows`): per attention layer i, `kv.i.k` / `kv.i.v`
+[n, kv heads, head dim]; per compressed layer (deepseek_v4), `cmp.i.kv` [n, hd] and its complete pooled entries
+`cmp.i.entries` / `cmp.i.index_entries` [n // m, ...]; the parts valid at n only (`SequenceState.windows`): per
+linear-attention layer `conv.i` / `rec.i`, per compressed layer `raw.i` / `index_raw.i`; and each snapshot at length
+L as `snap.L.<part>`. Metadata: `model` (the FTW's manifest hash, the compute dtype: states of another model or dtype
 are never loaded), `format` ("ft-prefix-1"). safetensors holds tensors and strings only (no code runs on load); a
 file that is malformed or too large for the budget is skipped, named in the log and removed; another model's files
 are skipped and left for it. `save` runs while the server is idle (after the kept states changed) and at shutdown:
 it writes the states that have no file yet and removes this model's files of states no longer kept (taken by a
 request, evicted), so the directory follows the cache and a server killed mid-session loses at most what changed
 since it was last idle. A file's name is its tokens' digest, and a state's content is fixed by its tokens, so an
-existing file is never rewritten. States with compressed attention layers (deepseek_v4) have no file format yet: they
-are kept in memory only.
+existing file is never rewritten.
 """
 
 from __future__ import annotations
@@ -59,18 +60,10 @@ def save(cache, directory: Path, key: str) -> int:
         if final.exists():
             continue
         st, n = e.state, len(e.tokens)
-        if st.compressed:
-            continue
         tensors = {"tokens": torch.from_numpy(e.tokens.astype(np.int64))}
-        for i, (k, v) in st.kv.items():
-            tensors[f"kv.{i}.k"], tensors[f"kv.{i}.v"] = k[:n].cpu(), v[:n].cpu()
-        for name, states in (("conv", st.conv), ("rec", st.recurrent)):
-            for i, t in states.items():
-                tensors[f"{name}.{i}"] = t.cpu()
-        for length, (conv, rec) in e.snapshots.items():
-            for name, states in (("conv", conv), ("rec", rec)):
-                for i, t in states.items():
-                    tensors[f"snap.{length}.{name}.{i}"] = t.cpu()
+        tensors |= {name: t.cpu() for name, t in (st.rows(n) | st.windows()).items()}
+        for length, snap in e.snapshots.items():
+            tensors |= {f"snap.{length}.{name}": t.cpu() for name, t in snap.items()}
         tmp = final.with_name(final.name + ".tmp")
         save_file({k: t.contiguous() for k, t in tensors.items()}, str(tmp), metadata={"model": key, "format": FORMAT})
         with open(tmp, "rb") as f:
@@ -126,20 +119,21 @@ def _read(path: Path, key: str, new_state):
     tokens = t.pop("tokens").tolist()
     n = len(tokens)
     state = new_state(n)
-    snapshots: dict[int, tuple[dict, dict]] = {}
+    snapshots: dict[int, dict] = {}
+    for name in [k for k in t if k.startswith("snap.")]:
+        _, length, part = name.split(".", 2)
+        snapshots.setdefault(int(length), {})[part] = t.pop(name)
+    live = state.rows(n) | state.windows()
+    if set(t) != set(live):
+        raise ValueError(f"its tensors {sorted(set(t) ^ set(live))[:4]} ... are not this model's state's")
     for name, value in t.items():
-        parts = name.split(".")
-        if parts[0] == "kv":
-            i = int(parts[1])
-            state.kv[i][0 if parts[2] == "k" else 1][:n].copy_(value)
-        elif parts[0] in ("conv", "rec"):
-            (state.conv if parts[0] == "conv" else state.recurrent)[int(parts[1])].copy_(value)
-        elif parts[0] == "snap":
-            conv, rec = snapshots.setdefault(int(parts[1]), ({}, {}))
-            (conv if parts[2] == "conv" else rec)[int(parts[3])] = value
-        else:
-            raise ValueError(f"unexpected tensor {name}")
-    if set(state.kv) | set(state.conv) != {int(k.split(".")[1]) for k in t if not k.startswith("snap.")}:
-        raise ValueError("its layers are not this model's")
+        if value.shape != live[name].shape:
+            raise ValueError(f"{name} of shape {tuple(value.shape)}, not {tuple(live[name].shape)}")
+        live[name].copy_(value)
+    windows = state.windows()
+    for length, snap in snapshots.items():
+        if not 0 < length <= n or set(snap) != set(windows) or any(
+                v.shape != windows[k].shape for k, v in snap.items()):
+            raise ValueError(f"its snapshot at {length} does not fit this model's state of {n} tokens")
     state.length = n
     return tokens, state, snapshots

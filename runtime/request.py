@@ -79,7 +79,7 @@ class Request:
     num_recompute: int = 0  # output tokens to prefill again after the last preemption (they are not re-emitted)
     output_ids: list[int] = field(default_factory=list)
     num_cached: int = 0  # prompt tokens the first admission took from the prefix cache
-    snapshots: dict = field(default_factory=dict)  # length -> recurrent-layer states (prefix cache, hybrid models)
+    snapshots: dict = field(default_factory=dict)  # length -> `SequenceState.snapshot` (prefix cache)
     prefix_source: str | None = None  # the kept prefix its state was copied from: its own state replaces it
     snapshot_at: int | None = None  # a prompt position to end a prefill chunk at (`Engine.add_request`)
     first_token_time: float | None = None

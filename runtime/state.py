@@ -6,7 +6,8 @@ A `SequenceState` holds, for one sequence of at most `max_tokens` tokens:
   `[capacity, 1, kv_lora_rank + rotary_dim]` and `[capacity, 1, index_head_dim or 0]` (`kv_row_shapes`);
 * compressed_attention layer i (deepseek_v4): `compressed[i]`, a `CompressedKV` (its KV rows, the raw compressor
   projections of the last 2m tokens and the pooled entries; `ft.runtime.layers.compressed_attention`), which grows
-  with the capacity like the KV buffers and is copied only at the state's own length (the ring holds no older rows);
+  with the capacity like the KV buffers; its rings hold no older rows, so it goes back to an earlier length only
+  from a snapshot of them (`windows`);
 * linear-attention layer i: `conv[i]` `[conv_dim, K-1]` (the last K-1 conv inputs, compute dtype) and
   `recurrent[i]` `[Hv, dk, dv]` fp32 (the DeltaNet state), fixed size.
 `length` is the number of tokens already consumed; `forward` appends after it and advances it, and the layers write
@@ -106,75 +107,105 @@ class SequenceState:
         self._capacity = capacity
         self._addresses = None
 
-    def recurrent_snapshot(self) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]]:
-        """Host copies of the linear-attention layers' conv and DeltaNet states (valid at the current `length`);
-        empty for attention-only models. Syncs with the device (the forwards that wrote them must be done)."""
-        return ({i: t.to("cpu", copy=True) for i, t in self.conv.items()},
-                {i: t.to("cpu", copy=True) for i, t in self.recurrent.items()})
+    def windows(self) -> dict[str, torch.Tensor]:
+        """The parts valid at the current `length` only, by name: `conv.i` / `rec.i` (a linear-attention layer's
+        last conv inputs and DeltaNet state), `raw.i` / `index_raw.i` (a compressed layer's rings of raw compressor
+        projections). Everything else is per-token rows that truncation rewinds (KV rows; a compressed layer's pooled
+        entries, `CompressedKV.rows`), so a state goes back to an earlier length given a `snapshot` taken there.
+        Empty for attention-only models: they rewind to any length."""
+        out = {f"conv.{i}": t for i, t in self.conv.items()} | {f"rec.{i}": t for i, t in self.recurrent.items()}
+        for i, c in self.compressed.items():
+            out |= {f"{name}.{i}": t for name, t in c.windows().items()}
+        return out
 
-    def clone(self, length: int, snapshot: tuple[dict, dict] | None = None, *,
+    @property
+    def rewinds_from_snapshots(self) -> bool:
+        """Whether going back to an earlier length needs a snapshot (`windows` is not empty)."""
+        return bool(self.conv) or any(c.windows() for c in self.compressed.values())
+
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """Host copies of `windows` (valid at the current `length`); empty for attention-only models. Syncs with the
+        device (the forwards that wrote them must be done)."""
+        return {name: t.to("cpu", copy=True) for name, t in self.windows().items()}
+
+    def rows(self, length: int) -> dict[str, torch.Tensor]:
+        """Views of the per-token parts holding the first `length` tokens, by name: `kv.i.k` / `kv.i.v` (an
+        attention layer's two buffers), `cmp.i.kv` / `cmp.i.entries` / `cmp.i.index_entries` (a compressed layer's
+        `CompressedKV.rows`)."""
+        out = {f"kv.{i}.{n}": t[:length] for i, pair in self.kv.items() for n, t in zip("kv", pair)}
+        for i, c in self.compressed.items():
+            out |= {f"cmp.{i}.{name}": t for name, t in c.rows(length).items()}
+        return out
+
+    def restore(self, snapshot: dict[str, torch.Tensor]) -> None:
+        """Copy `snapshot` (`snapshot` / `windows` of a state of this model) into this state's `windows`."""
+        live = self.windows()
+        if set(snapshot) != set(live):
+            raise ValueError(f"a snapshot of parts {sorted(snapshot)} for a state of parts {sorted(live)}")
+        for name, t in snapshot.items():
+            if t.shape != live[name].shape:
+                raise ValueError(f"snapshot part {name} of shape {tuple(t.shape)}, not {tuple(live[name].shape)}")
+            live[name].copy_(t)
+
+    def _replace_windows(self, values: dict[str, torch.Tensor]) -> None:
+        for name, t in values.items():
+            kind, i = name.rsplit(".", 1)
+            if kind == "conv":
+                self.conv[int(i)] = t
+            elif kind == "rec":
+                self.recurrent[int(i)] = t
+            else:
+                self.compressed[int(i)].set_window(kind, t)
+        self._addresses = None
+
+    def clone(self, length: int, snapshot: dict[str, torch.Tensor] | None = None, *,
               capacity: int | None = None) -> SequenceState:
         """A new state holding this one's first `length` tokens, with KV buffers of `capacity` rows (default: this
-        state's capacity; at least `length`): the KV rows copied, the recurrent layers' states copied too, or taken
-        from `snapshot` (taken at `length`: `recurrent_snapshot`), which a model that has them needs unless `length`
-        is the current one. This state is left as it is (a kept prefix serves several requests)."""
+        state's capacity; at least `length`): the per-token rows copied (`rows`), the `windows` copied too, or taken
+        from `snapshot` (taken at `length`: `snapshot`), which a model that has them needs unless `length` is the
+        current one. This state is left as it is (a kept prefix serves several requests)."""
         if self._freed:
             raise ValueError("the state was freed")
         if not 0 <= length <= self.length:
             raise ValueError(f"can only copy 0..{self.length} tokens, not {length}")
-        rewound = self.recurrent and length != self.length
+        rewound = self.rewinds_from_snapshots and length != self.length
         if rewound and snapshot is None:
-            raise ValueError("a model with recurrent layers is copied at another length only from a snapshot")
-        if self.compressed and length != self.length:
-            raise ValueError("a model with compressed attention layers is copied only at its current length")
+            raise ValueError("a model with recurrent or compressed layers is copied at another length only from a "
+                             "snapshot")
         capacity = max(length, self._capacity if capacity is None else capacity)
         dtype = next(iter(self.kv.values()))[0].dtype if self.kv else \
             next(iter(self.compressed.values())).kv.dtype if self.compressed else next(iter(self.conv.values())).dtype
         new = SequenceState(self.config, max(self.max_tokens, capacity), dtype=dtype, device=self.device,
                             capacity=capacity)
-        for i, pair in self.kv.items():
-            for dst, src in zip(new.kv[i], pair):
-                dst[:length] = src[:length]
-        for i, c in self.compressed.items():
-            c.copy_into(new.compressed[i], length)
-        conv, rec = snapshot if rewound else (self.conv, self.recurrent)
-        for i, t in conv.items():
-            new.conv[i].copy_(t)
-        for i, t in rec.items():
-            new.recurrent[i].copy_(t)
+        mine = self.rows(length)
+        for name, dst in new.rows(length).items():
+            dst.copy_(mine[name])
+        new.restore(snapshot if rewound else self.windows())
         new.length = length
         return new
 
-    def rewind(self, length: int, snapshot: tuple[dict, dict] | None = None) -> None:
-        """Go back to the first `length` tokens: KV rows past it are stale from now on (never read); the recurrent
-        layers' states are only valid at one length, so a model that has them needs `snapshot` taken at `length`
-        (`recurrent_snapshot`) unless `length` is the current one."""
+    def rewind(self, length: int, snapshot: dict[str, torch.Tensor] | None = None) -> None:
+        """Go back to the first `length` tokens: rows past it are stale from now on (never read: a compressed layer
+        rewrites an entry when its window completes again); the `windows` are only valid at one length, so a model
+        that has them needs `snapshot` taken at `length` unless `length` is the current one."""
         if self._freed:
             raise ValueError("the state was freed")
         if not 0 <= length <= self.length:
             raise ValueError(f"can only rewind to 0..{self.length} tokens, not {length}")
-        if self.recurrent and length != self.length:
+        if self.rewinds_from_snapshots and length != self.length:
             if snapshot is None:
-                raise ValueError("a model with recurrent layers rewinds only to a snapshot of its state")
-            conv, rec = snapshot
-            for i, t in conv.items():
-                self.conv[i].copy_(t)
-            for i, t in rec.items():
-                self.recurrent[i].copy_(t)
+                raise ValueError("a model with recurrent or compressed layers rewinds only to a snapshot of its state")
+            self.restore(snapshot)
         self.length = length
 
     def park(self) -> None:
-        """Move the recurrent layers' states to host memory (a state kept for reuse holds device memory only for its
-        KV rows, which the KV budget counts); `unpark` brings them back before the state runs again."""
-        self.conv = {i: t.to("cpu") for i, t in self.conv.items()}
-        self.recurrent = {i: t.to("cpu") for i, t in self.recurrent.items()}
-        self._addresses = None
+        """Move the `windows` to host memory (a state kept for reuse holds device memory only for its rows, which
+        the KV budget counts); `unpark` brings them back before the state runs again."""
+        self._replace_windows({name: t.to("cpu") for name, t in self.windows().items()})
 
     def unpark(self) -> None:
         """Back on the device, as new tensors: the parked ones may be shared as a snapshot (`PrefixCache.take`)."""
-        self.conv = {i: t.to(self.device, copy=True) for i, t in self.conv.items()}
-        self.recurrent = {i: t.to(self.device, copy=True) for i, t in self.recurrent.items()}
-        self._addresses = None
+        self._replace_windows({name: t.to(self.device, copy=True) for name, t in self.windows().items()})
 
     @property
     def nbytes(self) -> int:

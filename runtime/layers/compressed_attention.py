@@ -21,6 +21,9 @@ Compressed entries (`compressor.*`, rope type "compress"): entry w pools the win
 The state (`CompressedKV`) keeps the raw [kv | gate] projections of the last 2m source tokens in a ring (a window
 completes, and CSA's needs the previous one, whatever the chunking) and the pooled entries by window index, so a
 prefill in chunks, then decode, computes what one forward would (transformers' buffer / overlap cache, another way).
+It goes back to an earlier length L (prefix reuse) by truncation, `kv` to L rows and the entries to the L // m
+complete at L (entry w reads only tokens before (w + 1)·m), with the rings restored from a snapshot taken at L
+(`SequenceState.snapshot`): they are the only parts a truncation cannot rebuild.
 """
 
 from __future__ import annotations
@@ -143,16 +146,27 @@ class CompressedKV:
             self.index_entries = grown(self.index_entries, capacity // self._m, length // self._m)
         self.capacity = capacity
 
-    def copy_into(self, other: CompressedKV, length: int) -> None:
-        """Copy this state, holding exactly `length` tokens, into `other` (capacity >= length)."""
-        other.kv[:length] = self.kv[:length]
-        for name in ("raw", "index_raw"):
-            if hasattr(self, name):
-                getattr(other, name).copy_(getattr(self, name))
+    def rows(self, length: int) -> dict[str, torch.Tensor]:
+        """The per-token parts holding the first `length` tokens, as views: `kv` [length, hd] and the entries of the
+        windows complete at `length` (`entries`, CSA `index_entries` [length // m, ...]). Entry w pools only tokens
+        before (w + 1)·m (window w, and CSA's window w - 1), so these rows of a longer state are exactly those of the
+        state at `length`: truncation rewinds them."""
+        out = {"kv": self.kv[:length]}
         for name in ("entries", "index_entries"):
             if hasattr(self, name):
-                n = length // self._m
-                getattr(other, name)[:n] = getattr(self, name)[:n]
+                out[name] = getattr(self, name)[:length // self._m]
+        return out
+
+    def windows(self) -> dict[str, torch.Tensor]:
+        """The parts valid at one length only (rewound from a snapshot, `SequenceState.snapshot`): the rings of raw
+        projections `raw` and (CSA) `index_raw`; none for a sliding layer."""
+        return {name: getattr(self, name) for name in ("raw", "index_raw") if hasattr(self, name)}
+
+    def set_window(self, name: str, value: torch.Tensor) -> None:
+        """Replace the ring `name` (`windows`) by `value` (a state parked in host memory and back)."""
+        if name not in self.windows():
+            raise ValueError(f"no ring {name!r} in this layer's state")
+        setattr(self, name, value)
 
 
 def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The engine's prefix cache (`ft.runtime.prefix_cache`): a later prompt that starts with a finished request's tokens
-prefills only the rest, and greedy output is the same as without the cache; attention-only and hybrid (Gated
-DeltaNet) families; kept states give way to running requests."""
+prefills only the rest, and greedy output is the same as without the cache; attention-only, hybrid (Gated DeltaNet)
+and compressed-attention (deepseek_v4) families; kept states give way to running requests."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ from ft.runtime.model import Segment
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=0)
 FIRST = [(11 * i + 5) % 180 + 12 for i in range(30)]
-ARCHS = ["qwen3_moe", "qwen3_5_moe", "glm_moe_dsa"]  # attention only; DeltaNet + attention; MLA + DSA
+ARCHS = ["qwen3_moe", "qwen3_5_moe", "glm_moe_dsa", "deepseek_v4"]  # attention; DeltaNet + attention; MLA + DSA; CSA
+SNAPSHOTTED = ("qwen3_5_moe", "deepseek_v4")  # states that go back to an earlier length only from a snapshot
 
 
 def _engine(ftw, entries: int, **kw) -> Engine:
@@ -55,8 +56,8 @@ def test_the_next_turn_reuses_the_whole_conversation_and_decodes_the_same(ftw_fo
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_rerendered_reply_reuses_the_prompt(ftw_for, arch):
     """The client sends the previous reply back in another form (e.g. without its thinking): the prompt before it
-    still matches. Attention reuses the longest common prefix; the hybrid model resumes from the state it
-    snapshotted at the end of the first prompt."""
+    still matches. Attention reuses the longest common prefix; the hybrid and compressed models resume from the state
+    they snapshotted at the end of the first prompt."""
     ftw = ftw_for(arch, "none")
     cached_eng, plain = _engine(ftw, 4), _engine(ftw, 0)
     first, _ = _turn(cached_eng, FIRST, "t1")
@@ -67,10 +68,10 @@ def test_a_rerendered_reply_reuses_the_prompt(ftw_for, arch):
     assert hit == (common if arch == "qwen3_moe" else len(FIRST))
 
 
-@pytest.mark.parametrize("arch,expect", [("qwen3_moe", 20), ("qwen3_5_moe", 16)])
+@pytest.mark.parametrize("arch,expect", [("qwen3_moe", 20), ("qwen3_5_moe", 16), ("deepseek_v4", 16)])
 def test_a_shorter_common_prefix_is_reused_up_to_an_exact_state(ftw_for, arch, expect):
-    """A prompt sharing 20 tokens: attention reuses all 20; the hybrid model the last point where its recurrent
-    state was snapshotted, the end of the first 16-token prefill chunk."""
+    """A prompt sharing 20 tokens: attention reuses all 20; the hybrid and compressed models the last point where
+    their state was snapshotted, the end of the first 16-token prefill chunk."""
     ftw = ftw_for(arch, "none")
     eng, plain = _engine(ftw, 4), _engine(ftw, 0)
     _turn(eng, FIRST, "t1")
@@ -80,14 +81,14 @@ def test_a_shorter_common_prefix_is_reused_up_to_an_exact_state(ftw_for, arch, e
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_snapshot_where_the_server_expects_the_next_prompt_to_diverge(ftw_for, arch):
-    """The server names the start of the assistant header (`snapshot_at`): the hybrid model ends a prefill chunk there
-    and keeps its state, so a next prompt that re-renders everything after it resumes there, not at the chunk end
-    before it; attention-only models need no extra chunk end."""
+    """The server names the start of the assistant header (`snapshot_at`): the hybrid and compressed models end a
+    prefill chunk there and keep their state, so a next prompt that re-renders everything after it resumes there, not
+    at the chunk end before it; attention-only models need no extra chunk end."""
     ftw = ftw_for(arch, "none")
     eng, plain = _engine(ftw, 4), _engine(ftw, 0)
     _turn(eng, FIRST, "t1", snapshot_at=21)
     kept = set(eng.prefix.entries[0].snapshots)
-    assert kept == ({16, 21, 30} if arch == "qwen3_5_moe" else set())  # chunks of 16 + 5 + 9 tokens; none needed
+    assert kept == ({16, 21, 30} if arch in SNAPSHOTTED else set())  # chunks of 16 + 5 + 9 tokens; none needed
     third = FIRST[:21] + [4, 5, 6]
     got, hit = _turn(eng, third, "t3")
     assert hit == 21 and got == _turn(plain, third, "t3")[0] and _same(eng, plain)
@@ -160,10 +161,11 @@ def test_a_copied_state_is_independent_of_the_kept_one(ftw_for):
         st.clone(8)  # a recurrent model resumes at another length only from a snapshot
 
 
-def test_a_conversation_keeps_its_earlier_snapshots(ftw_for):
+@pytest.mark.parametrize("arch", SNAPSHOTTED)
+def test_a_conversation_keeps_its_earlier_snapshots(ftw_for, arch):
     """The second turn takes the first turn's state; a third prompt that shares only the first 20 tokens still
-    resumes the hybrid model at 16 (the first turn's first chunk end), which the second turn's kept state inherited."""
-    ftw = ftw_for("qwen3_5_moe", "none")
+    resumes at 16 (the first turn's first chunk end), which the second turn's kept state inherited."""
+    ftw = ftw_for(arch, "none")
     eng, plain = _engine(ftw, 4), _engine(ftw, 0)
     first, _ = _turn(eng, FIRST, "t1")
     _, hit = _turn(eng, FIRST + first + [17, 23, 29], "t2")
@@ -199,11 +201,12 @@ def test_kept_states_survive_a_restart(ftw_for, arch, tmp_path, caplog):
     assert not (tmp_path / "prefix-damaged.safetensors").exists()
 
 
-def test_kept_states_are_written_while_serving(ftw_for, tmp_path):
+@pytest.mark.parametrize("arch", SNAPSHOTTED)
+def test_kept_states_are_written_while_serving(ftw_for, arch, tmp_path):
     """The server persists the kept states while idle: a process killed after that (no shutdown) still leaves them
     for the next one; a state taken by a request loses its file at the next call, unchanged states are not
     rewritten."""
-    ftw = ftw_for("qwen3_5_moe", "none")
+    ftw = ftw_for(arch, "none")
     run = _engine(ftw, 4, prefix_cache_dir=str(tmp_path))
     first, _ = _turn(run, FIRST, "t1")
     assert run.persist_prefixes() == 1 and run.persist_prefixes() == 0  # nothing changed since
