@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from belady import belady, load_trace, replay_mapped, save_trace, static_oracle  # tools/belady.py (conftest puts tools/ on the path)
+from belady import belady, load_trace, replay_mapped, save_trace, static_oracle  # tools/ (put on the path by conftest)
 from ft.formats import FtwReader
 from ft.runtime.gpu.offload_config import OffloadConfig
 from ft.runtime.gpu.store import GpuExperts
