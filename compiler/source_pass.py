@@ -7,7 +7,8 @@ Budgets: `window` bytes for chunks pinned by tensors up to `big` bytes, `hold` m
 ones (`read_plan`); the reader waits for room, except that a big-pinned chunk needed after every big-pinned chunk
 held, with `hold` full, is read for the hash only (dropped). Before the plan is known (`prefetch`), the early file
 is read into an `early`-byte window and nothing is evicted. Memory: at most `max(window + hold, early)` bytes of
-reusable buffers (`peak_held`).
+reusable buffers (`peak_held`). Defaults: window 512 MiB, hold 768 MiB (a 35B-A3B layer's down_proj, 512 MiB, plus
+read-ahead over its gate_up_proj), early 1.5 GiB.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class SourcePass:
     """The pass and its window; `SourceStream` serves the compile's reads from it."""
 
     def __init__(self, root: Path, weight_files: list[str], *, window: int = 512 << 20, chunk: int = 8 << 20,
-                 big: int = 64 << 20, hold: int = 1 << 30) -> None:
+                 big: int = 64 << 20, hold: int = 768 << 20) -> None:
         self.root, self.names = root, list(weight_files)
         self.paths = [root / n for n in self.names]
         self.sizes = [p.stat().st_size for p in self.paths]
@@ -139,6 +140,8 @@ class SourcePass:
         if p is None:
             return self._held + self.chunk <= max(self.window, self._early_window)
         big = [k for k in self._chunks if p.big_pinned(k)]
+        if self._held + self.chunk > self.window + self.hold:  # the early window may still exceed the budgets
+            return False
         if p.big_pinned(key):
             if (len(big) + 1) * self.chunk <= self.hold:
                 return True
