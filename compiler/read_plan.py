@@ -31,8 +31,8 @@ class ReadPlan:
         self.req: list[tuple[int, int, int]] = []  # (file, begin, end) per request, in plan order
         self.served: list[int] = []
         self._rel: list[int] = []  # per request: its first chunk not yet released
-        self._left: dict[Key, int] = defaultdict(int)  # holders that have not released the chunk
-        self._big_left: dict[Key, int] = defaultdict(int)  # of which big requests
+        self._left: dict[Key, int] = {}  # holders that have not released the chunk
+        self._big_left: dict[Key, int] = {}  # of which big requests
         self._big_holders: dict[Key, list[int]] = defaultdict(list)
         self.cur = -1  # the latest request the compile started
         self.final = False  # the compile is done: nothing is pinned any more
@@ -51,9 +51,9 @@ class ReadPlan:
             if fi not in order:
                 order.append(fi)
             for k in self._chunks_of(j):
-                self._left[(fi, k)] += 1
+                self._left[(fi, k)] = self._left.get((fi, k), 0) + 1
                 if info.nbytes > big:
-                    self._big_left[(fi, k)] += 1
+                    self._big_left[(fi, k)] = self._big_left.get((fi, k), 0) + 1
                     self._big_holders[(fi, k)].append(j)
         self.order = order + [fi for fi in sorted(set(fidx.values())) if fi not in order]
 
@@ -86,11 +86,24 @@ class ReadPlan:
         self._release(j, self._chunks_of(j).stop if s >= e else s // self.chunk)
 
     def pinned(self, key: Key) -> bool:
-        return not self.final and self._left[key] > 0 and key not in self.dropped \
+        return not self.final and self._left.get(key, 0) > 0 and key not in self.dropped \
             and key[0] not in self.dropped_files
 
     def big_pinned(self, key: Key) -> bool:
-        return self.pinned(key) and self._big_left[key] > 0
+        return self.pinned(key) and self._big_left.get(key, 0) > 0
+
+    # the two scans below run on every window change (the pass and the compile wait on them): inlined
+    def big_pinned_of(self, keys) -> list[Key]:
+        if self.final:
+            return []
+        bl, dr, df = self._big_left, self.dropped, self.dropped_files
+        return [k for k in keys if bl.get(k, 0) > 0 and k not in dr and k[0] not in df]  # big_left <= left
+
+    def unpinned_of(self, keys) -> list[Key]:
+        if self.final:
+            return list(keys)
+        left, dr, df = self._left, self.dropped, self.dropped_files
+        return [k for k in keys if left.get(k, 0) <= 0 or k in dr or k[0] in df]
 
     def rank(self, key: Key) -> tuple[int, int]:
         """When a big-pinned chunk is needed: its first big holder that has not released it, then its offset."""
@@ -98,7 +111,7 @@ class ReadPlan:
 
     def drop_last(self, held: list[Key], than: tuple[int, int]) -> Key | None:
         """Unpin the big-pinned chunk of `held` needed last, if later than `than` (a rank); returns it or None."""
-        cands = [k for k in held if self.big_pinned(k)]
+        cands = self.big_pinned_of(held)
         if not cands:
             return None
         last = max(cands, key=self.rank)

@@ -134,19 +134,21 @@ class SourcePass:
             hq.put(None)
 
     def _room(self, key: Key) -> bool:
-        """May the reader read chunk `key` now (lock held)? A big-pinned chunk needed after every big-pinned chunk
-        held, with `hold` full, is dropped at once (read for the hash only)."""
+        """May the reader read chunk `key` now (lock held)? With `hold` full, a big-pinned chunk of a tensor the
+        compile reads after every tensor held there (and has not started) is dropped at once (read for the hash
+        only); else the reader waits: the compile copies (and releases) held chunks, or drops them by rank."""
         p = self._plan
         if p is None:
             return self._held + self.chunk <= max(self.window, self._early_window)
-        big = [k for k in self._chunks if p.big_pinned(k)]
+        big = p.big_pinned_of(self._chunks)
         if self._held + self.chunk > self.window + self.hold:  # the early window may still exceed the budgets
             return False
         if p.big_pinned(key):
             if (len(big) + 1) * self.chunk <= self.hold:
                 return True
-            if big and p.rank(key) < max(p.rank(k) for k in big):
-                return False  # wait: the compile frees or drops pinned chunks
+            j = p.rank(key)[0]
+            if j <= p.cur or big and j <= max(p.rank(k)[0] for k in big):
+                return False  # wait: the compile copies (and frees) or drops pinned chunks
             p.dropped.add(key)
         return self._held - len(big) * self.chunk + self.chunk <= self.window
 
@@ -183,20 +185,20 @@ class SourcePass:
         p = self._plan
         if p is None:
             return
-        for key in [k for k, c in self._chunks.items() if c.hashed and not p.pinned(k)]:
+        for key in [k for k in p.unpinned_of(self._chunks) if self._chunks[k].hashed]:
             self._pool.append(self._chunks.pop(key).buf)
             self._held -= self.chunk
 
     def _stuck(self) -> bool:
         """The pass waits for window space and nothing can free any (lock held). A reader woken but not yet
         running is not stuck: its room is checked again here."""
-        return (self._want is not None and not self._room(self._want)
-                and all(c.hashed for c in self._chunks.values()))
+        return (self._want is not None and all(c.hashed for c in self._chunks.values())
+                and not self._room(self._want))
 
     # -- results -------------------------------------------------------------------------------------
     def digests(self) -> dict[str, str]:
         """sha256 of every weight file: unpins the window, lets the pass finish, waits for it."""
-        if not self._threads:
+        if self._plan is None:
             self._set_plan(ReadPlan([], self._fidx, self.chunk, self.big))
         with self._cv:
             self._plan.final = True
