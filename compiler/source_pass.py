@@ -190,9 +190,13 @@ class SourcePass:
             self._held -= self.chunk
 
     def _stuck(self) -> bool:
-        """The pass waits for window space and nothing can free any (lock held). A reader woken but not yet
-        running is not stuck: its room is checked again here."""
-        return (self._want is not None and all(c.hashed for c in self._chunks.values())
+        """The pass waits for window space and nothing can free any (lock held): hashing frees only unpinned
+        chunks, so pinned ones still being hashed do not count. A reader woken but not yet running is not stuck:
+        its room is checked again here."""
+        if self._want is None:
+            return False
+        unhashed = [k for k, c in self._chunks.items() if not c.hashed]
+        return (self._plan is not None and not self._plan.unpinned_of(unhashed)
                 and not self._room(self._want))
 
     # -- results -------------------------------------------------------------------------------------
