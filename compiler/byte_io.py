@@ -1,6 +1,5 @@
 """Helpers of the single-pass source reader (`source_stream.py`): positioned reads, O_DIRECT where the filesystem
-allows it (aligned offsets, lengths and buffers); tensor views of a byte span read in one go; and the bookkeeping
-of the compile's read plan (which request uses which chunk last, which file first)."""
+allows it (aligned offsets, lengths and buffers); and tensor views of a byte span read in one go."""
 
 from __future__ import annotations
 
@@ -59,23 +58,3 @@ def span_views(span: torch.Tensor, b0: int, infos: list[TensorInfo]) -> list[tor
             piece = piece.clone()
         out.append(piece.view(ST_DTYPES[i.dtype]).reshape(i.shape))
     return out
-
-
-def plan_reads(infos: list[TensorInfo], fidx: dict[Path, int], chunk: int, big: int) -> tuple[
-        dict[tuple[Path, int, int], int], dict[tuple[int, int], int], list[int]]:
-    """For the planned reads `infos` (in order): request index by (path, begin, end); for each (file, chunk) the
-    last request of at most `big` bytes that overlaps it; and the files in order of first use, then the rest."""
-    order: list[int] = []
-    index: dict[tuple[Path, int, int], int] = {}
-    last_use: dict[tuple[int, int], int] = {}
-    for i, info in enumerate(infos):
-        fi = fidx.get(info.path)
-        if fi is None:
-            continue
-        index[(info.path, info.begin, info.end)] = i
-        if fi not in order:
-            order.append(fi)
-        if 0 < info.nbytes <= big:
-            for k in range(info.begin // chunk, (info.end - 1) // chunk + 1):
-                last_use[(fi, k)] = i
-    return index, last_use, order + [fi for fi in sorted(set(fidx.values())) if fi not in order]

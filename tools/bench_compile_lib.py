@@ -144,6 +144,7 @@ highest 1-min during the compile {la['max_1min_during']:.2f} (the machine is sha
 - command: `{r['command']}`
 - compile: `{r['compile_command']}` (fresh process, page cache dropped first)
 - read probe: {d['read_probe']}
+- fused-layout BF16 sources (tensors over the window, read once): benchmarks/compile_read_once.md
 
 Input: synthetic {ck['preset']} NVFP4 (ModelOpt MIXED_PRECISION layout: NVFP4 experts/shared experts/lm_head, FP8
 attention and GDN projections, BF16 rest){'' if ck['layers'] == 40 else f' cut to {ck["layers"]} of 40 layers'}.
