@@ -31,6 +31,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from ft.runtime.state import check_parts
+
 log = logging.getLogger("ft.prefix")
 FORMAT = "ft-prefix-1"
 
@@ -124,16 +126,13 @@ def _read(path: Path, key: str, new_state):
         _, length, part = name.split(".", 2)
         snapshots.setdefault(int(length), {})[part] = t.pop(name)
     live = state.rows(n) | state.windows()
-    if set(t) != set(live):
-        raise ValueError(f"its tensors {sorted(set(t) ^ set(live))[:4]} ... are not this model's state's")
+    check_parts(t, live, "the saved state")
     for name, value in t.items():
-        if value.shape != live[name].shape:
-            raise ValueError(f"{name} of shape {tuple(value.shape)}, not {tuple(live[name].shape)}")
         live[name].copy_(value)
     windows = state.windows()
     for length, snap in snapshots.items():
-        if not 0 < length <= n or set(snap) != set(windows) or any(
-                v.shape != windows[k].shape for k, v in snap.items()):
-            raise ValueError(f"its snapshot at {length} does not fit this model's state of {n} tokens")
+        if not 0 < length <= n:
+            raise ValueError(f"its snapshot at {length} lies outside its {n} tokens")
+        check_parts(snap, windows, f"its snapshot at {length}")
     state.length = n
     return tokens, state, snapshots

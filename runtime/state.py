@@ -140,11 +140,8 @@ class SequenceState:
     def restore(self, snapshot: dict[str, torch.Tensor]) -> None:
         """Copy `snapshot` (`snapshot` / `windows` of a state of this model) into this state's `windows`."""
         live = self.windows()
-        if set(snapshot) != set(live):
-            raise ValueError(f"a snapshot of parts {sorted(snapshot)} for a state of parts {sorted(live)}")
+        check_parts(snapshot, live, "a snapshot")
         for name, t in snapshot.items():
-            if t.shape != live[name].shape:
-                raise ValueError(f"snapshot part {name} of shape {tuple(t.shape)}, not {tuple(live[name].shape)}")
             live[name].copy_(t)
 
     def _replace_windows(self, values: dict[str, torch.Tensor]) -> None:
@@ -234,6 +231,16 @@ def kv_row_shapes(config: ModelConfig, layer: int) -> tuple[tuple[int, ...], tup
     own = bool(cfg.indexer_types) and cfg.indexer_types[layer] == "full"
     return (1, cfg.kv_lora_rank + cfg.rotary_dim), (1, cfg.index_head_dim if own else 0)
 
+
+
+def check_parts(values: dict[str, torch.Tensor], live: dict[str, torch.Tensor], what: str) -> None:
+    """ValueError unless `values` holds exactly the parts of `live` (a state's `rows` / `windows`), shape for shape."""
+    if set(values) != set(live):
+        raise ValueError(f"{what} has parts {sorted(set(values) ^ set(live))[:4]} that this model's state has not, "
+                         "or lacks them")
+    for name, t in values.items():
+        if t.shape != live[name].shape:
+            raise ValueError(f"{what}: part {name} of shape {tuple(t.shape)}, not {tuple(live[name].shape)}")
 
 @dataclass
 class Segment:
