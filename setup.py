@@ -1,4 +1,4 @@
-"""Builds the CPU expert kernel for each x86-64 ISA level with the package (runtime/gpu/cpu_build.py), so that a
+"""Builds the CPU expert kernel for each x86-64 ISA level with the package (runtime/gpu/cpu/build.py), so that a
 server never compiles it at start. Everything else is declared in pyproject.toml."""
 
 import importlib.util
@@ -16,12 +16,12 @@ class PlatformDistribution(Distribution):
 class BuildPyWithKernels(build_py):
     def run(self):
         super().run()
-        source = Path(__file__).parent / "runtime/gpu/cpu_build.py"
+        source = Path(__file__).parent / "runtime/gpu/cpu/build.py"
         spec = importlib.util.spec_from_file_location("ft_cpu_build", source)
         mod = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(mod)
         editable = getattr(self, "editable_mode", False)
-        dest = mod.prebuilt_dir() if editable else Path(self.build_lib) / "ft/runtime/gpu/prebuilt"
+        dest = mod.prebuilt_dir() if editable else Path(self.build_lib) / "ft/runtime/gpu/cpu/prebuilt"
         try:
             built = mod.build_prebuilt(dest)
         except Exception as e:  # noqa: BLE001 - the runtime builds it on first use instead

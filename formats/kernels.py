@@ -38,7 +38,7 @@ MAX_LAUNCHERS = 65536
 
 _HASH = re.compile(r"[0-9a-f]{64}")
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
-_FUNCTION = re.compile(r"ft\.runtime\.gpu\.[a-z0-9_]{1,64}\.[A-Za-z_][A-Za-z0-9_]{0,127}")
+_FUNCTION = re.compile(r"ft\.runtime\.gpu\.(?:(?:kernels|cpu)\.)?[a-z0-9_]{1,64}\.[A-Za-z_][A-Za-z0-9_]{0,127}")
 _VERSION = re.compile(r"[A-Za-z0-9_.+-]{1,64}")
 _ENV_NAME = re.compile(r"[A-Z0-9_]{1,128}")
 _SUFFIX = re.compile(r"\.[A-Za-z0-9_.-]{1,63}")  # an extension suffix, e.g. .cpython-312-x86_64-linux-gnu.so

@@ -45,7 +45,7 @@ class Embedding(Op):
     Host-resident table (`keep_on_host`, for a model on a GPU whose LM head is a separate tensor): the table costs no
     VRAM (V x H bf16 is 0.95 GiB for a 248k vocab: a sixth of an 8 GiB card's budget for experts), while a step needs
     only N rows of it. It is copied once into page-locked memory and the GPU gathers the rows itself
-    (`ft.runtime.gpu.embedding`), so ids may be on the host or already on the device (sampled there), and the gather
+    (`gpu.kernels.embedding`), so ids may be on the host or already on the device (sampled there), and the gather
     can be captured in a decode graph. Where page-locking is refused, rows are gathered on the host and copied.
     """
 
@@ -58,7 +58,7 @@ class Embedding(Op):
     def keep_on_host(self, target: torch.device) -> None:
         self._target = target
         if target.type == "cuda":
-            from ft.runtime.gpu.embedding import map_table
+            from ft.runtime.gpu.kernels.embedding import map_table
 
             mapped = map_table(self.weight)
             if mapped is not None:
@@ -69,7 +69,7 @@ class Embedding(Op):
             return F.embedding(_to_device(ids, self.weight.device), self.weight)
         if self._address is None:
             return F.embedding(ids.cpu(), self.weight).to(self._target)
-        from ft.runtime.gpu.embedding import gather_rows
+        from ft.runtime.gpu.kernels.embedding import gather_rows
 
         out = torch.empty(ids.numel(), self.weight.shape[1], dtype=self.weight.dtype, device=self._target)
         return gather_rows(self._address, _to_device(ids, self._target), out)

@@ -232,7 +232,7 @@ class PendingSample:
         self._copied = None
         if packed.device.type == "cuda":
             # blocking: the host thread sleeps until the copy lands instead of spinning on a core that the CPU expert
-            # lane's threads use (`runtime/gpu/cpu_lane.py`); the step after this one is already queued meanwhile
+            # lane's threads use (`runtime/gpu/cpu/lane.py`); the step after this one is already queued meanwhile
             self._copied = torch.cuda.Event(blocking=True)
             self._copied.record()
         self._result: SampleOutput | None = None

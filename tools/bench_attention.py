@@ -1,4 +1,4 @@
-"""Time the fused full-attention decode kernel (`ft.runtime.gpu.decode_attention`) at the real model shapes.
+"""Time the fused full-attention decode kernel (`ft.runtime.gpu.kernels.decode_attention`) at the real model shapes.
 
     python tools/bench_attention.py --out DIR [--quick]     # writes DIR/bench_attention.json, prints one line per row
 
@@ -72,7 +72,7 @@ class Case:
                 self.positions)
 
     def attention(self, **kw):
-        from ft.runtime.gpu.decode_attention import decode_attention
+        from ft.runtime.gpu.kernels.decode_attention import decode_attention
 
         g = self.g
         return decode_attention(*self.args(), nq=g["nq"], nkv=g["nkv"], hd=g["hd"], scale=g["hd"] ** -0.5,
@@ -80,7 +80,7 @@ class Case:
 
 
 def check(name: str, geom: dict) -> dict:
-    from ft.runtime.gpu.decode_attention import decode_attention_ref
+    from ft.runtime.gpu.kernels.decode_attention import decode_attention_ref
 
     c = Case(geom, [1, 100, 777, 5000])
     kv_ref = [tuple(t.clone() for t in pair) for pair in c.kv]
@@ -94,7 +94,7 @@ def check(name: str, geom: dict) -> dict:
 
 
 def bench_shape(name: str, geom: dict, B: int, ctx: int, hbm: float, quick: bool) -> list[dict]:
-    from ft.runtime.gpu.decode_attention import CONFIG, num_splits
+    from ft.runtime.gpu.kernels.decode_attention import CONFIG, num_splits
 
     set_bytes = B * ctx * geom["nkv"] * geom["hd"] * 4
     cases = [Case(geom, [ctx] * B) for _ in range(max(1, min(REPS, -(-2 * L2_BYTES // set_bytes))))]

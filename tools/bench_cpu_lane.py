@@ -4,7 +4,7 @@
                                    [--builds "GU_ROWS=8;GU_ROWS=16,DOWN_ROWS=64"] [--concurrent] [--out DIR]
                                    [--schemes nvfp4,mxfp4] [--geometry 2880,2880] [--stem cpu_lane]
 
-In a decode step at a VRAM budget the lane (`runtime/gpu/cpu_lane.c`) computes ~2 of a layer's ~6 misses while the
+In a decode step at a VRAM budget the lane (`runtime/gpu/cpu/lane.c`) computes ~2 of a layer's ~6 misses while the
 GPU copies the rest from the same host memory, so its job time at 1-4 experts, with that copy running, sets the
 split. This tool posts jobs into a lane's mailbox from this thread, as the GPU's post kernel would: each job is one
 token routed to n distinct random experts of a bank larger than the caches (by default qwen3moe-35b-geom's experts,
@@ -12,7 +12,7 @@ H 2048, I 512, NVFP4; `--geometry H,I` and `--schemes` for others, e.g. gpt-oss-
 and reads the lane's own timing of it (post seen -> answer written). Per configuration it fits
 job seconds = fixed + per * experts. `--concurrent`: a CUDA side stream copies a 1 GiB page-locked buffer to the
 device in a loop meanwhile (its rate is reported). `--builds`: the C kernel built with these macro settings
-(`cpu_nvfp4.c`: GU_ROWS, DOWN_ROWS, FT_PREFETCH), each with -march=native. Writes <stem>.md / <stem>.json under
+(`cpu/kernel.c`: GU_ROWS, DOWN_ROWS, FT_PREFETCH), each with -march=native. Writes <stem>.md / <stem>.json under
 --out.
 """
 
@@ -33,8 +33,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ft.runtime.gpu.cpu_lane import MB_DONE, MB_EXPERT, MB_LAYER, MB_N, MB_REQ, MB_T, MB_TOKEN, MB_WEIGHT, MB_X
-from ft.runtime.gpu.cpu_nvfp4 import c_layout, load_library
+from ft.runtime.gpu.cpu.lane import MB_DONE, MB_EXPERT, MB_LAYER, MB_N, MB_REQ, MB_T, MB_TOKEN, MB_WEIGHT, MB_X
+from ft.runtime.gpu.cpu.kernel import c_layout, load_library
 from ft.runtime.gpu.record_layout import RecordLayout
 
 TMAX = 8

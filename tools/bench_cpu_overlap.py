@@ -27,7 +27,7 @@ import torch
 from bench_record import append_run, machine  # tools/, next to this script
 
 from ft.runtime.gpu.benchbw import _synthetic_records
-from ft.runtime.gpu.cpu_nvfp4 import CpuMoe
+from ft.runtime.gpu.cpu.kernel import CpuMoe
 from ft.runtime.gpu.record_layout import RecordLayout
 
 

@@ -87,7 +87,7 @@ def _torch_decode(mixed, z, b, a, w, convs, recs):
 
 
 def bench_decode(hbm: float, sizes=(1, 4, 8)) -> list[dict]:
-    from ft.runtime.gpu.deltanet_decode import DECODE_CONFIG, gdn_decode
+    from ft.runtime.gpu.kernels.deltanet_decode import DECODE_CONFIG, gdn_decode
 
     rows = []
     for n in sizes:
@@ -124,7 +124,7 @@ def bench_decode(hbm: float, sizes=(1, 4, 8)) -> list[dict]:
 
 
 def bench_prefill(t: int = 4096) -> list[dict]:
-    from ft.runtime.gpu.deltanet_prefill import PREFILL_CONFIG, gdn_chunk_prefill
+    from ft.runtime.gpu.kernels.deltanet_prefill import PREFILL_CONFIG, gdn_chunk_prefill
     from ft.runtime.layers.deltanet import chunk_gated_delta_rule, l2_normalize
 
     g = torch.Generator().manual_seed(0)

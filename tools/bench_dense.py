@@ -8,7 +8,7 @@ cuBLAS picks its kernel by the call's shape and layout, e.g. split-K plus a redu
   linear   F.linear(x, W)                          (what the layers call)
   mv       torch.mv(W, x[0])                       (T = 1 only)
   wx       (W @ x.T).T                              (the transposed problem: weight as the left operand)
-  triton   dense_gemv(x, W)                         (ft.runtime.gpu.dense_gemv with its TILES; `tiles` in the row)
+  triton   dense_gemv(x, W)                         (gpu/kernels/dense_gemv.py with its TILES; `tiles` in the row)
 Each call reads a different copy of W (copies cycle through more than the 50 MB L2) inside one captured CUDA graph;
 us is per call, `hbm_frac` the weight bytes per us over the HBM read rate measured here.
 Without --quick dense_gemv is also timed over `SWEEP` (FMA and tensor-core tiles; configurations whose launched tiles
@@ -45,7 +45,7 @@ SWEEP = ([{"DOT": False, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "acc_ele
 
 
 def forms(T: int):
-    from ft.runtime.gpu.dense_gemv import dense_gemv
+    from ft.runtime.gpu.kernels.dense_gemv import dense_gemv
 
     yield "linear", lambda x, w: F.linear(x, w)
     if T == 1:
@@ -57,7 +57,7 @@ def forms(T: int):
 def sweep(name, n, k, T, x, ws, want, hbm) -> list[dict]:
     """dense_gemv over SWEEP for one shape and T -> rows {shape, N, K, T, tiles (as launched), us, hbm_frac,
     max_abs_diff}, one per distinct launched tiles."""
-    from ft.runtime.gpu.dense_gemv import dense_gemv, launch_tiles
+    from ft.runtime.gpu.kernels.dense_gemv import dense_gemv, launch_tiles
 
     rows, seen = [], set()
     for cfg in SWEEP:
@@ -88,7 +88,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     hbm = hbm_read_gbs()
     print(f"HBM read {hbm:.0f} GB/s")
-    from ft.runtime.gpu.dense_gemv import TILES, launch_tiles
+    from ft.runtime.gpu.kernels.dense_gemv import TILES, launch_tiles
 
     rows, swept, best = [], [], []
     for name, n, k in SHAPES:

@@ -1,4 +1,4 @@
-"""Time the fused elementwise kernels (`ft.runtime.gpu.fused_ops`) against the PyTorch ops they replace.
+"""Time the fused elementwise kernels (`ft.runtime.gpu.kernels.fused_ops`) against the PyTorch ops they replace.
 
     python tools/bench_fused_ops.py --out DIR        # writes DIR/bench_fused_ops.json, prints one line per row
 
@@ -41,7 +41,7 @@ def _diff(a, b) -> float:
 
 def cases(T: int):
     """(op, shape text, bytes moved, fused fn, reference fn) for T tokens."""
-    from ft.runtime.gpu import fused_ops as fo
+    from ft.runtime.gpu.kernels import fused_ops as fo
 
     g = torch.Generator(device="cuda").manual_seed(T)
     bf = dict(dtype=torch.bfloat16, device="cuda")

@@ -35,7 +35,7 @@ def main() -> int:
     import triton
     import triton.testing
 
-    from ft.runtime.gpu.gather import _copy_kernel
+    from ft.runtime.gpu.kernels.gather import _copy_kernel
     from ft.runtime.gpu.pinning import device_pointer
     from ft.runtime.gpu.record_layout import RecordLayout
 

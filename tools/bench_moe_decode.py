@@ -55,14 +55,14 @@ def _mma_name(cfg: dict) -> str:
 
 
 def _mma_configs(which: str) -> list[dict]:
-    from ft.runtime.gpu.nvfp4_decode_mma import MMA_BLOCKS
+    from ft.runtime.gpu.kernels.nvfp4_decode_mma import MMA_BLOCKS
 
     grid = [dict(MMA_BLOCKS)] + [{**MMA_BLOCKS, **v} for v in MMA_GU + MMA_D]  # the default first, once
     return {"grid": list({_mma_name(c): c for c in grid}.values()), "default": [dict(MMA_BLOCKS)], "none": []}[which]
 
 
 def _configs(which: str) -> tuple[dict, dict]:
-    from ft.runtime.gpu.nvfp4_decode import DECODE_BLOCKS
+    from ft.runtime.gpu.kernels.nvfp4_decode import DECODE_BLOCKS
 
     if which == "default":
         gu = [{k: DECODE_BLOCKS[k] for k in ("BLOCK_N_GU", "BLOCK_K_GU", "WARPS_GU")}]
@@ -100,9 +100,9 @@ def bench_rows(*, hidden=2048, inter=512, num_experts=256, top_k=8, tokens=(1, 2
                log=print) -> list[dict]:
     """The benchmark's rows (module docstring). device "cpu" (interpreter, tiny shapes, `time_us` stubbed) only
     exercises this code in tests."""
-    from ft.runtime.gpu import nvfp4_decode as nd
-    from ft.runtime.gpu.nvfp4_decode_mma import moe_nvfp4_mma
-    from ft.runtime.gpu.moe_reference import moe_ref
+    from ft.runtime.gpu.kernels import nvfp4_decode as nd
+    from ft.runtime.gpu.kernels.nvfp4_decode_mma import moe_nvfp4_mma
+    from ft.runtime.gpu.kernels.moe_reference import moe_ref
     from ft.runtime.gpu.record_layout import RecordLayout
 
     gu_configs, down_configs = gu_configs or _configs("grid")[0], down_configs or _configs("grid")[1]
@@ -221,7 +221,7 @@ def compile_configs(gu: dict, dn: dict, *, hidden=2048, inter=512, top_k=8, arch
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from ft.runtime.gpu import nvfp4_decode as nd
+    from ft.runtime.gpu.kernels import nvfp4_decode as nd
     from ft.runtime.gpu.record_layout import RecordLayout
 
     lay = RecordLayout.packed(hidden, inter, scheme, act="clamped_swiglu" if scheme == "mxfp4" else "silu")

@@ -88,9 +88,9 @@ def bench_rows(*, hidden: int = 2048, inter: int = 512, num_experts: int = 256, 
     """The benchmark's rows (see the module docstring). device "cpu" (interpreter, tiny shapes, `time_ms` stubbed)
     only exercises this code in tests."""
     from kernel_bench import _bench_records
-    from ft.runtime.gpu.moe_reference import moe_ref
+    from ft.runtime.gpu.kernels.moe_reference import moe_ref
     from ft.runtime.gpu.host_plan import moe_nvfp4
-    from ft.runtime.gpu.nvfp4_triton import TILE_CONFIGS, moe_blocks, pick_blocks
+    from ft.runtime.gpu.kernels.nvfp4_triton import TILE_CONFIGS, moe_blocks, pick_blocks
     from ft.runtime.gpu.prefill_plan import moe_nvfp4_prefill, plan_blocks_device
     from ft.runtime.gpu.record_layout import RecordLayout
 
@@ -168,7 +168,7 @@ def compile_configs(configs: dict, *, hidden: int = 2048, inter: int = 512, top_
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from ft.runtime.gpu import nvfp4_triton as nt
+    from ft.runtime.gpu.kernels import nvfp4_triton as nt
     from ft.runtime.gpu.record_layout import RecordLayout
 
     lay = RecordLayout.packed(hidden, inter, scheme, act="clamped_swiglu" if scheme == "mxfp4" else "silu")
@@ -227,7 +227,7 @@ def main(argv=None) -> int:
                     help="no GPU needed: build the configs' kernels for sm_ARCH (default 90), print regs / spills")
     ap.add_argument("--scheme", default="nvfp4", choices=("nvfp4", "mxfp4"), help="--compile-only: the record format")
     args = ap.parse_args(argv)
-    from ft.runtime.gpu.nvfp4_triton import TILE_CONFIGS
+    from ft.runtime.gpu.kernels.nvfp4_triton import TILE_CONFIGS
 
     every = {**TILE_CONFIGS, **EXTRA_CONFIGS}
     configs = every if args.configs == "all" else {n: every[n] for n in args.configs.split(",")}

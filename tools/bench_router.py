@@ -1,4 +1,4 @@
-"""Time the one-launch decode router (`ft.runtime.gpu.router.router_topk`) against the launches it replaces.
+"""Time the one-launch decode router (`ft.runtime.gpu.kernels.router.router_topk`) against the launches it replaces.
 
     python tools/bench_router.py --out DIR [--quick]   # writes DIR/bench_router.json, prints one line per row
 
@@ -54,7 +54,7 @@ def cases():
 
 
 def torch_path(x, weight, extra):
-    from ft.runtime.gpu import fused_ops
+    from ft.runtime.gpu.kernels import fused_ops
 
     ids, wts = fused_ops.route_topk(F.linear(x, weight), TOP_K, True)
     return ids, wts, None if extra is None else F.linear(x, extra)
@@ -72,7 +72,7 @@ def main() -> None:
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_router: needs a CUDA device (none found)")
-    from ft.runtime.gpu import router
+    from ft.runtime.gpu.kernels import router
 
     args.out.mkdir(parents=True, exist_ok=True)
     hbm = hbm_read_gbs()

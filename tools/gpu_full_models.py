@@ -86,9 +86,9 @@ def _timed_replays():
 
 
 def pdl_ab(eng: Engine) -> dict:
-    """Decode graphs captured with programmatic dependent launch (`ft.runtime.gpu.pdl`, the default where supported)
+    """Decode graphs captured with programmatic dependent launch (`gpu/kernels/pdl.py`, the default where supported)
     against the same graphs without it: GPU ms of a replay at batch 1 and 8, and decode batch 1 through the engine."""
-    from ft.runtime.gpu import pdl
+    from ft.runtime.gpu.kernels import pdl
 
     out: dict = {"supported": pdl.ENABLED}
     graphs = eng.model.graphs

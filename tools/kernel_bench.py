@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ft.runtime.gpu.benchbw import _synthetic_records
-from ft.runtime.gpu.moe_reference import moe_ref
+from ft.runtime.gpu.kernels.moe_reference import moe_ref
 from ft.runtime.gpu.pinning import device_pointer
 from ft.runtime.gpu.record_layout import RecordLayout
 
@@ -149,8 +149,8 @@ def bench_decode_device(*, hidden: int = 2048, inter: int = 512, num_experts: in
                         device: str = "cuda") -> list[dict]:
     """Decode shapes (T * top_k <= 64): host-planned call with its routing sync vs the device-planned kernels.
     `device="cpu"` (Triton interpreter, tiny shapes, `_time_ms` replaced) only exercises this code in tests."""
-    from ft.runtime.gpu.gather import gather_missing
-    from ft.runtime.gpu.nvfp4_decode import moe_nvfp4_device
+    from ft.runtime.gpu.kernels.gather import gather_missing
+    from ft.runtime.gpu.kernels.nvfp4_decode import moe_nvfp4_device
     from ft.runtime.gpu.host_plan import moe_nvfp4
 
     dev = torch.device(device)

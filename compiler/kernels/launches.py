@@ -127,7 +127,7 @@ def _decode_tables(B: int, layers: int) -> list[tuple[torch.Tensor, torch.Tensor
 
 
 def fused(g: Geometry, lengths: list[int]) -> None:
-    from ft.runtime.gpu import fused_ops as f
+    from ft.runtime.gpu.kernels import fused_ops as f
 
     H, dt = g.H, g.dtype
     for T in lengths:
@@ -150,7 +150,7 @@ def fused(g: Geometry, lengths: list[int]) -> None:
 def router(g: Geometry, lengths: list[int]) -> None:
     if not g.moe_layers:
         return
-    from ft.runtime.gpu.router import MAX_TOKENS, router_topk
+    from ft.runtime.gpu.kernels.router import MAX_TOKENS, router_topk
 
     for T in (t for t in lengths if t <= MAX_TOKENS):
         x = torch.zeros(T, g.H, dtype=g.dtype)
@@ -159,7 +159,7 @@ def router(g: Geometry, lengths: list[int]) -> None:
 
 
 def attention(g: Geometry, lengths: list[int]) -> None:
-    from ft.runtime.gpu import decode_attention as da
+    from ft.runtime.gpu.kernels import decode_attention as da
 
     splits = da.split_counts()  # which one num_splits picks depends on the GPU's SM count
     for B in (t for t in lengths if t <= MAX_BATCH):
@@ -177,8 +177,8 @@ def attention(g: Geometry, lengths: list[int]) -> None:
 def deltanet(g: Geometry, lengths: list[int]) -> None:
     if g.gdn is None:
         return
-    from ft.runtime.gpu.deltanet_decode import gdn_decode
-    from ft.runtime.gpu.deltanet_prefill import gdn_chunk_prefill
+    from ft.runtime.gpu.kernels.deltanet_decode import gdn_decode
+    from ft.runtime.gpu.kernels.deltanet_prefill import gdn_chunk_prefill
 
     hk, hv, dk, dv, K = g.gdn
     C = 2 * hk * dk + hv * dv
@@ -195,8 +195,8 @@ def deltanet(g: Geometry, lengths: list[int]) -> None:
 
 
 def dense(g: Geometry, lengths: list[int]) -> None:
-    from ft.runtime.gpu.dense_gemv import MAX_TOKENS, dense_gemv
-    from ft.runtime.gpu.dense_quant import quantized_gemv, supported
+    from ft.runtime.gpu.kernels.dense_gemv import MAX_TOKENS, dense_gemv
+    from ft.runtime.gpu.kernels.dense_quant import quantized_gemv, supported
 
     for scheme, N, K in g.linears:
         for T in (t for t in lengths if t <= MAX_TOKENS):
@@ -213,7 +213,7 @@ def dense(g: Geometry, lengths: list[int]) -> None:
 
 
 def embedding(g: Geometry, lengths: list[int]) -> None:
-    from ft.runtime.gpu.embedding import gather_rows
+    from ft.runtime.gpu.kernels.embedding import gather_rows
 
     for T in lengths:
         gather_rows(ADDR, torch.zeros(T, dtype=torch.int64), torch.zeros(T, g.H, dtype=g.dtype))
@@ -222,12 +222,12 @@ def embedding(g: Geometry, lengths: list[int]) -> None:
 def moe(g: Geometry, lengths: list[int]) -> None:
     if not g.moe_layers:
         return
-    from ft.runtime.gpu import cpu_lane
-    from ft.runtime.gpu.gather import gather_missing
+    from ft.runtime.gpu.cpu import lane as cpu_lane
+    from ft.runtime.gpu.kernels.gather import gather_missing
     from ft.runtime.gpu.host_plan import moe_nvfp4
-    from ft.runtime.gpu.nvfp4_decode import moe_nvfp4_device
-    from ft.runtime.gpu.nvfp4_decode_mma import moe_nvfp4_mma
-    from ft.runtime.gpu.nvfp4_triton import TILE_CONFIGS
+    from ft.runtime.gpu.kernels.nvfp4_decode import moe_nvfp4_device
+    from ft.runtime.gpu.kernels.nvfp4_decode_mma import moe_nvfp4_mma
+    from ft.runtime.gpu.kernels.nvfp4_triton import TILE_CONFIGS
     from ft.runtime.gpu.prefill_plan import moe_nvfp4_prefill
     from ft.runtime.gpu.record_layout import SCHEMES, RecordLayout
 

@@ -7,7 +7,7 @@ tensors of the real shapes, so each kernel is compiled with the specialization (
 pointers, integers equal to 1 or divisible by 16), constexprs and options of the same call on the GPU, which gives it
 the cache key that launch computes (`ft.runtime.gpu.triton_cache`). The few switches the launchers set for Triton's
 CPU interpreter (CPU tensors) are set to their CUDA values here (`cuda_kwargs`), and PDL to what a GPU of that arch
-gets (`ft.runtime.gpu.pdl`: sm_90 and up).
+gets (`ft.runtime.gpu.kernels.pdl`: sm_90 and up).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class _TargetOnly:
 
 
 def pdl_for(arch: int) -> bool:
-    """Whether a GPU of this arch launches with PDL (`ft.runtime.gpu.pdl._supported`: capability 9 and up, and a
+    """Whether a GPU of this arch launches with PDL (`ft.runtime.gpu.kernels.pdl._supported`: capability 9 and up, and a
     Triton with the griddepcontrol instructions)."""
     try:
         from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait  # noqa: F401

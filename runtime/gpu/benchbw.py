@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .cpu_build import cache_dir
-from .cpu_nvfp4 import CpuMoe, lane_threads
+from .cpu.build import cache_dir
+from .cpu.kernel import CpuMoe, lane_threads
 from .record_layout import RecordLayout
 
 PROFILE_VERSION = 1

@@ -29,7 +29,7 @@ import logging
 
 import torch
 
-from .moe_reference import moe_ref
+from .kernels.moe_reference import moe_ref
 
 log = logging.getLogger("ft.gpu")
 
@@ -80,7 +80,7 @@ def device_prefill_call(ex, layer: int, x: torch.Tensor, topk_ids: torch.Tensor,
 def _first_prefill(ex, x, topk_ids, row, topk_weights, kernel) -> torch.Tensor:
     """First device-planned prefill: `_checked` against the host-planned call on the same tiles. A plan or kernel that
     fails or disagrees sets `ex._device_prefill_ok = False`: prefill routing goes through the host."""
-    from .nvfp4_triton import pick_blocks
+    from .kernels.nvfp4_triton import pick_blocks
 
     T, k = topk_ids.shape
     blocks = pick_blocks(T * k / min(ex.E, T * k), x.shape[1], ex.layout.inter)
@@ -111,7 +111,7 @@ def device_kernel(ex, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_
     what a resident one does, whatever slots the experts sit in."""
     row = ex.cache.device_table(ex.device).row(layer)
     if ex.device.type == "cuda" or ex.interpret:
-        from .nvfp4_decode_mma import decode_kernel
+        from .kernels.nvfp4_decode_mma import decode_kernel
 
         kernel = decode_kernel(x.shape[0])
         if kernel in getattr(ex, "_checked_kernels", ()):

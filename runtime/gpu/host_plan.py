@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .nvfp4_triton import moe_blocks, pick_blocks
+from .kernels.nvfp4_triton import moe_blocks, pick_blocks
 from .record_layout import RecordLayout
 
 

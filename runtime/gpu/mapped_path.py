@@ -16,7 +16,7 @@ the trace are counted (`mapped_readback.py`), and up to `admit_max` of the misse
 routed first, are uploaded into victim slots when their routing frequency beats `admit_margin` x that of the slot's
 owner; their table entries stay hidden (-1) until the upload lands, so no kernel reads a slot in flight.
 
-The CPU lane (`cpu_lane.py`, on unless `OffloadConfig.cpu_lane` is off or no C compiler exists) computes part of
+The CPU lane (`cpu/lane.py`, on unless `OffloadConfig.cpu_lane` is off or no C compiler exists) computes part of
 each call's staged misses on the host's cores at the same time as the GPU copies the rest, split by the measured
 costs of both paths; it is made with the mapped banks (`ready`) and answers inside graph replays.
 
@@ -33,7 +33,7 @@ from collections import deque
 
 import torch
 
-from .cpu_lane import lane_for
+from .cpu.lane import lane_for
 from .device_path import MAX_DEVICE_PAIRS, count_call
 from .mapped_readback import read_back
 from .pinning import bank_range, verify_bank
@@ -168,14 +168,14 @@ class MappedDecode:
             _fill(entry, topk_ids, pair_slot, (pair_slot < 0).to(torch.int32))
             if ex.device.type != "cuda":
                 return _bank_reference(ex, bank, x, topk_ids, topk_weights), entry
-            from .nvfp4_decode_mma import decode_kernel
+            from .kernels.nvfp4_decode_mma import decode_kernel
 
             y = decode_kernel(x.shape[0])(ex.pool, ex.layout, x, topk_ids, row, topk_weights,
                                           host_base=self.base[layer], host_stride=bank.stride)
             return self._check(y, bank, x, topk_ids, topk_weights), entry
         if ex.device.type != "cuda" and not ex.interpret:  # CPU emulation: plan and copy in PyTorch
-            from .gather import plan_reference
-            from .moe_reference import moe_ref
+            from .kernels.gather import plan_reference
+            from .kernels.moe_reference import moe_ref
 
             pair_slot, copied = plan_reference(topk_ids, self.table.tensor, layer, ex.num_slots)
             ids = topk_ids.reshape(-1).tolist()
@@ -184,8 +184,8 @@ class MappedDecode:
             _fill(entry, topk_ids, pair_slot, copied)
             y = moe_ref(ex.pool, ex.layout, x, pair_slot.long().view(topk_ids.shape), topk_weights)
             return y, entry
-        from .gather import gather_missing
-        from .nvfp4_decode import moe_nvfp4_device
+        from .kernels.gather import gather_missing
+        from .kernels.nvfp4_decode import moe_nvfp4_device
 
         lane = self.lane if self.lane is not None and topk_ids.shape[0] <= self.lane.tmax else None
         base = self.base.get(layer, 0)  # 0: lane-only, every staged miss goes to the CPU (`CpuLane.split_all`)
@@ -252,7 +252,7 @@ class MappedDecode:
 def _bank_reference(ex, bank, x, topk_ids, topk_weights) -> torch.Tensor:
     """The call's result with every record read from the bank on the host (a sync: the first CUDA call's check, and
     the CPU emulation of in-place reads)."""
-    from .moe_reference import moe_ref
+    from .kernels.moe_reference import moe_ref
 
     ids = topk_ids.reshape(-1).long().cpu()
     uniq = torch.unique(ids).tolist()

@@ -34,7 +34,7 @@ class OffloadConfig:
     num_slots: int | None = None
     reserve_bytes: int = GIB // 2  # activations, logits, allocator slack
     policy: str = "lru-freq"
-    cpu_lane: bool = True  # mode mapped: the CPU computes part of each decode call's misses (cpu_lane.py)
+    cpu_lane: bool = True  # mode mapped: the CPU computes part of each decode call's misses (cpu/lane.py)
     admit_max: int = 2  # mode mapped: experts uploaded into the cache per layer call at most
     admit_margin: float = 2.0  # mode mapped: a miss replaces a resident expert routed this many times less often
     # (routing counts over a few hundred tokens are noisy: with a smaller margin, swaps at uniform routing mostly spend

@@ -182,7 +182,7 @@ class _Runs:
         self.pool, self.layout, self.shape = pool, layout, (T, k, H)
         self.kernels = kernels
         if kernels:  # the Triton tile kernels (CUDA, or the interpreter)
-            from .nvfp4_triton import pick_blocks
+            from .kernels.nvfp4_triton import pick_blocks
             from .prefill_plan import plan_by_expert
 
             self.blocks = pick_blocks(P / min(num_experts, P), H, layout.inter)  # a resident call's: same tiles
@@ -196,12 +196,12 @@ class _Runs:
     def __call__(self, lut_row: torch.Tensor) -> None:
         """lut_row int32 [E + 2]: expert -> pool row for the experts this run computes, SKIP for the others."""
         if self.kernels:
-            from .nvfp4_triton import moe_blocks
+            from .kernels.nvfp4_triton import moe_blocks
 
             moe_blocks(self.pool, self.layout, self.x, self.shape[1], self.sorted_pairs,
                        lut_row.index_select(0, self.bucket), self.w, self.out, self.blocks)
         else:
-            from .moe_reference import moe_ref
+            from .kernels.moe_reference import moe_ref
 
             slots = lut_row.long()[self.ids]
             self.parts.append(moe_ref(self.pool, self.layout, self.x, torch.where(slots >= 0, slots, -1), self.w))

@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from .nvfp4_decode import check_moe_args
-from .nvfp4_triton import moe_blocks, pick_blocks
+from .kernels.nvfp4_decode import check_moe_args
+from .kernels.nvfp4_triton import moe_blocks, pick_blocks
 from .record_layout import RecordLayout
 
 

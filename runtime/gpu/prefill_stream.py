@@ -35,7 +35,7 @@ def prefill_call(ex, layer: int, x: torch.Tensor, ids: np.ndarray, uniq: np.ndar
     H = x.shape[1]
     blocks = None
     if ex.device.type == "cuda" or ex.interpret:  # the Triton kernels (imported only where they run)
-        from .nvfp4_triton import pick_blocks
+        from .kernels.nvfp4_triton import pick_blocks
 
         blocks = pick_blocks(len(ids) / max(1, len(uniq)), H, ex.layout.inter)  # the whole call's, as moe_nvfp4 picks
     pairs = torch.zeros(T * k, H, dtype=torch.float32, device=ex.device)

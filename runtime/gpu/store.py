@@ -31,14 +31,14 @@ import torch
 
 from ft.formats import FtwReader
 
-from .cpu_nvfp4 import CpuMoe
+from .cpu.kernel import CpuMoe
 from .device_path import (device_call, device_prefill_call, uses_device_plan,
                           uses_device_prefill)
 from .expert_cache import ExpertCache, plan_num_slots
 from .graphs import graph_call
 from .host_call import host_call
 from .mapped_path import MappedDecode, uses_mapped
-from .moe_reference import moe_ref
+from .kernels.moe_reference import moe_ref
 from .offload_config import OffloadConfig
 from .pinning import BackgroundPinner
 from .prefill_pipeline import PrefillPipeline, uses_pipeline

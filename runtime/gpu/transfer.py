@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from .cpu_nvfp4 import parallel_copy
+from .cpu.kernel import parallel_copy
 from .pinning import clear_cuda_error, device_pointer
 
 

@@ -22,8 +22,9 @@ import threading
 log = logging.getLogger("ft.gpu")
 
 # ft.runtime.gpu modules whose kernels the runtime launches (`kernel_function` resolves names only inside these).
-KERNEL_MODULES = ("cpu_lane", "decode_attention", "deltanet_decode", "deltanet_prefill", "dense_gemv", "dense_quant",
-                  "embedding", "fused_ops", "gather", "nvfp4_decode", "nvfp4_decode_mma", "nvfp4_triton", "router")
+KERNEL_MODULES = ("cpu.lane", *(f"kernels.{m}" for m in (
+    "decode_attention", "deltanet_decode", "deltanet_prefill", "dense_gemv", "dense_quant", "embedding", "fused_ops",
+    "gather", "nvfp4_decode", "nvfp4_decode_mma", "nvfp4_triton", "router")))
 
 
 def target_key(arch: int) -> dict:
@@ -42,8 +43,8 @@ def target_key(arch: int) -> dict:
 
 
 def kernel_function(qualname: str):
-    """The JITFunction named `ft.runtime.gpu.<module>.<name>`, or None where there is no such kernel here (only the
-    modules of KERNEL_MODULES are imported: the name comes from a file)."""
+    """The JITFunction named `ft.runtime.gpu.<a KERNEL_MODULES entry>.<name>`, or None where there is no such kernel
+    here (only the modules of KERNEL_MODULES are imported: the name comes from a file)."""
     from triton.runtime.jit import JITFunction
 
     prefix, _, name = qualname.rpartition(".")

@@ -10,7 +10,7 @@ The cache still keeps every row (the window only masks). Their prefill takes `si
 their decode batches take the fused kernel like any other layer (it handles sinks and the window).
 
 Decode batches (`batch.decode`, one token per segment, `past` taken from `batch.positions`): with `_fused` set, one
-Triton kernel (`ft.runtime.gpu.decode_attention`) does norm + RoPE + the KV write and split-K attention over each
+Triton kernel (`gpu.kernels.decode_attention`) does norm + RoPE + the KV write and split-K attention over each
 sequence's live rows only, finding buffers through `batch.tables` and lengths through `batch.positions` on the
 device (CUDA-graph replayable). Without `_fused` (CPU), the eager per-segment path below is the reference.
 """
@@ -86,7 +86,7 @@ class Attention(Op):
 
     def _fused_decode(self, qkv: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """qkv [B, rows] of a decode batch -> attention output [B, nq·hd] (gated), via the one decode kernel."""
-        from ft.runtime.gpu.decode_attention import decode_attention
+        from ft.runtime.gpu.kernels.decode_attention import decode_attention
 
         norm = hasattr(self, "q_norm")
         return decode_attention(qkv, self.q_norm.weight if norm else None, self.k_norm.weight if norm else None,

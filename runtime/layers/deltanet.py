@@ -12,8 +12,8 @@ Per token, after the projections (`in_proj_qkvz` rows `[q (Hk·dk) | k (Hk·dk) 
 Step 3 runs token by token for decode (`recurrent_gated_delta_rule`) and in chunks of 64 for prefill
 (`chunk_gated_delta_rule`, the UT-transform form); both compute the same recurrence.
 With `_fused` (CUDA; the torch code here stays the reference and the CPU path), a decode batch runs steps 1-4 in the
-two Triton kernels of `ft.runtime.gpu.deltanet_decode` (states found through `ForwardBatch.tables`), and a segment of
-more than one token runs step 3 in the Triton chunked kernels of `ft.runtime.gpu.deltanet_prefill`.
+two Triton kernels of `gpu.kernels.deltanet_decode` (states found through `ForwardBatch.tables`), and a segment of
+more than one token runs step 3 in the Triton chunked kernels of `ft.runtime.gpu.kernels.deltanet_prefill`.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ class GatedDeltaNet(Op):
             mixed, z = self.in_proj_qkvz(x).split([self.conv_dim, self._value_dim], dim=-1)
             b, a = self.in_proj_ba(x).split([self._hv, self._hv], dim=-1)
         if batch.decode and self._fused:      # one token per sequence, states found through the tables on the device
-            from ft.runtime.gpu.deltanet_decode import gdn_decode
+            from ft.runtime.gpu.kernels.deltanet_decode import gdn_decode
             core = gdn_decode(mixed, z, b, a, self.conv1d.weight, self.A_log, self.dt_bias, self.norm.weight,
                               self.norm._eps, batch.tables[self._layer], hk=self._hk, hv=self._hv, dk=self._dk,
                               dv=self._dv)
@@ -156,7 +156,7 @@ class GatedDeltaNet(Op):
             k = l2_normalize(k.reshape(t, self._hk, self._dk))
             v = v.reshape(t, self._hv, self._dv)
             if self._fused and t > 1:   # Triton chunked rule (key heads not repeated), rec_state updated in place
-                from ft.runtime.gpu.deltanet_prefill import gdn_chunk_prefill
+                from ft.runtime.gpu.kernels.deltanet_prefill import gdn_chunk_prefill
                 # an fp32 model gets fp32 products (TF32 would be below its precision; bf16 models keep TF32)
                 o = gdn_chunk_prefill(q, k, v, g[seg.rows], beta[seg.rows], rec_state,
                                       config={"precision": "ieee"} if x.dtype == torch.float32 else None)

@@ -6,11 +6,11 @@
 By default a quantized linear is dequantized once, at `prepare`, into the compute dtype (exact up to that dtype's
 rounding). With `keep_quantized` (opt-in on the GPU, `OffloadConfig(dense="quantized")`: the weights take 2-4x less
 room, which goes to the expert cache) the stored bytes move to the device as they are. On CUDA, calls of at most
-`GEMV_MAX_TOKENS` rows (decode) run a dequantizing GEMV that reads the stored bytes once (`ft.runtime.gpu.dense_quant`);
+`GEMV_MAX_TOKENS` rows (decode) run a dequantizing GEMV that reads the stored bytes once (`gpu.kernels.dense_quant`);
 other calls dequantize `CHUNK_BYTES` of weight rows at a time into the same compute-dtype values the default path
 holds and multiply by them (the same results, for a transient of one chunk and one extra pass over the weight).
 Plain bf16 / fp16 weights on a GEMV device (decided at `prepare`: `_gemv`) run calls of at most `dense_gemv.MAX_TOKENS`
-rows through `ft.runtime.gpu.dense_gemv` (one launch streaming the weight once) when the op is `_fused`; the stacked
+rows through `gpu.kernels.dense_gemv` (one launch streaming the weight once) when the op is `_fused`; the stacked
 weights of `stack_rows` go through `linear` the same way. The results equal `F.linear` up to fp32 summation order.
 """
 
@@ -122,7 +122,7 @@ class Linear(Op):
             return linear(x, self.weight, self.bias, gemv=self._gemv and self._fused)
         out, k = self.weight_shape
         if self.weight.device.type in GEMV_DEVICES and x.numel() <= GEMV_MAX_TOKENS * k:
-            from ft.runtime.gpu.dense_quant import quantized_gemv, supported
+            from ft.runtime.gpu.kernels.dense_quant import quantized_gemv, supported
 
             if supported(self._scheme, k):
                 try:
@@ -164,7 +164,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     fused kernels) calls of at most dense_gemv.MAX_TOKENS rows in weight's dtype run `dense_gemv` (module docstring)."""
     k = weight.shape[1]
     if gemv and x.numel() <= DENSE_GEMV_MAX_TOKENS * k and x.dtype == weight.dtype and GEMV_DEVICES:
-        from ft.runtime.gpu.dense_gemv import dense_gemv
+        from ft.runtime.gpu.kernels.dense_gemv import dense_gemv
 
         try:
             y = dense_gemv(x.reshape(-1, k), weight, bias)

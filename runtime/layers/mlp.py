@@ -1,7 +1,7 @@
 """Gated SiLU MLP with fused `[gate; up]` rows: dense layers and the shared expert.
 
 `[g; u] = gate_up_proj · x` (gate rows first), `y = down_proj · (silu(g) ⊙ u)`. With `_fused` set (CUDA) the
-activation `silu(g) ⊙ u` is one Triton launch (`ft.runtime.gpu.fused_ops.silu_mul`, same rounding).
+activation `silu(g) ⊙ u` is one Triton launch (`ft.runtime.gpu.kernels.fused_ops.silu_mul`, same rounding).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ class GatedMLP(Op):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)                 # [T, 2I]
         if self._fused:
-            from ft.runtime.gpu.fused_ops import silu_mul
+            from ft.runtime.gpu.kernels.fused_ops import silu_mul
             return self.down_proj(silu_mul(gate_up))
         g, u = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(g) * u)

@@ -13,9 +13,9 @@ qwen3_5_moe): `y += sigmoid(shared_expert_gate · x) · shared_expert(x)`; ungat
 false): `y += shared_expert(x)`.
 
 With `_fused` set (CUDA) the routing (softmax, top-k, renorm) and the shared expert's gated add are one Triton launch
-each (`ft.runtime.gpu.fused_ops.route_topk`, `sigmoid_gate_add`); at decode sizes (T <= `router.MAX_TOKENS`, plain
+each (`gpu.kernels.fused_ops.route_topk`, `sigmoid_gate_add`); at decode sizes (T <= `router.MAX_TOKENS`, plain
 bias-free router) the router GEMV, the routing and the shared expert gate's GEMV are one launch together
-(`ft.runtime.gpu.router.router_topk`). `route` and the torch expressions are the reference. Ties among probabilities
+(`gpu.kernels.router.router_topk`). `route` and the torch expressions are the reference. Ties among probabilities
 may select different ids of equal weight (see `route_topk`).
 """
 
@@ -114,7 +114,7 @@ class SparseMoe(Op):
             ids, weights = route_sigmoid(logits, getattr(self, "e_score_correction_bias", None), self._top_k,
                                          *self._groups, self._renorm, self._scale)
         elif self._fused:
-            from ft.runtime.gpu import fused_ops, router
+            from ft.runtime.gpu.kernels import fused_ops, router
             if x.shape[0] <= router.MAX_TOKENS and _plain(self.gate, x):                   # decode: one launch
                 sg = getattr(self, "shared_expert_gate", None)
                 extra = sg.weight if sg is not None and _plain(sg, x) else None
@@ -130,7 +130,7 @@ class SparseMoe(Op):
             gate = self.shared_expert_gate(x) if shared_gate is None else shared_gate     # [T, 1]
             shared = self.shared_expert(x)                                                 # [T, H]
             if self._fused:
-                from ft.runtime.gpu import fused_ops
+                from ft.runtime.gpu.kernels import fused_ops
                 return fused_ops.sigmoid_gate_add(y, gate, shared)
             y = y + torch.sigmoid(gate) * shared
         return y

@@ -3,7 +3,7 @@
 The compiler stores every norm weight in fp32 with the `1 + w` of zero-centred RMSNorm already folded in, so one
 formula covers all families: `y = w · x / sqrt(mean(x²) + eps)`, evaluated in fp32 and cast back to `x.dtype`.
 
-With `_fused` set (CUDA) `RMSNorm` runs the Triton kernels of `ft.runtime.gpu.fused_ops`; `RMSNorm.add` also folds
+With `_fused` set (CUDA) `RMSNorm` runs the Triton kernels of `gpu.kernels.fused_ops`; `RMSNorm.add` also folds
 the residual add in front of the norm (`s = x + delta` rounded to the compute dtype, then `y = norm(s)`), one launch
 at every layer boundary. The functions here are the reference.
 """
@@ -37,7 +37,7 @@ class RMSNorm(Op):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._fused:
-            from ft.runtime.gpu.fused_ops import rms_norm as fused
+            from ft.runtime.gpu.kernels.fused_ops import rms_norm as fused
             return fused(x, self.weight, self._eps)
         return rms_norm(x, self.weight, self._eps)
 
@@ -46,7 +46,7 @@ class RMSNorm(Op):
         if delta is None:
             return x, self(x)
         if self._fused:
-            from ft.runtime.gpu.fused_ops import add_rms_norm
+            from ft.runtime.gpu.kernels.fused_ops import add_rms_norm
             return add_rms_norm(x, delta, self.weight, self._eps)
         s = x + delta
         return s, rms_norm(s, self.weight, self._eps)

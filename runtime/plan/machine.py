@@ -77,10 +77,10 @@ def measure_hbm(device: torch.device, nbytes: int = 1 << 30) -> float:
 
 
 def lane_fixed_s() -> float:
-    """The CPU lane's cost per call beyond its experts (its own starting estimate, cpu_lane.py), or a default where
+    """The CPU lane's cost per call beyond its experts (its own starting estimate, cpu/lane.py), or a default where
     the lane cannot be imported (no triton: no GPU scheduler at all)."""
     try:
-        from ft.runtime.gpu.cpu_lane import CPU_FIXED_S, SIGNAL_S
+        from ft.runtime.gpu.cpu.lane import CPU_FIXED_S, SIGNAL_S
     except ImportError:
         return 20e-6
     return CPU_FIXED_S + SIGNAL_S
@@ -89,7 +89,7 @@ def lane_fixed_s() -> float:
 def lane_available() -> bool:
     """Whether the CPU lane's kernel library exists for this CPU (else the GPU copies every miss)."""
     try:
-        from ft.runtime.gpu.cpu_nvfp4 import load_library
+        from ft.runtime.gpu.cpu.kernel import load_library
     except ImportError:
         return False
     return load_library() is not None

@@ -50,7 +50,7 @@ def test_unpack_trusts_kernels_only_under_a_trusted_signature(ftw_for, tmp_path,
     monkeypatch.setenv("FT_HOME", str(tmp_path / "home"))
     ftw = tmp_path / "m"
     shutil.copytree(ftw_for("qwen3_moe", "nvfp4"), ftw)
-    k = Kernel("0" * 64, "_gather_kernel", "ft.runtime.gpu.embedding._gather_kernel", "e" * 64,
+    k = Kernel("0" * 64, "_gather_kernel", "ft.runtime.gpu.kernels.embedding._gather_kernel", "e" * 64,
                {"_gather_kernel.json": b"{}", "_gather_kernel.cubin": b"\x7fELF" + bytes(32)})
     ks = KernelSet(triton="3.6.0", triton_build="ab" * 32, arch=90, backend_key="cd" * 32, kernels=(k,))
     data = pack(ks)

@@ -152,7 +152,7 @@ def test_launchers_are_prebuilt_and_found_under_the_key_triton_computes_at_start
 KEYS_BUILD = """
 import json, torch
 from ft.compiler.kernels.stand_in import cuda_target
-from ft.runtime.gpu.nvfp4_decode_mma import moe_nvfp4_mma
+from ft.runtime.gpu.kernels.nvfp4_decode_mma import moe_nvfp4_mma
 from ft.runtime.gpu.record_layout import RecordLayout
 from ft.runtime.gpu.triton_cache import KERNEL_MODULES, kernel_function, source_key
 layout = RecordLayout.packed(256, 128)
@@ -160,14 +160,14 @@ with cuda_target(90):  # the build: the gate_up kernel is launched (and hashed) 
     moe_nvfp4_mma(torch.zeros(9, layout.stride, dtype=torch.uint8), layout, torch.zeros(2, 256, dtype=torch.bfloat16),
                   torch.tensor([[0, 1], [1, 2]]), torch.arange(8, dtype=torch.int32), torch.ones(2, 2),
                   out_dtype=torch.bfloat16)
-names = ["ft.runtime.gpu.nvfp4_decode_mma._gate_up_mma_kernel", "ft.runtime.gpu.nvfp4_decode_mma._down_mma_kernel"]
+names = [f"ft.runtime.gpu.kernels.nvfp4_decode_mma.{k}" for k in ("_gate_up_mma_kernel", "_down_mma_kernel")]
 print(json.dumps({n: source_key(kernel_function(n)) for n in names}))
 """
 
 KEYS_START = """
 import json
 from ft.runtime.gpu.triton_cache import kernel_function, settle_source_keys, source_key
-names = ["ft.runtime.gpu.nvfp4_decode_mma._gate_up_mma_kernel", "ft.runtime.gpu.nvfp4_decode_mma._down_mma_kernel"]
+names = [f"ft.runtime.gpu.kernels.nvfp4_decode_mma.{k}" for k in ("_gate_up_mma_kernel", "_down_mma_kernel")]
 kernel_function(names[1]).cache_key  # hashed first, as installing kernels in name order did
 settle_source_keys()  # what `install` does before it compares source keys
 print(json.dumps({n: source_key(kernel_function(n)) for n in names}))
@@ -192,11 +192,12 @@ RUNTIME_CALLS = """
 import json, sys, torch
 from triton import knobs
 from ft.formats import FtwReader
-from ft.runtime.gpu import cpu_lane, decode_attention as da
-from ft.runtime.gpu.gather import gather_missing
+from ft.runtime.gpu.cpu import lane as cpu_lane
+from ft.runtime.gpu.kernels import decode_attention as da
+from ft.runtime.gpu.kernels.gather import gather_missing
 from ft.runtime.gpu.graphs import bucket_sizes
-from ft.runtime.gpu.nvfp4_decode import moe_nvfp4_device
-from ft.runtime.gpu.nvfp4_decode_mma import MMA_MIN_TOKENS, decode_kernel
+from ft.runtime.gpu.kernels.nvfp4_decode import moe_nvfp4_device
+from ft.runtime.gpu.kernels.nvfp4_decode_mma import MMA_MIN_TOKENS, decode_kernel
 from ft.runtime.gpu.prebuilt import use_prebuilt
 from ft.runtime.gpu.record_layout import RecordLayout
 from ft.runtime.layers.batch import decode_inputs, decode_inputs_size

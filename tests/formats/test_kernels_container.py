@@ -18,9 +18,9 @@ H64 = "ab" * 32
 
 
 def _set(**over) -> KernelSet:
-    k1 = Kernel("0" * 64, "_rms_norm_kernel", "ft.runtime.gpu.fused_ops._rms_norm_kernel", "c" * 64,
+    k1 = Kernel("0" * 64, "_rms_norm_kernel", "ft.runtime.gpu.kernels.fused_ops._rms_norm_kernel", "c" * 64,
                 {"_rms_norm_kernel.json": b'{"name": "_rms_norm_kernel"}', "_rms_norm_kernel.cubin": b"\x7fELF..."})
-    k2 = Kernel("1" * 64, "_gather_kernel", "ft.runtime.gpu.embedding._gather_kernel", "d" * 64,
+    k2 = Kernel("1" * 64, "_gather_kernel", "ft.runtime.gpu.kernels.embedding._gather_kernel", "d" * 64,
                 {"_gather_kernel.json": b"{}", "_gather_kernel.cubin": b"\x7fELF" + bytes(range(256))})
     launchers = (Launcher("e" * 64, "__triton_launcher", b"\x7fELF launcher"), Launcher("f" * 64, "cuda_utils", b"u"))
     fields = dict(triton="3.6.0", triton_build=H64, arch=90, backend_key="cd" * 32, kernels=(k1, k2),
@@ -84,7 +84,7 @@ def _set_kernel(key, value):
     (_set_kernel("name", "../../evil"), "name an identifier"),
     (_set_kernel("hash", "../" + "0" * 61), "64 lowercase hex"),
     (_set_kernel("function", "os.system"), "must name a kernel of ft.runtime.gpu"),
-    (_set_kernel("function", "ft.runtime.gpu.fused_ops.__init__.x"), "must name a kernel of ft.runtime.gpu"),
+    (_set_kernel("function", "ft.runtime.gpu.kernels.fused_ops.__init__.x"), "must name a kernel of ft.runtime.gpu"),
     (_set_kernel("files", {"../x.json": [0, 2, "0" * 16], "_gather_kernel.cubin": [2, 260, "0" * 16]}),
      "files must be exactly"),
     (_set_kernel("files", {"_gather_kernel.json": [0, 2, "0" * 16]}), "files must be exactly"),

@@ -40,7 +40,7 @@ def test_choose_names_the_first_mismatch():
 
 
 def _kernel_set(key: dict, **over) -> KernelSet:
-    fn = "ft.runtime.gpu.embedding._gather_kernel"
+    fn = "ft.runtime.gpu.kernels.embedding._gather_kernel"
     k = Kernel("0" * 64, "_gather_kernel", fn, "e" * 64,
                {"_gather_kernel.json": b"{}", "_gather_kernel.cubin": b"\x7fELF" + bytes(64)})
     fields = dict(triton=key["triton"], triton_build=key["triton_build"], arch=key["arch"],

@@ -1,4 +1,4 @@
-"""Which CPU expert kernel library is loaded (`cpu_build.py`): the prebuilt one of the best ISA level this CPU has,
+"""Which CPU expert kernel library is loaded (`cpu/build.py`): the prebuilt one of the best ISA level this CPU has,
 for exactly these sources; otherwise one built here (never a library built from other sources)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import platform
 
 import pytest
 
-from ft.runtime.gpu import cpu_build
+from ft.runtime.gpu.cpu import build as cpu_build
 
 pytestmark = pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="ISA levels are x86-64's")
 

@@ -1,4 +1,4 @@
-"""The CPU lane (`cpu_lane.py` + `cpu_lane.c`): a decode call's misses split between the GPU's staged copies and the
+"""The CPU lane (`cpu/lane.py` + `cpu/lane.c`): a decode call's misses split between the GPU's staged copies and the
 CPU's spinning team, through the mailbox, summed into one result equal to the reference over all pairs. Without
 CUDA the post / wait kernels run under Triton's interpreter on CPU tensors while the lane's threads answer."""
 
@@ -9,11 +9,11 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from ft.runtime.gpu.cpu_lane import CpuLane  # noqa: E402
-from ft.runtime.gpu.cpu_nvfp4 import load_library  # noqa: E402
-from ft.runtime.gpu.gather import gather_missing  # noqa: E402
-from ft.runtime.gpu.moe_reference import moe_ref  # noqa: E402
-from ft.runtime.gpu.nvfp4_decode import moe_nvfp4_device  # noqa: E402
+from ft.runtime.gpu.cpu.lane import CpuLane  # noqa: E402
+from ft.runtime.gpu.cpu.kernel import load_library  # noqa: E402
+from ft.runtime.gpu.kernels.gather import gather_missing  # noqa: E402
+from ft.runtime.gpu.kernels.moe_reference import moe_ref  # noqa: E402
+from ft.runtime.gpu.kernels.nvfp4_decode import moe_nvfp4_device  # noqa: E402
 from ft.runtime.gpu.record_layout import RecordLayout  # noqa: E402
 
 from .gpu_fixtures import random_mxfp4_records, random_records, rel_err  # noqa: E402
@@ -151,7 +151,7 @@ def test_a_post_for_a_layer_without_a_bank_is_refused(bank):
 
 def test_refit_fits_the_cost_line_of_the_lanes_jobs(bank):
     """Jobs of 1 and 3 experts taking 50 and 110 us: fixed 20 us (+ the signalling) and 30 us per expert."""
-    from ft.runtime.gpu.cpu_lane import SIGNAL_S, STATS
+    from ft.runtime.gpu.cpu.lane import SIGNAL_S, STATS
 
     layout, recs, host = bank
     lane = _lane(layout, host, 4)
@@ -178,7 +178,7 @@ def _totals(fitted, napped=()):
 def test_a_split_that_starves_the_lane_goes_back_to_its_starting_costs(bank, monkeypatch):
     """A bad fit (e.g. from jobs slowed by something else) prices the CPU out: it then gets no jobs that could correct
     the fit, so after STARVED_S without a job the split returns to the costs it started from."""
-    from ft.runtime.gpu import cpu_lane as mod
+    from ft.runtime.gpu.cpu import lane as mod
 
     layout, recs, host = bank
     lane = _lane(layout, host, 4)

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from ft.runtime.gpu import cpu_build
-from ft.runtime.gpu.cpu_nvfp4 import CpuMoe, c_layout, load_library
-from ft.runtime.gpu.moe_reference import expert_weights, moe_ref
+from ft.runtime.gpu.cpu import build as cpu_build
+from ft.runtime.gpu.cpu.kernel import CpuMoe, c_layout, load_library
+from ft.runtime.gpu.kernels.moe_reference import expert_weights, moe_ref
 from ft.runtime.gpu.record_layout import RecordLayout
 
 from .gpu_fixtures import random_mxfp4_records, rel_err

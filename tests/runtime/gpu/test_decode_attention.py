@@ -1,4 +1,4 @@
-"""The fused full-attention decode kernel (`runtime/gpu/decode_attention.py`) against its torch reference, and
+"""The fused full-attention decode kernel (`runtime/gpu/kernels/decode_attention.py`) against its torch reference, and
 `Attention.__call__` fused vs reference on one decode batch. Without CUDA the kernel runs under Triton's interpreter
 (conftest.py) on CPU tensors at tiny sizes; the tables hold the CPU buffers' addresses."""
 
@@ -10,8 +10,8 @@ import torch
 triton = pytest.importorskip("triton")
 
 from ft.formats import ModelConfig  # noqa: E402
-from ft.runtime.gpu import decode_attention as da  # noqa: E402
-from ft.runtime.gpu.decode_attention import decode_attention, decode_attention_ref, num_splits  # noqa: E402
+from ft.runtime.gpu.kernels import decode_attention as da  # noqa: E402
+from ft.runtime.gpu.kernels.decode_attention import decode_attention, decode_attention_ref, num_splits  # noqa: E402
 from ft.runtime.layers.attention import Attention  # noqa: E402
 from ft.runtime.layers.batch import ForwardBatch, SegmentRows, state_addresses  # noqa: E402
 from ft.runtime.layers.rope import Rotary  # noqa: E402

@@ -1,4 +1,4 @@
-"""The fused Gated DeltaNet decode kernels (`ft.runtime.gpu.deltanet_decode`) against the torch reference.
+"""The fused Gated DeltaNet decode kernels (`ft.runtime.gpu.kernels.deltanet_decode`) against the torch reference.
 
 Without CUDA the kernels run under Triton's interpreter (conftest.py) on CPU tensors, and `tables` holds CPU
 addresses. Geometries cover hv/hk = 1 and 2, dk != dv and a dv that is not a power of two (masked tiles); several
@@ -14,7 +14,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from ft.runtime.gpu.deltanet_decode import gdn_decode  # noqa: E402
+from ft.runtime.gpu.kernels.deltanet_decode import gdn_decode  # noqa: E402
 from ft.runtime.layers.batch import ForwardBatch, SegmentRows, state_addresses  # noqa: E402
 from ft.runtime.layers.deltanet import Conv1d, GatedDeltaNet, l2_normalize, recurrent_gated_delta_rule  # noqa: E402
 from ft.runtime.layers.norm import RMSNormGated  # noqa: E402

@@ -1,4 +1,4 @@
-"""The Triton chunked Gated DeltaNet prefill (`ft.runtime.gpu.deltanet_prefill`) against the torch reference.
+"""The Triton chunked Gated DeltaNet prefill (`ft.runtime.gpu.kernels.deltanet_prefill`) against the torch reference.
 
 Without CUDA the kernels run under Triton's interpreter (conftest.py). Chunks of 16 (tl.dot's smallest tile) at tiny
 head sizes; lengths cover one partial chunk, exact chunks and a partial last chunk; hv/hk = 1 and 2; dv split over two
@@ -11,7 +11,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from ft.runtime.gpu.deltanet_prefill import gdn_chunk_prefill  # noqa: E402
+from ft.runtime.gpu.kernels.deltanet_prefill import gdn_chunk_prefill  # noqa: E402
 from ft.runtime.layers.batch import ForwardBatch, SegmentRows  # noqa: E402
 from ft.runtime.layers.deltanet import chunk_gated_delta_rule, l2_normalize, recurrent_gated_delta_rule  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""The decode skinny GEMM (`ft.runtime.gpu.dense_gemv`) against `F.linear` and its reference, and the layers that
+"""The decode skinny GEMM (`gpu/kernels/dense_gemv.py`) against `F.linear` and its reference, and the layers that
 route decode-size calls through it (`Linear`, `linear`, the stacked DeltaNet projections). Without CUDA the kernel
 runs under Triton's interpreter (conftest.py sets TRITON_INTERPRET) on CPU tensors; sizes are tiny.
 
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 
-from ft.runtime.gpu import dense_gemv as dg  # noqa: E402
+from ft.runtime.gpu.kernels import dense_gemv as dg  # noqa: E402
 from ft.runtime.layers import linear as linear_mod  # noqa: E402
 from ft.runtime.layers.batch import ForwardBatch, SegmentRows  # noqa: E402
 from ft.runtime.layers.linear import Linear, gemv_eligible, linear, stack_rows  # noqa: E402

@@ -1,4 +1,4 @@
-"""The GPU's gather of embedding rows from a page-locked host table (`ft.runtime.gpu.embedding`), and the model's
+"""The GPU's gather of embedding rows from a page-locked host table (`gpu/kernels/embedding.py`), and the model's
 Embedding on top of it. On CPU machines the kernel runs in Triton's interpreter, where a host address is valid."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ft.runtime.gpu.embedding import BLOCK, gather_rows
+from ft.runtime.gpu.kernels.embedding import BLOCK, gather_rows
 
 CUDA = torch.cuda.is_available()
 

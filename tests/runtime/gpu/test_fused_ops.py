@@ -1,4 +1,4 @@
-"""The fused elementwise kernels (`ft.runtime.gpu.fused_ops`) against their PyTorch references, and a tiny model's
+"""The fused elementwise kernels (`gpu/kernels/fused_ops.py`) against their PyTorch references, and a tiny model's
 logits with `_fused` on against the reference path. Without CUDA the kernels run under Triton's interpreter
 (conftest.py sets TRITON_INTERPRET) on CPU tensors; sizes are tiny.
 
@@ -13,7 +13,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from ft.runtime.gpu import fused_ops as fo  # noqa: E402
+from ft.runtime.gpu.kernels import fused_ops as fo  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 BF16_ULP = 2.0 ** -7  # relative spacing of bf16 values: one ulp of a value in [1, 2)
@@ -127,7 +127,7 @@ def test_sigmoid_gate_add(dtype, T, H):
 def counted(monkeypatch):
     """Counts calls of each fused function (the layers import them at call time, so the patch is seen); the decode
     router (`router.router_topk`, routing at T <= router.MAX_TOKENS) counts as "route_topk"."""
-    from ft.runtime.gpu import router
+    from ft.runtime.gpu.kernels import router
 
     calls = {}
     for mod, name, key in [(fo, n, n) for n in ("rms_norm", "add_rms_norm", "route_topk", "silu_mul",

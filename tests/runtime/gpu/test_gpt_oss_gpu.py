@@ -17,7 +17,7 @@ from ft.formats import FtwReader
 from ft.runtime.engine import Engine, EngineSettings, generate
 from ft.runtime.experts import CpuExperts
 from ft.runtime.gpu import engine_setup
-from ft.runtime.gpu.cpu_nvfp4 import load_library
+from ft.runtime.gpu.cpu.kernel import load_library
 from ft.runtime.gpu.device_path import uses_device_plan, uses_device_prefill
 from ft.runtime.gpu.offload_config import OffloadConfig
 from ft.runtime.gpu.sizing import LATE_OUTSIDE

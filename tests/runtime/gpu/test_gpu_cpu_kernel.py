@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from ft.runtime.gpu.cpu_nvfp4 import CpuMoe, parallel_copy
-from ft.runtime.gpu.moe_reference import moe_ref
+from ft.runtime.gpu.cpu.kernel import CpuMoe, parallel_copy
+from ft.runtime.gpu.kernels.moe_reference import moe_ref
 from ft.runtime.gpu.record_layout import RecordLayout
 
 from .gpu_fixtures import random_records, rel_err

@@ -1,4 +1,4 @@
-"""Dequantizing GEMV of quantized dense linears (runtime/gpu/dense_quant.py) against its PyTorch reference; through
+"""Dequantizing GEMV of quantized dense linears (gpu/kernels/dense_quant.py) against its PyTorch reference; through
 Triton's interpreter on machines without CUDA, compiled on a GPU."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ft.runtime.gpu.dense_quant import quantized_gemv, reference_linear, supported
+from ft.runtime.gpu.kernels.dense_quant import quantized_gemv, reference_linear, supported
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -81,7 +81,7 @@ def test_kept_quantized_linear_runs_the_gemv_for_decode_rows(scheme, monkeypatch
         ops.append(op)
     ref, kept = ops
     calls = []
-    import ft.runtime.gpu.dense_quant as dq
+    import ft.runtime.gpu.kernels.dense_quant as dq
     real = dq.quantized_gemv
     monkeypatch.setattr(dq, "quantized_gemv", lambda *a: calls.append(a[0]) or real(*a))
     x = torch.randn(2, 3, k, generator=g).to(torch.bfloat16).to(DEVICE)  # 6 rows: the GEMV
@@ -108,7 +108,7 @@ def test_dense_benchmark_rows(monkeypatch):
 
 
 def test_a_failing_gemv_falls_back_to_chunked_dequantization(monkeypatch, caplog):
-    import ft.runtime.gpu.dense_quant as dq
+    import ft.runtime.gpu.kernels.dense_quant as dq
     from ft.runtime.layers import linear as linear_mod
     from ft.runtime.layers.linear import Linear
 

@@ -17,8 +17,8 @@ from ft.runtime.gpu.device_path import MAX_DEVICE_PAIRS, moe_device_ref  # noqa:
 from ft.runtime.gpu.expert_cache import ExpertCache  # noqa: E402
 from ft.runtime.gpu.graphs import graph_ready  # noqa: E402
 from ft.runtime.gpu.host_plan import moe_nvfp4  # noqa: E402
-from ft.runtime.gpu.moe_reference import moe_ref  # noqa: E402
-from ft.runtime.gpu.nvfp4_decode import check_resident, moe_nvfp4_device  # noqa: E402
+from ft.runtime.gpu.kernels.moe_reference import moe_ref  # noqa: E402
+from ft.runtime.gpu.kernels.nvfp4_decode import check_resident, moe_nvfp4_device  # noqa: E402
 from ft.runtime.gpu.offload_config import OffloadConfig  # noqa: E402
 from ft.runtime.gpu.record_layout import RecordLayout  # noqa: E402
 from ft.runtime.gpu.store import GpuExperts  # noqa: E402

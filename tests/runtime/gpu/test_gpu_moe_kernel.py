@@ -8,7 +8,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from ft.runtime.gpu.moe_reference import dequant_nvfp4, moe_ref  # noqa: E402
+from ft.runtime.gpu.kernels.moe_reference import dequant_nvfp4, moe_ref  # noqa: E402
 from ft.runtime.gpu.host_plan import moe_nvfp4, plan_blocks  # noqa: E402
 from ft.runtime.gpu.record_layout import RecordLayout  # noqa: E402
 

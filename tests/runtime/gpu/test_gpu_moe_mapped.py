@@ -14,7 +14,7 @@ from ft.formats import FtwReader
 from ft.runtime.gpu.device_path import MAX_DEVICE_PAIRS
 from ft.runtime.gpu.expert_cache import ExpertCache
 from ft.runtime.gpu.mapped_path import uses_mapped
-from ft.runtime.gpu.moe_reference import moe_ref
+from ft.runtime.gpu.kernels.moe_reference import moe_ref
 from ft.runtime.gpu.offload_config import OffloadConfig
 from ft.runtime.gpu.prefill_stream import prefill_call
 from ft.runtime.gpu.record_layout import RecordLayout

@@ -18,8 +18,8 @@ triton = pytest.importorskip("triton")
 from ft.formats import FtwReader  # noqa: E402
 from ft.runtime.gpu.device_path import uses_device_prefill  # noqa: E402
 from ft.runtime.gpu.host_plan import moe_nvfp4, plan_blocks  # noqa: E402
-from ft.runtime.gpu.moe_reference import moe_ref  # noqa: E402
-from ft.runtime.gpu.nvfp4_triton import TILE_CONFIGS, moe_blocks, pick_blocks  # noqa: E402
+from ft.runtime.gpu.kernels.moe_reference import moe_ref  # noqa: E402
+from ft.runtime.gpu.kernels.nvfp4_triton import TILE_CONFIGS, moe_blocks, pick_blocks  # noqa: E402
 from ft.runtime.gpu.offload_config import OffloadConfig  # noqa: E402
 from ft.runtime.gpu.prefill_plan import max_blocks, moe_nvfp4_prefill, plan_blocks_device  # noqa: E402
 from ft.runtime.gpu.record_layout import RecordLayout  # noqa: E402

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ft.formats import FtwReader
-from ft.runtime.gpu.moe_reference import moe_ref
+from ft.runtime.gpu.kernels.moe_reference import moe_ref
 from ft.runtime.gpu.offload_config import OffloadConfig
 from ft.runtime.gpu.record_layout import RecordLayout
 from ft.runtime.gpu.split import AffineCost, SplitEstimator, fetch_count, optimal_share

@@ -16,9 +16,9 @@ triton = pytest.importorskip("triton")
 from ft.formats.quant import mxfp4  # noqa: E402
 from ft.runtime.experts import clamped_silu, clamped_swiglu  # noqa: E402
 from ft.runtime.gpu.host_plan import moe_nvfp4  # noqa: E402
-from ft.runtime.gpu.moe_reference import expert_forward_ref, moe_ref  # noqa: E402
-from ft.runtime.gpu.nvfp4_decode import moe_nvfp4_device  # noqa: E402
-from ft.runtime.gpu.nvfp4_decode_mma import moe_nvfp4_mma  # noqa: E402
+from ft.runtime.gpu.kernels.moe_reference import expert_forward_ref, moe_ref  # noqa: E402
+from ft.runtime.gpu.kernels.nvfp4_decode import moe_nvfp4_device  # noqa: E402
+from ft.runtime.gpu.kernels.nvfp4_decode_mma import moe_nvfp4_mma  # noqa: E402
 from ft.runtime.gpu.record_layout import RecordLayout  # noqa: E402
 
 from .gpu_fixtures import random_mxfp4_records, rel_err  # noqa: E402

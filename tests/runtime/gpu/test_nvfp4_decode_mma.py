@@ -9,9 +9,9 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from ft.runtime.gpu.moe_reference import moe_ref  # noqa: E402
-from ft.runtime.gpu.nvfp4_decode import moe_nvfp4_device  # noqa: E402
-from ft.runtime.gpu.nvfp4_decode_mma import moe_nvfp4_mma  # noqa: E402
+from ft.runtime.gpu.kernels.moe_reference import moe_ref  # noqa: E402
+from ft.runtime.gpu.kernels.nvfp4_decode import moe_nvfp4_device  # noqa: E402
+from ft.runtime.gpu.kernels.nvfp4_decode_mma import moe_nvfp4_mma  # noqa: E402
 from ft.runtime.gpu.record_layout import RecordLayout  # noqa: E402
 
 from .gpu_fixtures import random_records, rel_err  # noqa: E402

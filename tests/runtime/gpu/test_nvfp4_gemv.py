@@ -18,9 +18,9 @@ triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
 from ft.formats.quant import nvfp4  # noqa: E402
-from ft.runtime.gpu.moe_reference import moe_ref  # noqa: E402
-from ft.runtime.gpu.nvfp4_decode import DECODE_BLOCKS, decode_blocks, moe_nvfp4_device  # noqa: E402
-from ft.runtime.gpu.nvfp4_gemv import rows_dot  # noqa: E402
+from ft.runtime.gpu.kernels.moe_reference import moe_ref  # noqa: E402
+from ft.runtime.gpu.kernels.nvfp4_decode import DECODE_BLOCKS, decode_blocks, moe_nvfp4_device  # noqa: E402
+from ft.runtime.gpu.kernels.nvfp4_gemv import rows_dot  # noqa: E402
 from ft.runtime.gpu.record_layout import RecordLayout  # noqa: E402
 
 from .gpu_fixtures import random_records, rel_err  # noqa: E402

@@ -1,4 +1,4 @@
-"""The one-launch decode router (`ft.runtime.gpu.router.router_topk`) against its PyTorch reference, and
+"""The one-launch decode router (`ft.runtime.gpu.kernels.router.router_topk`) against its PyTorch reference, and
 `SparseMoe` with `_fused` on against the reference path. Without CUDA the kernel runs under Triton's interpreter
 (conftest.py sets TRITON_INTERPRET) on CPU tensors; sizes are tiny.
 
@@ -15,8 +15,8 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from ft.runtime.gpu import fused_ops as fo  # noqa: E402
-from ft.runtime.gpu import router  # noqa: E402
+from ft.runtime.gpu.kernels import fused_ops as fo  # noqa: E402
+from ft.runtime.gpu.kernels import router  # noqa: E402
 from ft.runtime.layers.linear import Linear  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -6,7 +6,7 @@ One decode call of one MoE layer, P = T * k routed pairs (P <= 64), with no host
    staging row `staging0 + p` (read once, not admitted: admission is the host's, a step later). It writes the call's
    record (int32 [3, W]: row 0 the expert ids, row 1 `pair_slot`, the row each pair's kernel reads, row 2
    `pair_copy`, 1 = its record must be copied there; the CPU lane may turn a miss into 2 = computed on the CPU, not
-   copied: `cpu_lane.py`), which is also what the host reads back a step later (`mapped_readback.py`).
+   copied: `cpu/lane.py`), which is also what the host reads back a step later (`mapped_readback.py`).
 2. `_copy_kernel`, grid (P, chunks): copies the records of the pairs with `pair_copy` 1, 32 KiB per program in 4 KiB
    loads, so enough independent reads are in flight to fill the link (run M: 50.2 GB/s against 54 for copy-engine
    H2D; the GEMV kernel reading records in place reached 30).
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .record_layout import RecordLayout
+from ..record_layout import RecordLayout
 
 COPY_CHUNK, COPY_BLOCK = 4096, 512  # 8-byte words per program (32 KiB) and per load (4 KiB)
 

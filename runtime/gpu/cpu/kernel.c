@@ -5,7 +5,7 @@
  * each dot then times its row's fp32 scale_2 (NVFP4) or plus its row's bias (MXFP4); act = bf16_rne(act(g, u)) with
  * the layout's activation (silu(g) * u, gpt_oss's clamped SwiGLU, deepseek_v4's clamped silu); y = (down . act * scale_2 or + bias) * weight.
  * Rows 0..I-1 of gate_up are the gate, I..2I-1 the up projection (the compiler de-interleaves gpt-oss's rows).
- * Weight decode per scheme: cpu_fp4_decode.h.
+ * Weight decode per scheme: `fp4_decode.h`.
  *
  * One call handles one MoE layer step: `n_groups` experts, each with the pairs (token, router weight) routed to it.
  * Three phases inside one OpenMP team: gate_up rows (split over experts x row chunks), down rows, then the sum of
@@ -19,8 +19,8 @@
 #include <string.h>
 #include <time.h>
 
-#include "cpu_fp4_decode.h"
-#include "cpu_nvfp4.h"
+#include "fp4_decode.h"
+#include "kernel.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif

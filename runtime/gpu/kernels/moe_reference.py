@@ -13,7 +13,7 @@ import torch
 
 from ft.formats.quant import mxfp4, nvfp4
 
-from .record_layout import RecordLayout
+from ..record_layout import RecordLayout
 
 
 def dequant_nvfp4(codes: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor) -> torch.Tensor:

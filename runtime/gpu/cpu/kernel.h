@@ -1,5 +1,5 @@
-/* Declarations shared by the CPU expert kernel (cpu_nvfp4.c, its format decode in cpu_fp4_decode.h) and the lane that
- * runs it for the GPU (cpu_lane.c). */
+/* Declarations shared by the CPU expert kernel (`kernel.c`, its format decode in `fp4_decode.h`) and the lane that
+ * runs it for the GPU (`lane.c`). */
 #ifndef FT_CPU_NVFP4_H
 #define FT_CPU_NVFP4_H
 #include <stdint.h>
@@ -32,7 +32,7 @@ typedef struct {
 
 /* One MoE layer step: the arguments of `ft_nvfp4_moe`, split into work items of three phases (gate_up row chunks
  * per expert, down row chunks per expert, y column chunks per token) so that an OpenMP team (`ft_nvfp4_moe`) or the
- * lane's spinning team (cpu_lane.c) can run them; items of one phase are independent, phases are ordered.
+ * lane's spinning team (`lane.c`) can run them; items of one phase are independent, phases are ordered.
  * Pairs are grouped by expert: group g (record recs[g]) owns pairs grp_start[g] .. grp_start[g + 1] - 1. */
 typedef struct {
     const ft_layout *L;

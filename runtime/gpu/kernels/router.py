@@ -36,9 +36,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ft.runtime.gpu.dense_gemv import fma_rows
-from ft.runtime.gpu.fused_ops import _cast, _rne_bits, _softmax_topk
-from ft.runtime.gpu.pdl import pdl_args, pdl_wait
+from ft.runtime.gpu.kernels.dense_gemv import fma_rows
+from ft.runtime.gpu.kernels.fused_ops import _cast, _rne_bits, _softmax_topk
+from ft.runtime.gpu.kernels.pdl import pdl_args, pdl_wait
 from ft.runtime.layers.moe import route
 
 MAX_TOKENS = 16

@@ -45,12 +45,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ft.runtime.gpu.pdl import pdl_args, pdl_wait
+from ft.runtime.gpu.kernels.pdl import pdl_args, pdl_wait
 
 from .nvfp4_gemv import rows_dot
 from .fp4_format import _gated, _row_bias, _row_scale
 from .nvfp4_triton import _to_bf16, _weight_tile
-from .record_layout import RecordLayout
+from ..record_layout import RecordLayout
 
 # Tiles: BLOCK_N_* weight rows per program (gate_up: BN gate + BN up rows), BLOCK_K_* K elements per unrolled chunk
 # (capped at K: whole-K tiles), WARPS_* warps. "BLOCK_K" / "num_warps" in a `blocks` dict set both kernels' values.

@@ -1,7 +1,7 @@
 /* The CPU lane: a team of spinning threads that computes expert-cache misses for the GPU inside its decode step.
  *
  * The GPU posts one MoE call's CPU share into a mailbox in page-locked host memory (through its mapping), then runs
- * its own share, then spins until the lane has answered (`cpu_lane.py` holds the GPU side). No host thread launches or
+ * its own share, then spins until the lane has answered (`lane.py` holds the GPU side). No host thread launches or
  * waits for anything per call, so a step that uses the lane is still one CUDA graph replay.
  *
  * Mailbox (int32 words; the GPU writes everything before MB_REQ, then MB_REQ; the lane writes y, MB_ERR, then MB_DONE):
@@ -23,7 +23,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "cpu_nvfp4.h"
+#include "kernel.h"
 
 enum { MB_REQ = 0, MB_DONE = 16, MB_ERR = 17, MB_N = 32, MB_T = 33, MB_LAYER = 34, MB_EXPERT = 64, MB_TOKEN = 128,
        MB_WEIGHT = 192, MB_X = 256, MB_PAIRS = 64 };

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ft.runtime.gpu.pdl import pdl_args, pdl_wait
+from ft.runtime.gpu.kernels.pdl import pdl_args, pdl_wait
 
 log = logging.getLogger("ft.gpu")
 BLOCK = 1024  # words per program
@@ -55,7 +55,7 @@ def gather_rows(table_address: int, ids: torch.Tensor, out: torch.Tensor) -> tor
 def map_table(weight: torch.Tensor) -> tuple[torch.Tensor, int] | None:
     """(page-locked copy of `weight`, its device address), or None when page-locking is refused (a pin quota) or the
     address cannot be had; the caller then gathers on the host."""
-    from .pinning import device_pointer
+    from ..pinning import device_pointer
 
     try:
         pinned = torch.empty(weight.shape, dtype=weight.dtype, pin_memory=True)

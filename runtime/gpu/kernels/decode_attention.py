@@ -50,8 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ft.runtime.gpu.pdl import pdl_args, pdl_wait
-from ft.runtime.gpu.fused_ops import _cast, _rne_bits
+from ft.runtime.gpu.kernels.pdl import pdl_args, pdl_wait
+from ft.runtime.gpu.kernels.fused_ops import _cast, _rne_bits
 from ft.runtime.layers.norm import rms_normalize
 from ft.runtime.layers.rope import apply_rotary
 

@@ -1,8 +1,8 @@
 """CPU side of the expert store: FP4 expert MLPs (NVFP4 or MXFP4 records) computed from host memory.
 
-The kernel is `cpu_nvfp4.c` (plain C + OpenMP; AVX-512, and AVX512-BF16 dot products, where the CPU has them; the
-per-scheme weight decode in `cpu_fp4_decode.h`, picked once per layout from `c_layout`'s scheme flag), built
-with the package for each x86-64 ISA level and picked by this CPU's flags (`cpu_build.py`; built here once, into the
+The kernel is `kernel.c` (plain C + OpenMP; AVX-512, and AVX512-BF16 dot products, where the CPU has them; the
+per-scheme weight decode in `fp4_decode.h`, picked once per layout from `c_layout`'s scheme flag), built
+with the package for each x86-64 ISA level and picked by this CPU's flags (`build.py`; built here once, into the
 user cache, only where no prebuilt library fits) and called through ctypes.
 `CpuMoe.__call__` runs it in the calling thread; `CpuMoe.submit` hands it to the library's native worker thread and
 returns at once, so the CPU experts run while the calling thread goes on driving the GPU, without a Python thread
@@ -21,16 +21,16 @@ import weakref
 import numpy as np
 import torch
 
-from .cpu_build import library_path
-from .moe_reference import expert_forward_ref
-from .record_layout import RecordLayout
+from .build import library_path
+from ..kernels.moe_reference import expert_forward_ref
+from ..record_layout import RecordLayout
 
-KERNEL_SCHEMES = {"nvfp4": 0, "mxfp4": 1}  # cpu_nvfp4.h FT_NVFP4 / FT_MXFP4
-KERNEL_ACTS = {"silu": 0, "clamped_swiglu": 1, "clamped_silu": 2}  # cpu_nvfp4.h FT_SILU, ...
+KERNEL_SCHEMES = {"nvfp4": 0, "mxfp4": 1}  # `kernel.h` FT_NVFP4 / FT_MXFP4
+KERNEL_ACTS = {"silu": 0, "clamped_swiglu": 1, "clamped_silu": 2}  # `kernel.h` FT_SILU, ...
 
 
 class _Layout(ctypes.Structure):
-    """cpu_nvfp4.h `ft_layout`: component offsets (-1: absent), then the scheme, activation, alpha and limit."""
+    """`kernel.h` `ft_layout`: component offsets (-1: absent), then the scheme, activation, alpha and limit."""
 
     _fields_ = [*((n, ctypes.c_int64) for n in ("hidden", "inter", "gu", "gus", "gus2", "d", "ds", "ds2", "gub",
                                                  "db")),

@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from .fp4_format import _e2m1_shifted, _e4m3_shifted, _gated, _row_bias, _row_scale, _scale_shifted
-from .record_layout import RecordLayout
+from ..record_layout import RecordLayout
 
 _UNSHIFT = 4194304.0  # 2^22 = 2^14 (E2M1 shift) * 2^8 (e4m3 shift)
 

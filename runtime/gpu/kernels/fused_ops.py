@@ -35,7 +35,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ft.runtime.gpu.pdl import pdl_args, pdl_wait
+from ft.runtime.gpu.kernels.pdl import pdl_args, pdl_wait
 from ft.runtime.layers.moe import route as route_topk_ref
 from ft.runtime.layers.norm import rms_norm as rms_norm_ref
 
@@ -100,7 +100,7 @@ def _rms_norm_kernel(x, sxa, sxb, d, sda, w, s_out, y, R, B, D, eps,
 def _softmax_topk(z, valid, K: tl.constexpr, RENORM: tl.constexpr, BLOCK_K: tl.constexpr):
     # z fp32 [R, BE] logits (-inf where not valid; every row holds a valid lane) -> (top_w fp32 [R, BK], top_i int32
     # [R, BK]): softmax over each row, then K rounds of (max and the lowest id holding it, knock it out); lanes >= K
-    # hold 0. Shared by _route_kernel and runtime/gpu/router.py.
+    # hold 0. Shared by _route_kernel and runtime/gpu/kernels/router.py.
     e = tl.arange(0, z.shape[1])[None, :]
     ex = tl.exp(z - tl.max(z, axis=1)[:, None])                                    # invalid lanes: exp(-inf) = 0
     p = ex / tl.sum(ex, axis=1)[:, None]

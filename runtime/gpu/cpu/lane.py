@@ -10,8 +10,8 @@ lane adds the CPU as a second miss path inside the same call, with no host work 
    pairs (pair_slot -1: the GPU kernels skip them; pair_copy 2: not copied, counted as CPU work on read-back). It
    writes their (expert, token, weight) and x into the mailbox through the GPU's mapping of it, then the sequence
    number (after a system-scope fence);
-2. the CPU lane (`cpu_lane.c`: a persistent team of spinning threads) sees the number, computes those experts from
-   the mmapped banks with the CPU kernel of `cpu_nvfp4.c` (NVFP4 or MXFP4 records), writes y and answers with the
+2. the CPU lane (`lane.c`: a persistent team of spinning threads) sees the number, computes those experts from
+   the mmapped banks with the CPU kernel of `kernel.c` (NVFP4 or MXFP4 records), writes y and answers with the
    number;
 3. the GPU meanwhile copies and computes its own misses and hits; then `_wait_add_kernel` spins until the answer is
    there and adds y into the call's fp32 output.
@@ -38,14 +38,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .cpu_nvfp4 import c_layout, lane_threads, load_library
-from .device_path import MAX_DEVICE_PAIRS
-from .pinning import bank_range, device_pointer
-from .record_layout import RecordLayout
+from .kernel import c_layout, lane_threads, load_library
+from ..device_path import MAX_DEVICE_PAIRS
+from ..pinning import bank_range, device_pointer
+from ..record_layout import RecordLayout
 
 log = logging.getLogger("ft.gpu")
 
-# mailbox words (cpu_lane.c); MB_GAVE_UP is the GPU's timeout flag
+# mailbox words (`lane.c`); MB_GAVE_UP is the GPU's timeout flag
 MB_REQ, MB_DONE, MB_ERR, MB_GAVE_UP = tl.constexpr(0), tl.constexpr(16), tl.constexpr(17), tl.constexpr(48)
 MB_N, MB_T, MB_LAYER = tl.constexpr(32), tl.constexpr(33), tl.constexpr(34)
 MB_EXPERT, MB_TOKEN, MB_WEIGHT, MB_X = tl.constexpr(64), tl.constexpr(128), tl.constexpr(192), tl.constexpr(256)
@@ -264,7 +264,7 @@ def lane_for(md) -> CpuLane | None:
     ex = md.ex
     if not (ex.opts.cpu_lane and (md.base or md.lane_only) and (ex.device.type == "cuda" or ex.interpret)):
         return None
-    from .store import DEFAULT_B_CPU, DEFAULT_B_PCIE
+    from ..store import DEFAULT_B_CPU, DEFAULT_B_PCIE
 
     gbs = ex.profile.get("gbs") or {}
     b_gpu = ex.opts.b_pcie or copy_rate(md) or (gbs.get("h2d_expert_pinned") or 0) * 1e9 or DEFAULT_B_PCIE
@@ -290,7 +290,7 @@ def copy_rate(md) -> float | None:
     if (ex.device.type != "cuda" or torch.cuda.is_current_stream_capturing() or 2 * ex.opts.prefill_slots < 8
             or ex.E < 8 or not md.base):
         return None
-    from .gather import gather_missing
+    from ..kernels.gather import gather_missing
 
     layer = next(iter(md.base))
     table = torch.full((ex.L, ex.E), -1, dtype=torch.int32, device=ex.device)  # all misses, staged

@@ -33,12 +33,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ft.runtime.gpu.pdl import pdl_args, pdl_wait
+from ft.runtime.gpu.kernels.pdl import pdl_args, pdl_wait
 
 from .nvfp4_decode import _records, check_moe_args
 from .fp4_format import _e2m1_shifted, _gated, _row_bias, _row_scale, _scale_shifted
 from .nvfp4_triton import _fit_block_k, _mma, _to_bf16
-from .record_layout import RecordLayout
+from ..record_layout import RecordLayout
 
 # From this many tokens a decode call runs here; below, `nvfp4_decode`'s per-pair FMA kernels are faster (one token
 # has no expert to share, and its ~8 experts leave most of the GPU idle either way). tools/bench_moe_decode.py, H200.

@@ -1,4 +1,4 @@
-"""Building the CPU expert kernel (`cpu_nvfp4.c` + `cpu_lane.c`, NVFP4 and MXFP4 records): one library per x86-64 ISA
+"""Building the CPU expert kernel (`kernel.c` + `lane.c`, NVFP4 and MXFP4 records): one library per x86-64 ISA
 level built with the
 package, the best one this CPU supports picked at load; a build for this CPU only where none fits.
 
@@ -24,9 +24,9 @@ from pathlib import Path
 log = logging.getLogger("ft.gpu")
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("cpu_nvfp4.c", "cpu_lane.c", "cpu_nvfp4.h", "cpu_fp4_decode.h")
+SOURCES = ("kernel.c", "lane.c", "kernel.h", "fp4_decode.h")
 BASE_FLAGS = ("-O3", "-fopenmp", "-pthread", "-shared", "-fPIC", "-std=c11")
-# name, the /proc/cpuinfo flags it needs, compiler flags; best first. The BF16 level runs vdpbf16ps (cpu_nvfp4.c).
+# name, the /proc/cpuinfo flags it needs, compiler flags; best first. The BF16 level runs vdpbf16ps (`kernel.c`).
 LEVELS = (
     ("avx512bf16", ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"),
      ("-march=x86-64-v4", "-mavx512bf16")),

@@ -1,4 +1,4 @@
-/* The format-specific part of the CPU expert kernel (cpu_nvfp4.c, its only includer): FP4 weight rows decoded and
+/* The format-specific part of the CPU expert kernel (`kernel.c`, its only includer): FP4 weight rows decoded and
  * dotted with token vectors, for both record schemes (record_layout.py):
  *   NVFP4  W[o, i] = E2M1[code] * e4m3(scale[o, i / 16])   (the per-row scale_2 is applied by the caller)
  *   MXFP4  W[o, i] = E2M1[code] * 2^(scale[o, i / 32] - 127)   (E8M0; 255 reads as 2^128 = inf, like the reference)
@@ -13,7 +13,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#include "cpu_nvfp4.h"
+#include "kernel.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif

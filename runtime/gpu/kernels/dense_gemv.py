@@ -36,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ft.runtime.gpu.fused_ops import _cast, _rne_bits
-from ft.runtime.gpu.pdl import pdl_args, pdl_wait
+from ft.runtime.gpu.kernels.fused_ops import _cast, _rne_bits
+from ft.runtime.gpu.kernels.pdl import pdl_args, pdl_wait
 
 MAX_TOKENS = 16
 PROGRAMS = 264  # 2 x the H200's 132 SMs: enough programs that every SM streams weight rows

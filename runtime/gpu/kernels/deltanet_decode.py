@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ft.runtime.gpu.pdl import pdl_args, pdl_wait
+from ft.runtime.gpu.kernels.pdl import pdl_args, pdl_wait
 
 # num_warps of each kernel. The recurrent program holds an fp32 [dk, dv] tile (64 KiB at 128x128) in registers: at
 # dk = dv = 128 on sm_90 that takes ~210 registers a thread with 4 warps, ~175 with 8, ~105 with 16, none spilling.
