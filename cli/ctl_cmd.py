@@ -144,8 +144,11 @@ def stats_table(s: dict) -> Any:
     table.add_row("KV", f"{_fmt(kv['used_tokens'])} / {_fmt(kv['total_tokens'])} tokens reserved{util}")
     table.add_row("scheduler", f"{_fmt(sched['running'])} running, {_fmt(sched['waiting'])} waiting")
     pc = s.get("prefix_cache")
+    host = f", {pc['host_entries']} in host memory ({pc['host_bytes'] / 2**20:.0f} MiB)" if pc and pc.get(
+        "host_entries") else ""
     table.add_row("prefix cache", "off" if not pc else f"{pc['hits']} hits ({pc['hit_tokens']} tokens), "
-                                                       f"{pc['entries']} kept states, {pc['kv_tokens_held']} KV tokens")
+                                                       f"{pc['entries']} kept states, {pc['kv_tokens_held']} KV "
+                                                       f"tokens{host}")
     table.add_row("expert cache", "none (CPU experts)" if not s.get("moe") else "see `ft ctl cache`")
     return table
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 import logging
 from typing import Any
@@ -34,16 +33,15 @@ import torch
 
 from ft.formats import FtwReader
 from ft.runtime.engine_load import load_for_engine
+from ft.runtime.engine_inflight import DecodeInFlight, Inflight
 from ft.runtime.engine_schedule import Scheduling
 from ft.runtime.engine_stats import EngineCounters
 from ft.runtime.generate import GenerationResult, generate
 from ft.runtime.kv import ContextOverflowError, KvBudget, QueueFullError
-from ft.runtime.model import Segment
 from ft.runtime import prefix_store
-from ft.runtime.prefix_cache import PrefixCache
+from ft.runtime.prefix_cache import PrefixCache, prefix_host_bytes
 from ft.runtime.request import Request, StopStringFilter, TokenEvent
-from ft.runtime.sampling import (PendingSample, RequestSampler, SampleOutput, SamplingParams, _to_device, sample,
-                                  sample_async)
+from ft.runtime.sampling import RequestSampler, SampleOutput, SamplingParams, sample
 from ft.runtime.settings import EngineSettings
 from ft.runtime.tokenizer import Tokenizer
 
@@ -56,16 +54,7 @@ __all__ = ["Engine", "EngineSettings", "SamplingParams", "TokenEvent", "ContextO
            "generate", "GenerationResult"]
 
 
-@dataclass
-class _Inflight:
-    """A decode step whose tokens are still on the device: its requests (rows, in order), their pending sample, and
-    the host seconds spent on it not yet accounted."""
-    requests: list[Request]
-    pending: PendingSample
-    seconds: float
-
-
-class Engine(Scheduling):
+class Engine(Scheduling, DecodeInFlight):
     """Serves one FTW with `settings` (`ft.runtime.settings.EngineSettings`: device, KV budget, batch and queue bounds,
     and on CUDA the VRAM budget, pinned memory, dense weights, CUDA graphs). `experts` replaces the default CPU experts;
     on CUDA the engine builds the GPU expert scheduler itself, sized from `settings.vram_budget` bytes (dense weights,
@@ -95,7 +84,8 @@ class Engine(Scheduling):
         self.placement = getattr(experts, "placement", None)  # the placement plan it started from (`ft plan`)
         kv_tokens = plan.kv_tokens if plan is not None and plan.kv_tokens else (s.kv_reserve_tokens or CPU_KV_TOKENS)
         self.kv = KvBudget(kv_tokens, self.config.max_position_embeddings, s.kv_block_tokens)
-        self.prefix = PrefixCache(self.kv, s.prefix_cache_entries) if s.prefix_cache_entries else None
+        self.prefix = PrefixCache(self.kv, s.prefix_cache_entries, host_bytes=prefix_host_bytes(s),
+                                  new_state=self.model.new_state) if s.prefix_cache_entries else None
         self._prefix_dir = Path(s.prefix_cache_dir) if s.prefix_cache_dir and self.prefix is not None else None
         if self._prefix_dir is not None:  # a previous run's kept conversations
             self._prefix_key = prefix_store.model_key(Path(self._reader.path), self.model.dtype)
@@ -111,7 +101,7 @@ class Engine(Scheduling):
         self._waiting: deque[Request] = deque()  # preempted requests come back at the head
         self._running: list[Request] = []  # admission order
         self._aborted: list[Request] = []  # abort events still to emit
-        self._inflight: _Inflight | None = None  # the decode step whose tokens are on their way (`step`)
+        self._inflight: Inflight | None = None  # the decode step whose tokens are on their way (`step`)
         self._ids: set[str] = set()  # waiting + running
         self._counters = EngineCounters()
 
@@ -280,44 +270,6 @@ class Engine(Scheduling):
         self._counters.step(time.perf_counter() - t0, [r for r, _ in sampling], len(decodes),
                              segments[-1].num_tokens)
         return events
-
-    def _launch(self, decodes: list[Request], input_ids: torch.Tensor, segments: list[Segment], *,
-                since: float | None = None) -> None:
-        """Forward one decode token per request and queue their sampling: the step is in flight (`_Inflight`).
-        `since`: this call is the only one to account the launch's time from then (a continuation's time is the
-        landing call's)."""
-        logits = self.model.forward(input_ids, segments)
-        pending = sample_async(torch.cat(logits), [r.sampler for r in decodes])
-        self._inflight = _Inflight(decodes, pending, 0.0 if since is None else time.perf_counter() - since)
-
-    def _continue(self, landing: _Inflight) -> None:
-        """Launch the next decode step while `landing` is still in flight, from its device tokens, if that step is
-        what the synchronous path would run: no request waits to be admitted or is prefilling, and every running
-        request that will not finish by `landing`'s token has the KV to grow by one without preempting anyone."""
-        if any(r.is_prefilling for r in self._running) or (
-                self._waiting and len(self._running) < self.max_running_requests):
-            return
-        rows = {id(r): j for j, r in enumerate(landing.requests)}
-        decodes = [r for r in self._running if r.num_output_tokens + 1 < r.max_output_tokens]
-        if not decodes or any(id(r) not in rows for r in decodes):
-            return
-        for req in decodes:
-            need = req.state.length + 1
-            if not self.kv.try_grow(req.request_id, need, req.max_length):
-                return  # the synchronous path preempts or ends requests
-            req.state.ensure_capacity(need, at_most=self.kv.reserved(req.request_id))
-        ids = landing.pending.token_ids
-        if len(decodes) < len(landing.requests):
-            ids = ids.index_select(0, _to_device([rows[id(r)] for r in decodes], torch.long, ids.device))
-        self._launch(decodes, ids, [Segment(r.state, 1, logits="last") for r in decodes])
-
-    def _land(self, landing: _Inflight, t0: float) -> list[TokenEvent]:
-        """The tokens of a step in flight, as events of the requests still running (a request aborted or finished
-        since has no more tokens)."""
-        live = [(j, r) for j, r in enumerate(landing.requests) if r.finish_reason is None]
-        out = landing.pending.result()
-        self._counters.step(landing.seconds + time.perf_counter() - t0, [r for _, r in live], len(live), 0)
-        return self._accept([r for _, r in live], SampleOutput(*([col[j] for j, _ in live] for col in out)))
 
     def _accept(self, requests: list[Request], out: SampleOutput) -> list[TokenEvent]:
         events = []

@@ -36,10 +36,12 @@ class Scheduling:
                 hit = self.prefix.take(req.prefill_ids, capacity=size, share=self.kv.free >= size + headroom)
             while not self.kv.try_reserve(req.request_id, size, headroom=headroom):
                 if self.prefix is None or not self.prefix.evict():
-                    if hit is not None:
+                    if hit is not None and hit.state is not None:
                         hit.state.free()
                     return  # strict FIFO: later requests wait behind the head
             self._waiting.popleft()
+            if hit is not None and hit.state is None:  # kept in host memory: copied to the device, in its reservation
+                hit.state = self.prefix.restore(hit, size)
             if hit is None:
                 req.state = self.model.new_state(req.max_length, capacity=size)
             else:

@@ -61,9 +61,8 @@ def save(cache, directory: Path, key: str) -> int:
         final = directory / name
         if final.exists():
             continue
-        st, n = e.state, len(e.tokens)
         tensors = {"tokens": torch.from_numpy(e.tokens.astype(np.int64))}
-        tensors |= {name: t.cpu() for name, t in (st.rows(n) | st.windows()).items()}
+        tensors |= {name: t.cpu() for name, t in e.parts().items()}
         for length, snap in e.snapshots.items():
             tensors |= {f"snap.{length}.{name}": t.cpu() for name, t in snap.items()}
         tmp = final.with_name(final.name + ".tmp")

@@ -49,6 +49,14 @@ class EngineSettings:
                                      "Finished requests whose state is kept, so that a later prompt starting with "
                                      "the same tokens prefills only the rest (agents resend the conversation every "
                                      "turn); kept states give way to running requests. 0 = off.")
+    prefix_cache_host_memory: int | str | None = _opt(None, "--prefix-cache-host-memory",
+                                                      "Host memory for kept states that the KV budget pushed out "
+                                                      "(their rows copied there; a later prompt that starts with "
+                                                      "their tokens gets them copied back instead of prefilled), "
+                                                      "e.g. 4GiB; 0 = none, evicted states are dropped. Default: on "
+                                                      "CUDA an eighth of the memory available at start, at most "
+                                                      "16GiB; on the CPU 0 (its KV budget is host memory already).",
+                                                      cli_type=str)
     prefix_cache_dir: str | None = _opt(None, "--prefix-cache-dir",
                                         "Keep the prefix cache's states here across restarts: written while the "
                                         "server is idle and at shutdown (a killed server loses at most what changed "
@@ -96,7 +104,7 @@ class EngineSettings:
             problems.append(f"--memory-ratio must be in (0, 1], got {self.memory_ratio}")
         if self.dense_weights not in ("auto", *DENSE_WEIGHTS):
             problems.append(f"--dense-weights {self.dense_weights!r}; use auto, {' or '.join(DENSE_WEIGHTS)}")
-        for name, zero_ok in (("vram_budget", False), ("pinned_memory", True)):
+        for name, zero_ok in (("vram_budget", False), ("pinned_memory", True), ("prefix_cache_host_memory", True)):
             value = getattr(self, name)
             if value is None:
                 continue

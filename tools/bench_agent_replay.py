@@ -66,31 +66,50 @@ def make_session(seed: int = 0, turns: int = 8, steps: int = 3) -> dict:
     return {"seed": seed, "tools": TOOLS, "messages": messages}
 
 
-def replay(engine, session: dict) -> list[dict]:
-    """Each request rendered as the server renders it (`render_chat`), with the snapshot position it hands the
-    engine (the start of the generation prompt)."""
-    from ft.runtime.engine import SamplingParams
+def requests(tokenizer, session: dict):
+    """The session's requests as the server renders them (`render_chat`): (prompt ids, the snapshot position it hands
+    the engine (the start of the generation prompt), tokens new since the previous request)."""
     from ft.runtime.server.generation import render_chat
 
-    tok, msgs, rows, previous = engine.tokenizer, session["messages"], [], []
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    msgs, previous = session["messages"], []
     for i, m in enumerate(msgs):
         if m["role"] != "assistant":
             continue
-        rendered = render_chat(tok, msgs[:i], session["tools"])
+        rendered = render_chat(tokenizer, msgs[:i], session["tools"])
         prompt = rendered.ids
         shared = next((j for j, (a, b) in enumerate(zip(previous, prompt)) if a != b), min(len(previous), len(prompt)))
-        t0, ttft, cached = time.perf_counter(), None, 0
-        engine.add_request(f"r{i}", prompt, params, snapshot_at=rendered.header_start)
-        while engine.has_unfinished():
-            for ev in engine.step():
-                if ev.token_id is not None and ttft is None:
-                    ttft = time.perf_counter() - t0
-                cached = ev.num_cached_tokens
-        rows.append({"request": len(rows) + 1, "prompt": len(prompt), "new": len(prompt) - shared, "cached": cached,
-                     "prefilled": len(prompt) - cached, "ttft_s": round(ttft, 4)})
+        yield prompt, rendered.header_start, len(prompt) - shared
         previous = prompt
-    return rows
+
+
+def run(engine, rid: str, prompt: list[int], snapshot_at: int, new: int) -> dict:
+    """One greedy request of 8 tokens: its row (prompt, new, cached, prefilled tokens, time to first token)."""
+    from ft.runtime.engine import SamplingParams
+
+    t0, ttft, cached = time.perf_counter(), None, 0
+    engine.add_request(rid, prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                       snapshot_at=snapshot_at)
+    while engine.has_unfinished():
+        for ev in engine.step():
+            if ev.token_id is not None and ttft is None:
+                ttft = time.perf_counter() - t0
+            cached = ev.num_cached_tokens
+    return {"prompt": len(prompt), "new": new, "cached": cached, "prefilled": len(prompt) - cached,
+            "ttft_s": round(ttft, 4)}
+
+
+def replay(engine, session: dict) -> list[dict]:
+    return [{"request": i + 1, **run(engine, f"r{i}", *req)} for i, req in enumerate(requests(engine.tokenizer,
+                                                                                              session))]
+
+
+def demo_ftw(tmp: Path) -> Path:
+    """The `demo` qwen3_5_moe preset, synthesized and compiled under `tmp`."""
+    hf, ftw = tmp / "demo-hf", tmp / "demo.ftw"
+    subprocess.run([*FT, "synth", "--arch", "qwen3_5_moe", "--preset", "demo", "--out", str(hf)], check=True,
+                   capture_output=True)
+    subprocess.run([*FT, "checkpoint", "--model", str(hf), "--out", str(ftw)], check=True, capture_output=True)
+    return ftw
 
 
 def main() -> None:
@@ -111,12 +130,7 @@ def main() -> None:
 
     session = json.loads(args.fixture.read_text())
     with tempfile.TemporaryDirectory() as tmp:
-        ftw = args.ftw
-        if ftw is None:
-            hf, ftw = Path(tmp) / "demo-hf", Path(tmp) / "demo.ftw"
-            subprocess.run([*FT, "synth", "--arch", "qwen3_5_moe", "--preset", "demo", "--out", str(hf)], check=True,
-                           capture_output=True)
-            subprocess.run([*FT, "checkpoint", "--model", str(hf), "--out", str(ftw)], check=True, capture_output=True)
+        ftw = args.ftw or demo_ftw(Path(tmp))
         result = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
                   "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                   "model": "demo (qwen3_5_moe)" if args.ftw is None else args.ftw.name}

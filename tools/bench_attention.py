@@ -80,7 +80,7 @@ class Case:
 
 
 def check(name: str, geom: dict) -> dict:
-    from ft.runtime.gpu.kernels.decode_attention import decode_attention_ref
+    from ft.runtime.gpu.kernels.decode_attention_ref import decode_attention_ref
 
     c = Case(geom, [1, 100, 777, 5000])
     kv_ref = [tuple(t.clone() for t in pair) for pair in c.kv]

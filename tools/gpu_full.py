@@ -82,6 +82,7 @@ def run_script(name: str, out: Path, timeout: float, quick: bool = False, tests:
 # tools that run on a model's FTW after its rows (the FTW is deleted before the next model: one full size at a time)
 AFTER = {"coldstart": ["tools/bench_coldstart.py", "--build", "--drop-caches"],  # kernels built, page cache dropped
          "agent_replay": ["tools/bench_agent_replay.py", "--device", "cuda", "--vram-budget", "8GiB", "--skip-off"],
+         "prefix_host": ["tools/bench_prefix_host.py", "--device", "cuda", "--vram-budget", "8GiB"],
          "soak": ["tools/campaign_soak.py", "--device", "cuda", "--vram-budget", "8GiB"]}
 
 

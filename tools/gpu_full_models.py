@@ -10,7 +10,6 @@ routing, E * (1 - (1 - k/E)^B)), the KV rows attended to and the DeltaNet states
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import time
 import traceback
@@ -23,6 +22,7 @@ from ft.runtime.gpu.offload_config import OffloadConfig
 from gpu_full_checks import CHUNK, agreement, engine_profile, finish, lane_agreement, profile
 from gpu_full_checks import ids as _ids
 from gpu_full_checks import prefill as _prefill
+from gpu_full_measures import belady_row, replay_ms, step_bytes, timed_replays
 
 
 def decode(eng: Engine, batch: int, context: int, steps: int, warmup: int = 3) -> dict:
@@ -40,7 +40,7 @@ def decode(eng: Engine, batch: int, context: int, steps: int, warmup: int = 3) -
         eng.add_request(name, _ids(context, V), params)
     out: dict[str, list[int]] = {name: [] for name in names}
     start = end = None
-    with _timed_replays() as marks:
+    with timed_replays() as marks:
         while eng.has_unfinished() and end is None:
             for ev in eng.step():
                 if ev.token_id is not None:
@@ -62,27 +62,6 @@ def decode(eng: Engine, batch: int, context: int, steps: int, warmup: int = 3) -
         res["replay_gpu_ms"] = sum(a.elapsed_time(b) for a, b in window) / len(window)
         res["replay_period_ms"] = window[0][0].elapsed_time(window[-1][0]) / (len(window) - 1)
     return res
-
-
-@contextlib.contextmanager
-def _timed_replays():
-    """CUDA events (before, after) around every CUDA graph replay while the block runs, in replay order (patched on
-    the class: graphs captured inside the block, as at a VRAM budget once the banks are mapped, count too)."""
-    marks: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-    replay = torch.cuda.CUDAGraph.replay
-
-    def timed(graph):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        replay(graph)
-        b.record()
-        marks.append((a, b))
-
-    torch.cuda.CUDAGraph.replay = timed
-    try:
-        yield marks
-    finally:
-        torch.cuda.CUDAGraph.replay = replay
 
 
 def pdl_ab(eng: Engine) -> dict:
@@ -128,61 +107,6 @@ def prefill(model, tokens: int, repeat: int = 2) -> dict:
         st.free()
         best = dt if best is None else min(best, dt)
     return {"tokens": tokens, "chunk": CHUNK, "seconds": best, "tok_s": tokens / best}
-
-
-def replay_ms(model, size: int, reps: int = 20) -> float | None:
-    """GPU time of one replay of the batch-`size` decode graph (CUDA events; its rows padding rows on the scratch
-    state, each with its own random token so that rows route to different experts as a real batch's do): a decode
-    step adds the sampling kernels, the token copies and any gaps to this."""
-    g = model.graphs._graphs.get(size) if model.graphs is not None else None
-    if g is None or g.graph is None:
-        return None
-    g.load(torch.zeros(0, dtype=torch.int64), [])  # all rows on the scratch state: never a freed sequence's buffers
-    rng = torch.Generator().manual_seed(size)
-    g.ids.copy_(torch.randint(1, model.config.vocab_size, (g.ids.shape[0],), generator=rng))
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    g.graph.replay()
-    start.record()
-    for _ in range(reps):
-        g.graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
-
-
-def step_bytes(model, ex, batch: int, context: int) -> dict:
-    cfg = model.config
-    dense = [0]
-
-    def count(_name, t):
-        if t.is_cuda:
-            dense[0] += t.numel() * t.element_size()
-        return t
-
-    model.map_weights(count)
-    E, k = cfg.num_experts, cfg.num_experts_per_tok
-    distinct = k if batch == 1 else E * (1 - (1 - k / E) ** batch)
-    experts = len(ex.moe_layers) * distinct * ex.layout.payload_bytes
-    n_attn = sum(t == "full_attention" for t in cfg.layer_types)
-    kv = batch * n_attn * context * 2 * cfg.num_kv_heads * cfg.head_dim * model.dtype.itemsize
-    state = batch * (cfg.num_layers - n_attn) * 2 * 4 * cfg.linear_num_value_heads * cfg.linear_key_head_dim * \
-        cfg.linear_value_head_dim
-    return {"dense": dense[0], "experts": experts, "kv": kv, "deltanet_state": state,
-            "total": dense[0] + experts + kv + state}
-
-
-def belady_row(ex, window: int) -> dict:
-    """Belady's MIN (may bypass: a miss need not enter VRAM) on the engine's own routing trace with the same slots,
-    over the same window (earlier steps warm both caches), beside the hit rate the scheduler reached."""
-    from belady import belady
-
-    b = belady(ex.trace, ex.E, ex.num_slots, bypass=True, count_from=window)
-    hits, misses = ex.counters["hits"], ex.counters["misses"]
-    b["hit_rate"] = b["hits"] / max(1, b["accesses"])
-    b["ours_hit_rate"] = hits / max(1, hits + misses)
-    b["ours_of_belady"] = b["ours_hit_rate"] / max(1e-9, b["hit_rate"])
-    b["steps"] = len(ex.trace) - window
-    return b
 
 
 WARM_TOKENS = 256  # decoded before the steady-state window of a budget row

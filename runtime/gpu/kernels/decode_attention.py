@@ -39,7 +39,8 @@ S (splits) comes from the SM count so that B * nkv * S programs fill the GPU (`C
 Dots run on bf16 tensor cores with fp32 accumulation; probabilities enter the P V dot rounded to the compute dtype
 (the usual flash-attention trade). fp32 inputs (CPU tests) and Triton's CPU interpreter (which mis-multiplies bf16
 dots) use exact fp32 dots instead; there (bf16) RNE_BITS rounds to nearest even before each cast, which the
-interpreter truncates. The reference below is a plain per-sequence torch loop over explicit buffers.
+interpreter truncates. The reference (`decode_attention_ref.py`) is a plain per-sequence torch loop over explicit
+buffers.
 """
 
 from __future__ import annotations
@@ -52,8 +53,6 @@ import triton.language as tl
 
 from ft.runtime.gpu.kernels.pdl import pdl_args, pdl_wait
 from ft.runtime.gpu.kernels.fused_ops import _cast, _rne_bits
-from ft.runtime.layers.norm import rms_normalize
-from ft.runtime.layers.rope import apply_rotary
 
 # Tiles per head_dim ("default" for others), programs per SM that pick S, and bounds on S. Swept by
 # tools/bench_attention.py on the H200.
@@ -326,36 +325,3 @@ def decode_attention(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: tor
         SINKS=sinks is not None, num_warps=t["num_warps"],
         num_stages=t["num_stages"], **pdl_args(qkv.device))
     return out
-
-
-def decode_attention_ref(qkv: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
-                         cos: torch.Tensor | None, sin: torch.Tensor | None,
-                         kv: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor, *, nq: int, nkv: int,
-                         hd: int, scale: float, gated: bool, sinks: torch.Tensor | None = None,
-                         window: int = 0) -> torch.Tensor:
-    """Torch reference of `decode_attention`, with kv[b] = sequence b's (k, v) buffers in place of `tables`: the
-    layer's eager ops, then fp32 softmax attention per sequence over rows 0..positions[b] (the last `window` of
-    them when window > 0), with each head's sink logit in the denominator when given."""
-    B, dtype = qkv.shape[0], qkv.dtype
-    q = qkv[:, : nq * hd].reshape(B, nq, hd)
-    k = qkv[:, nq * hd:(nq + nkv) * hd].reshape(B, nkv, hd)
-    v = qkv[:, (nq + nkv) * hd:(nq + 2 * nkv) * hd].reshape(B, nkv, hd)
-    if q_norm is not None:
-        q = (rms_normalize(q, eps) * q_norm).to(dtype)
-    if k_norm is not None:
-        k = (rms_normalize(k, eps) * k_norm).to(dtype)
-    if cos is not None:
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-    r = nq // nkv
-    out = torch.empty(B, nq * hd, dtype=dtype, device=qkv.device)
-    for b, p in enumerate(positions.tolist()):
-        kv[b][0][p] = k[b]
-        kv[b][1][p] = v[b]
-        lo = max(0, p + 1 - window) if window else 0
-        kb, vb = (t[lo: p + 1].float().repeat_interleave(r, dim=1) for t in kv[b])          # [keys, nq, hd]
-        logits = torch.einsum("hd,lhd->hl", q[b].float(), kb) * scale
-        if sinks is not None:
-            logits = torch.cat([logits, sinks.float()[:, None]], dim=1)
-        w = logits.softmax(-1)[:, : kb.shape[0]]
-        out[b] = torch.einsum("hl,lhd->hd", w, vb).reshape(-1).to(dtype)
-    return out * torch.sigmoid(qkv[:, -nq * hd:]) if gated else out

@@ -11,7 +11,8 @@ triton = pytest.importorskip("triton")
 
 from ft.formats import ModelConfig  # noqa: E402
 from ft.runtime.gpu.kernels import decode_attention as da  # noqa: E402
-from ft.runtime.gpu.kernels.decode_attention import decode_attention, decode_attention_ref, num_splits  # noqa: E402
+from ft.runtime.gpu.kernels.decode_attention import decode_attention, num_splits  # noqa: E402
+from ft.runtime.gpu.kernels.decode_attention_ref import decode_attention_ref  # noqa: E402
 from ft.runtime.layers.attention import Attention  # noqa: E402
 from ft.runtime.layers.batch import ForwardBatch, SegmentRows, state_addresses  # noqa: E402
 from ft.runtime.layers.rope import Rotary  # noqa: E402
