@@ -24,6 +24,7 @@ from ft.formats.config import INDEXER_TYPES
 
 _TOPK_METHODS = (None, "noaux_tc")
 _SCORING = (None, "sigmoid")
+_INDEXED = ("indexed_attention", "deepseek_sparse_attention")  # transformers >= 5.23 / GLM-5 releases and 5.17
 
 
 def interleaved_to_half(width: int, rope: int, *, first: bool) -> torch.Tensor:
@@ -54,7 +55,7 @@ class GlmMoeDsa(Glm4Moe):
         c.refuse("mlp_bias", "GLM-5's MLPs have no biases")
         c.refuse("partial_rotary_factor", "MLA rotates exactly qk_rope_head_dim dims", ok=lambda v: v in (None, 1, 1.0))
         c.refuse("layer_types", "every glm_moe_dsa layer is indexed (MLA + DSA) attention",
-                 ok=lambda v: v is None or all(t == "indexed_attention" for t in v))
+                 ok=lambda v: v is None or all(t in _INDEXED for t in v))
         # transformers derives head_dim (= qk_rope_head_dim) and layer_types itself: both are set from the MLA keys
         plain = HFConfig({k: x for k, x in hf.items() if k not in ("head_dim", "layer_types")})
         f = common_fields(plain, gen, family=self.name, default_theta=10_000.0)

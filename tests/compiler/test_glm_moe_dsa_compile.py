@@ -42,6 +42,13 @@ def test_release_config_normalizes():
     assert cfg.to_dict()["indexer_types"] == ["full"] * 78
 
 
+@pytest.mark.parametrize("name", ["indexed_attention", "deepseek_sparse_attention"])
+def test_both_spellings_of_the_indexed_layer_type_are_read(name):
+    """GLM-5 releases and transformers 5.17 write `deepseek_sparse_attention`, 5.23+ `indexed_attention`."""
+    hf = _glm5_config(layer_types=[name] * 78)
+    assert family_for(hf).normalize(hf, None).layer_types == ("mla_attention",) * 78
+
+
 @pytest.mark.parametrize("keys, want", [
     (dict(index_topk_freq=2), "FFSFSF"),                          # transformers' freq / offset rule
     (dict(index_topk_freq=3, index_skip_topk_offset=1), "FSSFSS"),

@@ -98,6 +98,8 @@ def test_gemv_decode_kernel_reads_mapped_records():
     """host_base != 0: pairs without a slot read their record from the bank at host_base + e * stride."""
     layout, recs, x, ids, table, w = _case(64, 64, 1, 4, 9)
     bank = recs[:7].clone()
+    if DEV == "cuda":  # the GPU reads host memory only when it is page-locked (mapped at the same address under UVA)
+        bank = bank.pin_memory()
     table[:] = -1  # nothing resident: every record comes from the bank
     ref = moe_ref(bank, layout, x, ids, w)
     got = moe_nvfp4_device(recs.to(DEV), layout, x.to(DEV), ids.to(DEV), table.to(DEV), w.to(DEV),
