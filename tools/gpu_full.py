@@ -90,6 +90,11 @@ def run_after(tool: str, ftw: Path, out: Path, left: float) -> dict:
     """One of AFTER on `ftw`, its results in `out`, its log in <out>/log.txt; it gets what is left of the deadline
     (the soak runs for that long, less a minute for its start and its report)."""
     cmd = [sys.executable, *AFTER[tool], "--ftw", str(ftw), "--out", str(out)]
+    if "--vram-budget" in cmd:  # the tool's budget counts what the device holds at its start: this process's too
+        from ft.runtime.gpu.sizing import parse_bytes
+
+        i = cmd.index("--vram-budget") + 1
+        cmd[i] = str(parse_bytes(cmd[i]) + held_by_this_process())
     if tool == "coldstart":
         cmd += ["--deadline", str(max(30.0, (left - 30) / 4))]
     elif tool == "soak":
@@ -106,6 +111,20 @@ def run_after(tool: str, ftw: Path, out: Path, left: float) -> dict:
     tail = text.strip().splitlines()[-8:]
     log(f"{tool}: rc {rc} in {time.perf_counter() - t:.0f} s\n    " + "\n    ".join(tail))
     return {"command": " ".join(cmd), "returncode": rc, "seconds": time.perf_counter() - t, "tail": tail}
+
+
+def held_by_this_process() -> int:
+    """Device bytes this process still holds once its cached blocks are freed (its CUDA context, kernels, what is
+    still referenced), all that the device holds on this dedicated machine: an after-tool's start-up counts it as in
+    use, so its budget is raised by as much and the tool itself gets the budget named in AFTER."""
+    import gc
+
+    if not torch.cuda.is_available():
+        return 0
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    return total - free
 
 
 def parse_variants(text: str) -> tuple[dict, ...]:
