@@ -99,8 +99,8 @@ def run(engine, rid: str, prompt: list[int], snapshot_at: int, new: int) -> dict
 
 
 def replay(engine, session: dict) -> list[dict]:
-    return [{"request": i + 1, **run(engine, f"r{i}", *req)} for i, req in enumerate(requests(engine.tokenizer,
-                                                                                              session))]
+    reqs = requests(engine.tokenizer, session)
+    return [{"request": i + 1, **run(engine, f"r{i}", *req)} for i, req in enumerate(reqs)]
 
 
 def demo_ftw(tmp: Path) -> Path:
