@@ -37,6 +37,7 @@ from ft.runtime.engine_inflight import DecodeInFlight, Inflight
 from ft.runtime.engine_schedule import Scheduling
 from ft.runtime.engine_stats import EngineCounters
 from ft.runtime.generate import GenerationResult, generate
+from ft.runtime.gpu.sizing import OFFLOADED_PREFILL_CHUNK, PREFILL_CHUNK
 from ft.runtime.kv import ContextOverflowError, KvBudget, QueueFullError
 from ft.runtime import prefix_store
 from ft.runtime.prefix_cache import PrefixCache, prefix_host_bytes
@@ -47,8 +48,6 @@ from ft.runtime.tokenizer import Tokenizer
 
 log = logging.getLogger("ft.engine")
 CPU_KV_TOKENS = 8192  # the KV budget without a VRAM plan (and without --kv-reserve-tokens)
-PREFILL_CHUNK = 2048  # prompt tokens per forward (--max-prefill-length) ...
-OFFLOADED_PREFILL_CHUNK = 4096  # ... at a VRAM budget: a forward streams every expert without a slot whatever its size
 
 __all__ = ["Engine", "EngineSettings", "SamplingParams", "TokenEvent", "ContextOverflowError", "QueueFullError",
            "generate", "GenerationResult"]

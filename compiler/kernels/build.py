@@ -25,7 +25,7 @@ from .launchers import LauncherBuilder
 from .stand_in import cuda_target
 
 DEFAULT_ARCHS = (80, 86, 89, 90, 100, 120)
-MAX_PREFILL = 4096  # the engine's largest default prefill chunk (runtime.engine.OFFLOADED_PREFILL_CHUNK)
+MAX_PREFILL = 4096  # the engine's largest default prefill chunk (runtime.gpu.sizing.OFFLOADED_PREFILL_CHUNK)
 LOCAL = "built on this machine (ft kernels build)"
 
 

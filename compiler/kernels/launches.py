@@ -14,6 +14,7 @@ fp32; both output dtypes of the decode MoE kernels). A launch repeated with the 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -181,17 +182,23 @@ def deltanet(g: Geometry, lengths: list[int]) -> None:
     from ft.runtime.gpu.kernels.deltanet_prefill import gdn_chunk_prefill
 
     hk, hv, dk, dv, K = g.gdn
-    C = 2 * hk * dk + hv * dv
+    C, V = 2 * hk * dk + hv * dv, hv * dv
     for B in (t for t in lengths if t <= MAX_BATCH):
-        ba = torch.zeros(B, 2 * hv, dtype=g.dtype)
-        for _, tables in _decode_tables(B, g.layers):
-            gdn_decode(torch.zeros(B, C, dtype=g.dtype), torch.zeros(B, hv * dv, dtype=g.dtype), ba[:, :hv],
-                       ba[:, hv:], torch.zeros(C, K, dtype=g.dtype), torch.zeros(hv), torch.zeros(hv), torch.ones(dv),
-                       1e-6, tables, hk=hk, hv=hv, dk=dk, dv=dv)
+        # the projections' outputs as the layer splits them (pointer alignment and row strides are part of a
+        # kernel's specialization): one stacked [qkv | z | b | a] GEMM (`stack_linears`), else [qkv | z] and [b | a]
+        stacked = torch.zeros(B, C + V + 2 * hv, dtype=g.dtype).split([C, V, hv, hv], -1)
+        apart = (*torch.zeros(B, C + V, dtype=g.dtype).split([C, V], -1),
+                 *torch.zeros(B, 2 * hv, dtype=g.dtype).split([hv, hv], -1))
+        for (mixed, z, b, a), (_, tables) in itertools.product((stacked, apart), _decode_tables(B, g.layers)):
+            gdn_decode(mixed, z, b, a, torch.zeros(C, K, dtype=g.dtype), torch.zeros(hv), torch.zeros(hv),
+                       torch.ones(dv), 1e-6, tables, hk=hk, hv=hv, dk=dk, dv=dv)
     for T in (t for t in lengths if t > 1):
-        qk = torch.zeros(T, hk, dk)
-        gdn_chunk_prefill(qk, qk.clone(), torch.zeros(T, hv, dv), torch.zeros(T, hv), torch.zeros(T, hv),
-                          torch.zeros(hv, dk, dv))
+        # q, k l2-normalised (contiguous); v a view of the conv output's fp32 copy [T, C] (`GatedDeltaNet._rule`);
+        # g, beta rows of the whole batch's [N, Hv]: a later segment's start at any row
+        v = torch.zeros(T, C)[:, 2 * hk * dk:].view(T, hv, dv)
+        for first in (0, 1):
+            gb = torch.zeros(first + T, hv)[first:]
+            gdn_chunk_prefill(torch.zeros(T, hk, dk), torch.zeros(T, hk, dk), v, gb, gb, torch.zeros(hv, dk, dv))
 
 
 def dense(g: Geometry, lengths: list[int]) -> None:

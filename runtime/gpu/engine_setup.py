@@ -25,8 +25,8 @@ from ft.formats import FtwReader
 
 from .offload_config import OffloadConfig
 from .record_layout import SCHEMES
-from .sizing import (LATE_OUTSIDE, cap_allocator, device_in_use, resolve_budget, resolve_dense, split_budget,
-                     state_bytes)
+from .sizing import (LATE_OUTSIDE, cap_allocator, device_in_use, resolve_budget, resolve_dense, resolve_reserve,
+                     split_budget, state_bytes)
 from .store import GpuExperts
 
 log = logging.getLogger("ft.gpu")
@@ -68,14 +68,16 @@ def _weight_bytes(model) -> int:
 def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, memory_ratio: float,
                    offload: OffloadConfig | None, kv_reserve_tokens: int | None, max_running_requests: int,
                    dense_weights: str | None = None, cuda_graphs: bool = True,
-                   pin_host_bytes: int | None = None, plan_name: str | None = None):
+                   pin_host_bytes: int | None = None, plan_name: str | None = None,
+                   max_prefill_length: int | None = None):
     """-> (model, GpuExperts with its slot pool allocated; `experts.vram_plan` says how the budget was spent). On
     CUDA with `cuda_graphs`, the model replays sync-free decode steps of up to `max_running_requests` sequences from
     CUDA graphs (`graphs.py`), captured here. `pin_host_bytes`: the host memory the default scheduler's banks may
     page-lock (None: half of MemAvailable; ignored when `offload` is given, which says it itself). `plan_name`: the
     FTW's placement plan to use (`ft plan`), None to pick the one made for this machine (or plan at start, not
     written), "none" for neither; it sizes KV (unless `kv_reserve_tokens` is given) and preloads its experts.
-    `experts.placement` says what was used."""
+    `experts.placement` says what was used. `max_prefill_length`: the engine's prefill chunk if given (it sizes the
+    activation reserve; else the plan's chunk or the default at a budget)."""
     from ft.runtime.gpu.benchbw import load_profile
     from ft.runtime.model import load_model
 
@@ -117,7 +119,9 @@ def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, m
         plan = split_budget(budget, dense=dense, per_token=per_token, per_seq=per_seq,
                             max_running_requests=max_running_requests, kv_tokens=kv_tokens,
                             max_context=model.config.max_position_embeddings, stride=experts.layout.stride,
-                            prefill_slots=opts.prefill_slots, reserve=opts.reserve_bytes, max_slots=max_slots,
+                            prefill_slots=opts.prefill_slots, max_slots=max_slots,
+                            reserve=resolve_reserve(opts.reserve_bytes, reader, max_prefill_length or getattr(
+                                placement, "prefill_chunk", None)),
                             dense_quantized=keep, outside=outside)
     num_slots = opts.num_slots if opts.num_slots is not None else (plan.num_slots if plan else None)
     if opts.mode == "resident":

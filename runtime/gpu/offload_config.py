@@ -32,7 +32,8 @@ class OffloadConfig:
     mode: str = "mapped"
     vram_budget: int | None = None
     num_slots: int | None = None
-    reserve_bytes: int = GIB // 2  # activations, logits, allocator slack
+    reserve_bytes: int | None = None  # activations, logits, allocator slack; None: sized from the model and prefill
+    # chunk (`sizing.activation_reserve`)
     policy: str = "lru-freq"
     cpu_lane: bool = True  # mode mapped: the CPU computes part of each decode call's misses (cpu/lane.py)
     admit_max: int = 2  # mode mapped: experts uploaded into the cache per layer call at most

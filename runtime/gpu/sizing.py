@@ -10,8 +10,8 @@ Everything on the device counts against one budget, as `nvidia-smi` shows the pr
            + KV reserve (kv_reserve_tokens x bytes per token; by default `default_kv_tokens` of what the fixed parts
              leave: room for one agent-sized context, at most KV_MAX_SHARE of that room, the rest to the expert slots)
            + fixed per-sequence state (DeltaNet conv/recurrent state) x max_running_requests
-           + two prefill buffers (2 x prefill_slots x record stride) + activation reserve (and allocator slack) + expert
-             slots
+           + two prefill buffers (2 x prefill_slots x record stride) + activation reserve (`activation_reserve`: the
+             transients of the widest layer over one prefill chunk, and allocator slack) + expert slots
 
 The expert slots get what is left (never more than every expert of every MoE layer). The caching allocator is then
 capped (`cap_allocator`) at what it held at start + budget - outside, so no later allocation can take the process past
@@ -76,6 +76,45 @@ def cap_allocator(device: torch.device, limit: int | None) -> None:
     """Cap this process's caching allocator on `device` at `limit` bytes reserved (None: lift the cap)."""
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(1.0 if limit is None else min(1.0, limit / total), device)
+
+
+PREFILL_CHUNK = 2048  # prompt tokens per forward (--max-prefill-length) ...
+OFFLOADED_PREFILL_CHUNK = 4096  # ... at a VRAM budget: a forward streams every expert without a slot whatever its size
+
+RESERVE_SLACK = 96 << 20  # last-token logits, library workspaces, the allocator's rounding
+RESERVE_MARGIN = 1.1  # on the estimate below, which counts only the largest temporaries
+
+
+def activation_reserve(cfg: ModelConfig, chunk: int, elem: int) -> int:
+    """Bytes a prefill forward of `chunk` tokens allocates beyond its weights, KV and state (the activation reserve of
+    the VRAM split), from the model's widths; `elem`: bytes per compute-dtype element. Per token: the residual stream
+    (h, residual, normed input, mixer output) plus the widest layer's temporaries: the routed experts' per-pair fp32
+    outputs and activations (`prefill_pipeline._Runs`) with the router and shared expert, attention's projections, a
+    DeltaNet layer's projections plus its fp32 conv / rule temporaries, which it bounds to `deltanet.PIECE` tokens."""
+    from ft.runtime.layers.deltanet import PIECE
+
+    h, k = cfg.hidden_size, cfg.num_experts_per_tok
+    stream = 4 * h * elem
+    moe = k * (4 * h + elem * cfg.moe_intermediate_size) + (4 + elem) * h + 8 * cfg.num_experts \
+        + 3 * elem * cfg.shared_expert_intermediate_size
+    dense = 3 * elem * cfg.intermediate_size if "dense" in cfg.mlp_types else 0
+    attn = 3 * elem * (cfg.num_heads + 2 * cfg.num_kv_heads) * max(cfg.head_dim, cfg.v_head_dim)
+    widest = chunk * max(moe, dense, attn)
+    if "linear_attention" in cfg.layer_types:
+        key, value, hv = (cfg.linear_num_key_heads * cfg.linear_key_head_dim,
+                          cfg.linear_num_value_heads * cfg.linear_value_head_dim, cfg.linear_num_value_heads)
+        per_piece_token = 20 * (2 * key + value) + 16 * value  # conv window/output/fp32 copies; q, k, v, u, w, o
+        widest = max(widest, chunk * elem * (2 * key + 3 * value + 2 * hv) + min(chunk, PIECE) * per_piece_token)
+    return int(RESERVE_MARGIN * (chunk * stream + widest)) + RESERVE_SLACK
+
+
+def resolve_reserve(given: int | None, reader: FtwReader, chunk: int | None) -> int:
+    """The activation reserve: `given` (OffloadConfig.reserve_bytes), else `activation_reserve` for prefill chunks of
+    `chunk` tokens (None: the engine's default at a budget, OFFLOADED_PREFILL_CHUNK) in the FTW's compute dtype."""
+    if given is not None:
+        return given
+    elem = reader.tensor("embed_tokens.weight").element_size()
+    return activation_reserve(reader.config, chunk or OFFLOADED_PREFILL_CHUNK, elem)
 
 
 KV_TARGET_TOKENS = 65536  # default KV budget: room for one coding agent's long conversation

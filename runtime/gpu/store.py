@@ -43,6 +43,7 @@ from .offload_config import OffloadConfig
 from .pinning import BackgroundPinner
 from .prefill_pipeline import PrefillPipeline, uses_pipeline
 from .record_layout import RecordLayout
+from .sizing import resolve_reserve
 from .split import SplitEstimator, split_from_profile
 from .store_stats import experts_stats, reset_experts_stats
 from .transfer import CudaUploader, HostUploader
@@ -63,6 +64,7 @@ class GpuExperts:
         self.interpret = interpret and self.device.type != "cuda"
         self.moe_layers = [i for i, t in enumerate(cfg.mlp_types) if t == "moe"]
         self.banks = {i: reader.bank(f"layers.{i}.mlp.experts") for i in self.moe_layers}
+        self._reader = reader  # its sizes: the activation reserve of a pool sized here (`allocate`)
         self.layout = RecordLayout.for_model(self.banks[self.moe_layers[0]], cfg)  # format + activation: kernels'
         for i, b in self.banks.items():
             if RecordLayout.for_model(b, cfg) != self.layout:
@@ -113,7 +115,8 @@ class GpuExperts:
             raise ValueError(f"mode {o.mode} needs vram_budget or num_slots to size the expert cache")
         else:
             used = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
-            n = plan_num_slots(o.vram_budget, used + extra * stride, stride, reserve=o.reserve_bytes,
+            n = plan_num_slots(o.vram_budget, used + extra * stride, stride,
+                               reserve=resolve_reserve(o.reserve_bytes, self._reader, None),
                                max_slots=len(self.moe_layers) * self.E)
         self.num_slots = n
         self.pool = torch.empty(n + extra, stride, dtype=torch.uint8, device=self.device)

@@ -112,7 +112,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: in
     return _sdpa(q, k, v, past)
 
 
-SINK_QUERY_BLOCK = 256  # query rows per block of `sink_attention` (bounds its [nq, rows, keys] score matrix)
+SINK_QUERY_BLOCK = 256  # query rows per block of `sink_attention` at most ...
+SINK_SCORE_ELEMENTS = 1 << 24  # ... and fewer (not under 16) where its [nq, rows, keys] scores would pass this size
 
 
 def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, sinks: torch.Tensor | None,
@@ -123,8 +124,10 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int,
     t, nq, hd = q.shape
     r = nq // k.shape[1]
     out = torch.empty_like(q)
-    for a in range(0, t, SINK_QUERY_BLOCK):
-        b = min(t, a + SINK_QUERY_BLOCK)
+    keys = min(past + t, window + SINK_QUERY_BLOCK) if window else past + t   # a block's keys at most
+    block = min(SINK_QUERY_BLOCK, max(16, SINK_SCORE_ELEMENTS // (nq * keys)))
+    for a in range(0, t, block):
+        b = min(t, a + block)
         lo = max(0, past + a - window + 1) if window else 0          # first key any query of the block sees
         kb, vb = (x[lo:past + b].repeat_interleave(r, dim=1).transpose(0, 1) for x in (k, v))  # [nq, S, hd]
         scores = torch.matmul(q[a:b].transpose(0, 1), kb.transpose(1, 2)) * hd ** -0.5        # [nq, rows, S]

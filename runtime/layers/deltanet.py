@@ -14,6 +14,9 @@ Step 3 runs token by token for decode (`recurrent_gated_delta_rule`) and in chun
 With `_fused` (CUDA; the torch code here stays the reference and the CPU path), a decode batch runs steps 1-4 in the
 two Triton kernels of `gpu.kernels.deltanet_decode` (states found through `ForwardBatch.tables`), and a segment of
 more than one token runs step 3 in the Triton chunked kernels of `ft.runtime.gpu.kernels.deltanet_prefill`.
+Steps 1-3 of a long segment run in pieces of at most PIECE tokens (multiples of CHUNK, so the chunking and the result
+are those of one call; the conv and recurrent states carry from piece to piece): their fp32 temporaries, ~230 KiB per
+token for Qwen3.6, then take ~230 MiB instead of ~900 MiB for a 4,096-token prefill chunk (`sizing.activation_reserve`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from ft.runtime.layers.linear import Linear, gemv_eligible, linear, stack_rows
 from ft.runtime.layers.norm import RMSNormGated
 
 CHUNK = 64
+PIECE = 16 * CHUNK  # tokens of one segment's steps 1-3 at a time (module docstring)
 
 
 def recurrent_gated_delta_rule(q, k, v, g, beta, state):
@@ -98,8 +102,8 @@ class Conv1d(Op):
         w = self.weight.float()
         y = w[:, :1] * window[:, :t].float()
         for j in range(1, taps):
-            y += w[:, j:j + 1] * window[:, j:j + t].float()
-        return F.silu(y).transpose(0, 1).to(x.dtype)
+            y.addcmul_(window[:, j:j + t], w[:, j:j + 1])  # promoted to fp32 in place: no temporary per tap
+        return F.silu(y, inplace=True).transpose(0, 1).to(x.dtype)
 
 
 class GatedDeltaNet(Op):
@@ -147,26 +151,33 @@ class GatedDeltaNet(Op):
 
         core = torch.empty(n, self._hv, self._dv, dtype=x.dtype, device=x.device)
         for seg in batch.segments:
-            conv_state = seg.state.conv[self._layer]                             # [conv_dim, K-1]
-            rec_state = seg.state.recurrent[self._layer]                         # [Hv, dk, dv] fp32
-            qkv = self.conv1d(mixed[seg.rows], conv_state)
-            q, k, v = qkv.float().split([self._key_dim, self._key_dim, self._value_dim], dim=-1)
-            t = seg.num_tokens
-            q = l2_normalize(q.reshape(t, self._hk, self._dk)) * self._dk ** -0.5
-            k = l2_normalize(k.reshape(t, self._hk, self._dk))
-            v = v.reshape(t, self._hv, self._dv)
-            if self._fused and t > 1:   # Triton chunked rule (key heads not repeated), rec_state updated in place
-                from ft.runtime.gpu.kernels.deltanet_prefill import gdn_chunk_prefill
-                # an fp32 model gets fp32 products (TF32 would be below its precision; bf16 models keep TF32)
-                o = gdn_chunk_prefill(q, k, v, g[seg.rows], beta[seg.rows], rec_state,
-                                      config={"precision": "ieee"} if x.dtype == torch.float32 else None)
-            else:
-                r = self._hv // self._hk
-                if r > 1:
-                    q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
-                rule = chunk_gated_delta_rule if t > 1 else recurrent_gated_delta_rule
-                o, new_state = rule(q, k, v, g[seg.rows], beta[seg.rows], rec_state)
-                rec_state.copy_(new_state)
-            core[seg.rows] = o.to(x.dtype)
+            for start in range(seg.start, seg.start + seg.num_tokens, PIECE):
+                rows = slice(start, min(start + PIECE, seg.start + seg.num_tokens))
+                core[rows] = self._rule(mixed[rows], g[rows], beta[rows], seg.state, x.dtype)
         core = self.norm(core, z.reshape(n, self._hv, self._dv))
         return self.out_proj(core.reshape(n, self._value_dim))
+
+    def _rule(self, mixed: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state, dtype: torch.dtype):
+        """Steps 1-3 for T consecutive tokens of one sequence: mixed [T, conv_dim]; g, beta [T, Hv] fp32; the
+        sequence's conv and recurrent states updated in place -> o [T, Hv, dv] in `dtype`."""
+        conv_state = state.conv[self._layer]                                 # [conv_dim, K-1]
+        rec_state = state.recurrent[self._layer]                             # [Hv, dk, dv] fp32
+        qkv = self.conv1d(mixed, conv_state)
+        q, k, v = qkv.float().split([self._key_dim, self._key_dim, self._value_dim], dim=-1)
+        t = mixed.shape[0]
+        q = l2_normalize(q.reshape(t, self._hk, self._dk)) * self._dk ** -0.5
+        k = l2_normalize(k.reshape(t, self._hk, self._dk))
+        v = v.reshape(t, self._hv, self._dv)
+        if self._fused and t > 1:   # Triton chunked rule (key heads not repeated), rec_state updated in place
+            from ft.runtime.gpu.kernels.deltanet_prefill import gdn_chunk_prefill
+            # an fp32 model gets fp32 products (TF32 would be below its precision; bf16 models keep TF32)
+            o = gdn_chunk_prefill(q, k, v, g, beta, rec_state,
+                                  config={"precision": "ieee"} if dtype == torch.float32 else None)
+        else:
+            r = self._hv // self._hk
+            if r > 1:
+                q, k = q.repeat_interleave(r, dim=1), k.repeat_interleave(r, dim=1)
+            rule = chunk_gated_delta_rule if t > 1 else recurrent_gated_delta_rule
+            o, new_state = rule(q, k, v, g, beta, rec_state)
+            rec_state.copy_(new_state)
+        return o.to(dtype)

@@ -40,14 +40,14 @@ def make_plan(reader: FtwReader, settings: EngineSettings, routing: RoutingProfi
     """The plan for this machine at `settings`' VRAM budget (ValueError when the GPU scheduler cannot serve the
     model or the budget cannot hold the fixed parts). `measured`: a VramPlan of an engine that loaded the model
     here (its budget, what the device held outside it and the dense bytes it measured replace the estimates)."""
-    from ft.runtime.engine import OFFLOADED_PREFILL_CHUNK, PREFILL_CHUNK
     from ft.runtime.gpu.benchbw import load_profile
     from ft.runtime.gpu.engine_setup import unsupported_reason
     from ft.runtime.gpu.offload_config import OffloadConfig
     from ft.runtime.gpu.pinning import mem_available
     from ft.runtime.gpu.record_layout import RecordLayout
-    from ft.runtime.gpu.sizing import (LATE_OUTSIDE, dense_weight_bytes, device_in_use, resolve_budget,
-                                       resolve_dense, split_budget, state_bytes)
+    from ft.runtime.gpu.sizing import (LATE_OUTSIDE, OFFLOADED_PREFILL_CHUNK, PREFILL_CHUNK, dense_weight_bytes,
+                                       device_in_use, resolve_budget, resolve_dense, resolve_reserve, split_budget,
+                                       state_bytes)
 
     why = unsupported_reason(reader)
     if why is not None:
@@ -82,7 +82,8 @@ def make_plan(reader: FtwReader, settings: EngineSettings, routing: RoutingProfi
     vram = split_budget(budget, dense=dense, per_token=per_token, per_seq=per_seq,
                         max_running_requests=settings.max_running_requests, kv_tokens=settings.kv_reserve_tokens,
                         max_context=cfg.max_position_embeddings, stride=stride, prefill_slots=opts.prefill_slots,
-                        reserve=opts.reserve_bytes, max_slots=len(moe) * E, dense_quantized=keep, outside=outside)
+                        reserve=resolve_reserve(opts.reserve_bytes, reader, settings.max_prefill_length),
+                        max_slots=len(moe) * E, dense_quantized=keep, outside=outside)
     geom = speed.Geometry(cfg.num_layers, len(moe), cfg.num_experts_per_tok, E, stride, layout.payload_bytes, dense)
     r = rates(dev, layout.payload_bytes, load_profile(dev.index or 0) if cuda else None)
     lane = opts.cpu_lane and lane_available()

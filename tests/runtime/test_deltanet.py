@@ -134,6 +134,29 @@ def test_layer_prefill_then_decode_equals_one_shot():
     assert torch.allclose(st2.conv[0], st.conv[0], atol=1e-6)   # projections of 1 vs 90 rows: last-bit noise
 
 
+def test_long_segment_in_pieces_equals_one_piece(monkeypatch):
+    """A segment longer than PIECE runs steps 1-3 piece by piece (bounded temporaries); states carry, so a second
+    segment of the same batch and the output and states equal those of one piece over the whole segment."""
+    import ft.runtime.layers.deltanet as dn
+
+    layer = _random_layer()
+    g = torch.Generator().manual_seed(15)
+    xa, xb = torch.randn(150, 24, generator=g), torch.randn(70, 24, generator=g)
+    rows = torch.cat([torch.arange(150), torch.arange(70)])
+
+    def run():
+        sa, sb = _fresh_state(layer), _fresh_state(layer)
+        out = layer(torch.cat([xa, xb]), ForwardBatch([SegmentRows(0, 150, 0, sa), SegmentRows(150, 70, 0, sb)], rows))
+        return out, sa, sb
+
+    whole, wa, wb = run()
+    monkeypatch.setattr(dn, "PIECE", dn.CHUNK)  # 150 -> 64 + 64 + 22, 70 -> 64 + 6
+    pieces, pa, pb = run()
+    assert (pieces - whole).abs().max() < 1e-5
+    for p, w in ((pa, wa), (pb, wb)):
+        assert (p.recurrent[0] - w.recurrent[0]).abs().max() < 1e-5 and torch.allclose(p.conv[0], w.conv[0])
+
+
 def test_layer_batches_segments_independently():
     layer = _random_layer()
     g = torch.Generator().manual_seed(13)

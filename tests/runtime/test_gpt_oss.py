@@ -122,6 +122,14 @@ def test_sink_attention_blocks_match_one_block(monkeypatch):
     whole = attention.sink_attention(q, k, v, 7, sinks, 5)
     monkeypatch.setattr(attention, "SINK_QUERY_BLOCK", 3)
     assert torch.allclose(attention.sink_attention(q, k, v, 7, sinks, 5), whole, atol=1e-6)
+    # long contexts: the score cap takes blocks down to 16 rows (33 queries over 40 keys, 4 heads: 16 + 16 + 1)
+    q3, k3, v3 = (torch.randn(n, h, 8, generator=gen) for n, h in ((33, 4), (40, 2), (40, 2)))
+    monkeypatch.setattr(attention, "SINK_QUERY_BLOCK", 256)
+    full = attention.sink_attention(q3, k3, v3, 7, sinks, 0)
+    calls = []
+    monkeypatch.setattr(attention.torch, "softmax", lambda x, dim: calls.append(x.shape[1]) or x.softmax(dim))
+    monkeypatch.setattr(attention, "SINK_SCORE_ELEMENTS", 1)
+    assert torch.allclose(attention.sink_attention(q3, k3, v3, 7, sinks, 0), full, atol=1e-6) and calls == [16, 16, 1]
     # the last query (position 19) with window 5 sees keys 15..19 only: changing key 14 changes nothing
     k2 = k.clone()
     k2[14] += 10

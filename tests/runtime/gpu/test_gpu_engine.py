@@ -15,8 +15,9 @@ from ft.runtime.engine import Engine, EngineSettings, SamplingParams, generate
 from ft.runtime.gpu import engine_setup
 from ft.runtime.gpu.engine_setup import _weight_bytes
 from ft.runtime.gpu.offload_config import OffloadConfig
-from ft.runtime.gpu.sizing import (KV_MAX_SHARE, KV_MIN_TOKENS, KV_TARGET_TOKENS, LATE_OUTSIDE, default_kv_tokens,
-                                   dense_weight_bytes, device_in_use, parse_bytes, plan_vram, state_bytes)
+from ft.runtime.gpu.sizing import (KV_MAX_SHARE, KV_MIN_TOKENS, KV_TARGET_TOKENS, LATE_OUTSIDE, OFFLOADED_PREFILL_CHUNK,
+                                   activation_reserve, default_kv_tokens, dense_weight_bytes, device_in_use,
+                                   parse_bytes, plan_vram, state_bytes)
 from ft.runtime.model import load_model
 from ft.runtime.state import SequenceState
 
@@ -75,6 +76,30 @@ def test_engine_kv_budget_comes_from_the_vram_plan(ftw_for):
     assert given.kv.total == given._experts.vram_plan.kv_tokens == 1000
     given.close()
     assert Engine(ftw, EngineSettings(device="cpu")).kv.total == 8192  # no VRAM plan: the CPU default
+
+
+def test_activation_reserve_follows_the_prefill_chunk(ftw_for):
+    """The VRAM plan's activation reserve is the model's for the engine's prefill chunk (given, else the default at
+    a budget), and an explicit OffloadConfig.reserve_bytes wins; a DeltaNet model's grows past deltanet.PIECE tokens
+    by its projections only, its fp32 rule temporaries being bounded to a piece."""
+    from ft.runtime.layers.deltanet import PIECE
+
+    ftw = ftw_for("qwen3_5_moe", "nvfp4")
+    cfg = FtwReader(ftw).config
+    elem = FtwReader(ftw).tensor("embed_tokens.weight").element_size()
+    for chunk in (None, 512):
+        eng = Engine(ftw, EngineSettings(device="cpu", vram_budget=64 * GIB, max_prefill_length=chunk),
+                     offload=OffloadConfig(mode="resident"))
+        assert eng._experts.vram_plan.reserve == activation_reserve(cfg, chunk or OFFLOADED_PREFILL_CHUNK, elem)
+        eng.close()
+    eng = Engine(ftw, EngineSettings(device="cpu", vram_budget=64 * GIB),
+                 offload=OffloadConfig(mode="resident", reserve_bytes=12345))
+    assert eng._experts.vram_plan.reserve == 12345
+    eng.close()
+    below = activation_reserve(cfg, PIECE, elem) - activation_reserve(cfg, PIECE // 2, elem)
+    above = activation_reserve(cfg, 2 * PIECE, elem) - activation_reserve(cfg, 3 * PIECE // 2, elem)
+    assert above < below  # past a piece, a token adds no rule temporaries
+    assert activation_reserve(cfg, 4096, elem) > activation_reserve(cfg, 2048, elem)
 
 
 def test_state_bytes_match_a_real_state(ftw_for):

@@ -19,7 +19,7 @@ from ft.runtime.engine import Engine, EngineSettings, SamplingParams, generate
 from ft.runtime.gpu import engine_setup
 from ft.runtime.gpu.engine_setup import _weight_bytes
 from ft.runtime.gpu.offload_config import OffloadConfig
-from ft.runtime.gpu.sizing import state_bytes
+from ft.runtime.gpu.sizing import resolve_reserve, state_bytes
 from ft.runtime.plan import build
 from ft.runtime.plan.calibrate import calibrate
 from ft.runtime.plan.routing import RoutingProfile, load_counts, save_counts
@@ -28,6 +28,7 @@ PROMPT = [5, 17, 3, 99, 42, 7, 11, 2]
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 SLOTS = 12  # of the tiny qwen3_5_moe's 4 x 8 experts
 KV = 512
+CHUNK = 8  # prefill tokens per forward (it sizes the activation reserve)
 
 
 @pytest.fixture(scope="module")
@@ -49,12 +50,13 @@ def budget(src) -> int:
     per_token, per_seq = state_bytes(probe.config, probe.model.dtype)
     probe.close()
     opts = OffloadConfig()
-    fixed = dense + KV * per_token + 4 * per_seq + 2 * opts.prefill_slots * ex.layout.stride + opts.reserve_bytes
+    reserve = resolve_reserve(None, FtwReader(src), CHUNK)
+    fixed = dense + KV * per_token + 4 * per_seq + 2 * opts.prefill_slots * ex.layout.stride + reserve
     return fixed + SLOTS * ex.layout.stride + ex.layout.stride // 2
 
 
 def _settings(budget: int, **kw) -> EngineSettings:
-    return EngineSettings(device="cpu", vram_budget=budget, max_prefill_length=8, **kw)
+    return EngineSettings(device="cpu", vram_budget=budget, max_prefill_length=CHUNK, **kw)
 
 
 def _engine(ftw, budget: int, **kw) -> Engine:
