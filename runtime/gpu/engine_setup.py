@@ -25,8 +25,8 @@ from ft.formats import FtwReader
 
 from .offload_config import OffloadConfig
 from .record_layout import SCHEMES
-from .sizing import (LATE_OUTSIDE, cap_allocator, device_in_use, resolve_budget, resolve_dense, resolve_reserve,
-                     split_budget, state_bytes)
+from .sizing import (LATE_OUTSIDE, cap_allocator, device_in_use, expandable_segments, resolve_budget, resolve_dense,
+                     resolve_reserve, split_budget, state_bytes)
 from .store import GpuExperts
 
 log = logging.getLogger("ft.gpu")
@@ -131,6 +131,7 @@ def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, m
     elif offload is None and num_slots is not None and num_slots >= max_slots:
         experts.opts = dataclasses.replace(opts, mode="resident")  # everything fits: no miss handling at all
     if cuda and plan is not None:
+        expandable_segments()  # before the pool and every transient: see there
         cap_allocator(dev, held + budget - outside)  # lifted again by experts.close()
         experts.capped = dev
     preload = priors = None

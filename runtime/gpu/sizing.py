@@ -22,6 +22,7 @@ VRAM and do not count.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import asdict, dataclass
 
@@ -70,6 +71,17 @@ def device_in_use(device: torch.device) -> int:
     """Bytes of `device` in use now, by anyone (see the module docstring)."""
     free, total = torch.cuda.mem_get_info(device)
     return total - free
+
+
+def expandable_segments() -> bool:
+    """Let the caching allocator grow segments in place (`expandable_segments`), unless PYTORCH_CUDA_ALLOC_CONF /
+    PYTORCH_ALLOC_CONF configure it: under the cap, prefill transients of changing sizes otherwise leave free slivers
+    in fixed-size segments that no larger request can use (benchmarks/gpu_full.md, run 48: a 226 MiB request refused
+    with 431 MiB reserved and free). Segments made before the call stay as they are. True if it was set."""
+    if any(os.environ.get(k) for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")):
+        return False
+    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    return True
 
 
 def cap_allocator(device: torch.device, limit: int | None) -> None:

@@ -102,6 +102,18 @@ def test_activation_reserve_follows_the_prefill_chunk(ftw_for):
     assert activation_reserve(cfg, 4096, elem) > activation_reserve(cfg, 2048, elem)
 
 
+def test_expandable_segments_unless_the_user_configured_the_allocator(monkeypatch):
+    from ft.runtime.gpu import sizing
+
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
+    for key in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(key, raising=False)
+    assert sizing.expandable_segments() and calls == ["expandable_segments:True"]
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "max_split_size_mb:64")
+    assert not sizing.expandable_segments() and len(calls) == 1
+
+
 def test_state_bytes_match_a_real_state(ftw_for):
     cfg = FtwReader(ftw_for("qwen3_5_moe", "nvfp4")).config
     per_token, per_seq = state_bytes(cfg, torch.bfloat16)
