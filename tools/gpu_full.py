@@ -170,7 +170,8 @@ def main() -> None:
     ap.add_argument("--skip-resident", action="store_true",
                     help="models: only the --budgets rows (peak memory is then the budget engine's alone)")
     ap.add_argument("--after", default="", help=f"models: after each model's rows, these tools on its FTW, in order "
-                                                f"({', '.join(AFTER)}), each into <out>/<tool>-<model>/")
+                                                f"({', '.join(AFTER)}; tool@model: after that model only), each into "
+                                                f"<out>/<tool>-<model>/")
     ap.add_argument("--variants", default="",
                     help="each budget also with these scheduler options, after the default: ';'-separated variants of "
                          "','-separated OffloadConfig fields, e.g. 'cpu_lane=False;admit_margin=2.0'")
@@ -224,8 +225,11 @@ def main() -> None:
                     res["models"][preset] = {"error": traceback.format_exc()[-3000:]}
                     log(f"{preset} failed:\n{res['models'][preset]['error']}")
                 flush()
-                for tool in filter(None, args.after.split(",")):
+                for entry in filter(None, args.after.split(",")):
+                    tool, _, only = entry.partition("@")  # tool@model: after that model's rows only
                     left = args.deadline_s - (time.perf_counter() - T0)
+                    if only and only != preset:
+                        continue
                     if ftw is not None and left > 60:
                         res.setdefault(tool, {})[preset] = run_after(tool, ftw, args.out / f"{tool}-{preset}", left)
                         flush()
