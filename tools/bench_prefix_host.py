@@ -16,12 +16,14 @@ token. Model: the `demo` qwen3_5_moe preset on the CPU unless --ftw is given. Wr
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import torch
 from bench_agent_replay import demo_ftw, make_session, requests, run
 
 
@@ -74,6 +76,10 @@ def main() -> None:
                             "ttft_p50_s": ttft[len(ttft) // 2], "ttft_max_s": ttft[-1],
                             "prefix_cache": engine.stats()["prefix_cache"]}
             engine.close()
+            del engine  # its device memory back before the next variant's engine measures what is in use
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
             r = result[name]
             print(f"{name}: {r['seconds']} s, prefilled {r['prefilled']} of {r['prompt']} prompt tokens "
                   f"(new {r['new']}), TTFT p50 {r['ttft_p50_s']} s max {r['ttft_max_s']} s")

@@ -80,8 +80,14 @@ def expandable_segments() -> bool:
     with 431 MiB reserved and free). Segments made before the call stay as they are. True if it was set."""
     if any(os.environ.get(k) for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")):
         return False
-    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    _set_allocator_settings("expandable_segments:True")
     return True
+
+
+def _set_allocator_settings(text: str) -> None:
+    # torch 2.11 deprecates the torch.cuda.memory spelling in favour of the accelerator-generic one (both private)
+    set_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    (set_settings or torch.cuda.memory._set_allocator_settings)(text)
 
 
 def cap_allocator(device: torch.device, limit: int | None) -> None:

@@ -176,8 +176,8 @@ def _totals(fitted, napped=()):
 
 
 def test_a_split_that_starves_the_lane_goes_back_to_its_starting_costs(bank, monkeypatch):
-    """A bad fit (e.g. from jobs slowed by something else) prices the CPU out: it then gets no jobs that could correct
-    the fit, so after STARVED_S without a job the split returns to the costs it started from."""
+    """A bad fit (e.g. from jobs slowed by something else) prices the CPU out: it then gets too few jobs to correct
+    the fit, so after STARVED_S without enough jobs for a fit the split returns to the costs it started from."""
     from ft.runtime.gpu.cpu import lane as mod
 
     layout, recs, host = bank
@@ -193,6 +193,8 @@ def test_a_split_that_starves_the_lane_goes_back_to_its_starting_costs(bank, mon
         clock[0] += mod.STARVED_S / 2
         lane.refit()  # no new job yet, not long enough
         assert lane.t_fixed > 1e-3
+        bad = [(1, 2_000_000)] * 40 + [(3, 2_100_000)] * 40
+        lane.counters = lambda: _totals(bad + [(1, 2_000_000)] * 5)  # a trickle: 5 jobs, too few for a fit
         clock[0] += mod.STARVED_S
         lane.refit()
         assert (lane.t_cpu, lane.t_fixed) == start

@@ -106,7 +106,7 @@ def test_expandable_segments_unless_the_user_configured_the_allocator(monkeypatc
     from ft.runtime.gpu import sizing
 
     calls = []
-    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
+    monkeypatch.setattr(sizing, "_set_allocator_settings", calls.append)
     for key in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.delenv(key, raising=False)
     assert sizing.expandable_segments() and calls == ["expandable_segments:True"]
