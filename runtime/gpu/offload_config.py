@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from ft.runtime.settings import DENSE_WEIGHTS as DENSE
 
 MODES = ("mapped", "resident")
-GIB = 1 << 30
 
 
 @dataclass(frozen=True)
