@@ -1,7 +1,8 @@
 """Prebuilt kernels on a GPU: `ft kernels build` for this GPU's arch, then a fresh process with an empty Triton cache
 serves a prefill and decode steps, resident and offloaded (mapped: the CPU lane and the gather kernels), and
-compiles no kernel. Any kernel it did compile is named in the failure (its constexprs too): a launch the build
-(`ft.compiler.kernels.launches`) does not cover yet."""
+compiles no kernel; the same from a signed bundle unpacked on a machine that trusts only the signer's key. Any kernel
+it did compile is named in the failure (its constexprs too): a launch the build (`ft.compiler.kernels.launches`) does
+not cover yet."""
 
 from __future__ import annotations
 
@@ -44,17 +45,16 @@ eng.close()
 """
 
 
-def test_prebuilt_kernels_serve_with_zero_compiles(ftw_for, tmp_path):
-    ftw = tmp_path / "m"
-    shutil.copytree(ftw_for("qwen3_5_moe", "nvfp4", synth_dtype="bf16"), ftw)
-    major, minor = torch.cuda.get_device_capability()
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["FT_HOME"] = str(tmp_path / "home")
-    res = subprocess.run([sys.executable, "-c", "from ft.cli.main import main; main()", "kernels", "build", "--ftw",
-                          str(ftw), "--arch", str(10 * major + minor), "--max-prefill-length", "64"], env=env,
+def _ft(args: list[str], env: dict) -> str:
+    res = subprocess.run([sys.executable, "-c", "from ft.cli.main import main; main()", *args], env=env,
                          capture_output=True, text=True, timeout=1200)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "empty-cache")
+    return res.stdout
+
+
+def _serve(ftw, env: dict) -> dict:
+    """SERVE in a fresh process with an empty Triton cache; asserts it compiled nothing, resident then offloaded."""
+    env = {**env, "TRITON_CACHE_DIR": str(ftw.parent / f"empty-cache-{ftw.name}")}
     res = subprocess.run([sys.executable, "-c", SERVE, str(ftw)], env=env, capture_output=True, text=True,
                          timeout=1200)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -64,3 +64,33 @@ def test_prebuilt_kernels_serve_with_zero_compiles(ftw_for, tmp_path):
     assert out["mode"] == "mapped", out
     assert first["compiled_since_start"] == 0, first["compiled"]  # resident: start, prefill, decode
     assert second["compiled_since_start"] == 0, second["compiled"]  # the same process, offloaded: nothing new
+    return out
+
+
+@pytest.fixture()
+def built(ftw_for, tmp_path):
+    """(an FTW with kernels built for this GPU by `ft kernels build`, the builder's environment)."""
+    ftw = tmp_path / "m"
+    shutil.copytree(ftw_for("qwen3_5_moe", "nvfp4", synth_dtype="bf16"), ftw)
+    major, minor = torch.cuda.get_device_capability()
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["FT_HOME"] = str(tmp_path / "home")
+    _ft(["kernels", "build", "--ftw", str(ftw), "--arch", str(10 * major + minor), "--max-prefill-length", "64"], env)
+    return ftw, env
+
+
+def test_prebuilt_kernels_serve_with_zero_compiles(built):
+    _serve(*built)
+
+
+def test_a_trusted_bundle_serves_with_zero_compiles_on_another_machine(built, tmp_path):
+    """The builder signs a bundle of the FTW (kernels inside); a machine that has never built or trusted those kernels
+    (its own FT_HOME) trusts the builder's key, unpacks, and serves with zero compiles."""
+    ftw, env = built
+    _ft(["trust", "keygen", str(tmp_path / "key")], env)
+    _ft(["bundle", "pack", str(ftw), str(tmp_path / "m.ftb"), "--sign", str(tmp_path / "key")], env)
+    other = {**env, "FT_HOME": str(tmp_path / "other-home")}
+    _ft(["trust", "add", (tmp_path / "key.pub").read_text().strip()], other)
+    out = _ft(["bundle", "unpack", str(tmp_path / "m.ftb"), str(tmp_path / "unpacked")], other)
+    assert "kernels entries are trusted here" in out, out
+    _serve(tmp_path / "unpacked", other)
