@@ -59,6 +59,7 @@ def main() -> None:
     result = {"command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": args.device,
               "vram_budget": args.vram_budget, "kv_tokens": args.kv_tokens, "sessions": args.sessions}
+    args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         ftw = args.ftw or demo_ftw(Path(tmp))
         result["model"] = "demo (qwen3_5_moe)" if args.ftw is None else args.ftw.name
@@ -83,8 +84,8 @@ def main() -> None:
             r = result[name]
             print(f"{name}: {r['seconds']} s, prefilled {r['prefilled']} of {r['prompt']} prompt tokens "
                   f"(new {r['new']}), TTFT p50 {r['ttft_p50_s']} s max {r['ttft_max_s']} s")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "prefix_host.json").write_text(json.dumps(result, indent=1) + "\n")
+            # after each variant: one that fails later keeps what this one measured
+            (args.out / "prefix_host.json").write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":
