@@ -227,9 +227,9 @@ def main() -> None:
                 flush()
                 for entry in filter(None, args.after.split(",")):
                     tool, _, only = entry.partition("@")  # tool@model: after that model's rows only
-                    left = args.deadline_s - (time.perf_counter() - T0)
                     if only and only != preset:
                         continue
+                    left = args.deadline_s - (time.perf_counter() - T0)
                     if ftw is not None and left > 60:
                         res.setdefault(tool, {})[preset] = run_after(tool, ftw, args.out / f"{tool}-{preset}", left)
                         flush()
