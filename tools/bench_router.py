@@ -6,6 +6,10 @@ Shapes of the target models' MoE layers at decode: x [T, 2048] bf16 for T = 1, 8
 renorm, with and without the shared expert gate [1, 2048]. `fused` is router_topk with `TILES`; `torch` is the path
 it replaces: F.linear (cuBLAS) + `fused_ops.route_topk` (+ F.linear for the shared gate), two or three launches.
 
+The sigmoid routers of glm4_moe / glm_moe_dsa (`SIGMOID_SHAPES`: GLM-4.5-Air, GLM-4.5, GLM-5 and a grouped
+DeepSeek-V3-style one) are timed as `sigmoid` rows: router_topk with a `SigmoidRoute` against the torch ops the layer
+ran before (fp32 F.linear + `route_sigmoid`, about 15 launches) and the prefill path (fp32 F.linear + the selection).
+
 Timing as in tools/bench_fused_ops.py: `REPS` back-to-back calls captured in one CUDA graph, replayed; us is the
 median replay time / REPS. `gbs` counts the bytes moved at least (weights and x read once, outputs written once) and
 `hbm_frac` is that rate over the HBM read rate measured here. Every row carries `max_abs_diff` (routing weights) and
@@ -51,6 +55,46 @@ def cases():
             rows = EXPERTS + (extra is not None)
             nbytes = (rows + T) * HIDDEN * 2 + T * TOP_K * 12 + (0 if extra is None else T * 2)
             yield T, extra is not None, nbytes, (x, weight, extra)
+
+
+# the sigmoid routers (glm4_moe, glm_moe_dsa): (name, E, H, k, n_group, topk_group), top-k renormalised, bias on
+SIGMOID_SHAPES = (("GLM-4.5-Air", 128, 4096, 8, 1, 1), ("GLM-4.5", 160, 5120, 8, 1, 1), ("GLM-5", 256, 6144, 8, 1, 1),
+                  ("grouped 8/4", 256, 7168, 8, 8, 4))
+
+
+def sigmoid_rows(hbm: float) -> list[dict]:
+    """The sigmoid router at T = 1 and 8: `fused` (router_topk, one launch), `select` (F.linear in fp32 + the
+    selection kernel, the prefill path) and `torch` (F.linear in fp32 + route_sigmoid: the layer's path before)."""
+    from ft.runtime.gpu.kernels import fused_ops, router
+    from ft.runtime.gpu.kernels.sigmoid_topk import SigmoidRoute
+    from ft.runtime.layers.moe import route_sigmoid
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    rows = []
+    for name, E, H, k, ng, tg in SIGMOID_SHAPES:
+        weight = torch.randn(E, H, generator=g, device="cuda").to(torch.bfloat16) * 0.02
+        how = SigmoidRoute(torch.randn(E, generator=g, device="cuda") * 0.01, ng, tg, 2.5)
+        for T in TOKENS:
+            x = torch.randn(T, H, generator=g, device="cuda").to(torch.bfloat16)
+            want = router.router_topk_ref(x, weight, k, True, sigmoid=how)
+            logits = lambda: F.linear(x.float(), weight.float())  # noqa: E731
+            impls = {"fused": lambda: router.router_topk(x, weight, k, True, sigmoid=how),
+                     "select": lambda: fused_ops.route_topk(logits(), k, True, how),
+                     "torch": lambda: route_sigmoid(logits(), how.bias, k, ng, tg, True, how.scale)}
+            nbytes = (E + T) * H * 2 + T * k * 12
+            if ng > 1:  # torch's group mask (repeat_interleave of a count) syncs: it cannot be captured
+                del impls["torch"]
+            for impl, fn in impls.items():
+                us = graph_us(fn)
+                got = fn()
+                order, ref_order = got[0].argsort(-1), want[0].argsort(-1)   # compare as sets per token
+                acc = accuracy((got[0].gather(1, order), got[1].gather(1, order)),
+                               (want[0].gather(1, ref_order), want[1].gather(1, ref_order)))
+                rows.append({"model": name, "E": E, "H": H, "k": k, "n_group": ng, "topk_group": tg, "T": T,
+                             "impl": impl, "us": round(us, 2), "hbm_frac": round(nbytes / us / 1e3 / hbm, 4), **acc})
+                print(f"sigmoid {name:12s} T={T} {impl:6s} {us:7.2f} us ({100 * rows[-1]['hbm_frac']:5.1f}% HBM)"
+                      f"  max|dw| {acc['max_abs_diff']:.3g}  ids_equal {acc['ids_equal']:.3f}")
+    return rows
 
 
 def torch_path(x, weight, extra):
@@ -108,7 +152,8 @@ def main() -> None:
         best = min((s for s in sweep if s["T"] == T and s["extra"] == has_extra), key=lambda s: s["us"])
         print(f"T={T} extra={int(has_extra)} best  {best['us']:7.2f} us  {best['tiles']}")
     out = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "hbm_read_gbs": round(hbm, 1),
-           "reps_per_graph": REPS, "default_tiles": router.TILES, "rows": rows, "sweep": sweep}
+           "reps_per_graph": REPS, "default_tiles": router.TILES, "rows": rows, "sweep": sweep,
+           "sigmoid": sigmoid_rows(hbm)}
     if sweep:  # per T, the launched tiles with the least total us over the cases with and without the shared gate
         out["best_per_T"] = {}
         for T in TOKENS:

@@ -47,6 +47,8 @@ class Geometry:
     record: tuple | None = None  # the expert banks' RecordLayout fields (offsets are kernel constexprs), None: packed
     sinks: bool = False  # gpt_oss attention
     windows: tuple[int, ...] = (0,)  # attention windows of the layers (0: full attention)
+    sigmoid: tuple[int, int, bool] | None = None  # the sigmoid router's (n_group, topk_group, bias?); None: softmax
+    renorm: bool = True  # norm_topk_prob (a constexpr of the routing kernels)
 
 
 def geometry(reader) -> Geometry:
@@ -80,7 +82,9 @@ def geometry(reader) -> Geometry:
                     record=_record(reader, moe_layers),
                     sinks=c.attn_sinks, windows=tuple(sorted({c.sliding_window if t == "sliding_attention" else 0
                                                                for t in c.layer_types
-                                                               if t in ("full_attention", "sliding_attention")})))
+                                                               if t in ("full_attention", "sliding_attention")})),
+                    sigmoid=(c.router_n_group, c.router_topk_group, c.router_correction_bias)
+                    if c.router_scoring == "sigmoid" else None, renorm=c.norm_topk_prob)
 
 
 def _record(reader, moe_layers) -> tuple | None:
@@ -136,7 +140,10 @@ def fused(g: Geometry, lengths: list[int]) -> None:
         f.rms_norm(x, torch.ones(H), 1e-6)
         f.add_rms_norm(x, x.clone(), torch.ones(H), 1e-6)
         if T > MAX_DECODE and g.moe_layers:
-            f.route_topk(torch.zeros(T, g.E, dtype=dt), g.k, True)
+            if g.sigmoid is None:
+                f.route_topk(torch.zeros(T, g.E, dtype=dt), g.k, g.renorm)
+            else:  # fp32 logits (`SparseMoe._route_sigmoid`)
+                f.route_topk(torch.zeros(T, g.E, dtype=F32), g.k, g.renorm, _sigmoid_route(g))
         if g.shared_I:
             f.silu_mul(torch.zeros(T, 2 * g.shared_I, dtype=dt))
             f.sigmoid_gate_add(x, torch.zeros(T, 1, dtype=dt), x.clone())
@@ -155,8 +162,18 @@ def router(g: Geometry, lengths: list[int]) -> None:
 
     for T in (t for t in lengths if t <= MAX_TOKENS):
         x = torch.zeros(T, g.H, dtype=g.dtype)
+        if g.sigmoid is not None:
+            router_topk(x, torch.zeros(g.E, g.H, dtype=g.dtype), g.k, g.renorm, sigmoid=_sigmoid_route(g))
+            continue
         for extra in (None, torch.zeros(1, g.H, dtype=g.dtype)):
-            router_topk(x, torch.zeros(g.E, g.H, dtype=g.dtype), g.k, True, extra)
+            router_topk(x, torch.zeros(g.E, g.H, dtype=g.dtype), g.k, g.renorm, extra)
+
+
+def _sigmoid_route(g: Geometry):
+    from ft.runtime.gpu.kernels.sigmoid_topk import SigmoidRoute
+
+    n_group, topk_group, has_bias = g.sigmoid
+    return SigmoidRoute(torch.zeros(g.E) if has_bias else None, n_group, topk_group, 1.0)
 
 
 def attention(g: Geometry, lengths: list[int]) -> None:

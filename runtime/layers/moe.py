@@ -5,8 +5,7 @@ divided by the top-k sum iff `norm_topk_prob` (the compiler sets it true for mix
 Sigmoid router (glm4_moe; `route_sigmoid`, transformers' Glm4MoeTopkRouter): `s = σ(fp32(x) · fp32(gate)ᵀ)`; the
 choice uses `c = s + e_score_correction_bias`, restricted to the `topk_group` best of `n_group` equal expert groups
 (a group's score: the sum of its two largest c); the weights are `s` at the chosen ids (never the bias), divided by
-their sum + 1e-20 iff `norm_topk_prob`, times `routed_scaling_factor`. It has no fused kernel: the layer picks the
-torch path at construction, on every device. Routed experts are computed by whatever
+their sum + 1e-20 iff `norm_topk_prob`, times `routed_scaling_factor`. Routed experts are computed by whatever
 implements `experts(layer, x [T, H], topk_ids [T, k] int64, topk_weights [T, k] f32) -> [T, H]`
 (CPU from the mmapped bank by default, a GPU cache/offload scheduler otherwise). Shared expert (qwen2_moe, qwen3_next,
 qwen3_5_moe): `y += sigmoid(shared_expert_gate · x) · shared_expert(x)`; ungated (glm4_moe, `shared_expert_gate`
@@ -15,8 +14,10 @@ false): `y += shared_expert(x)`.
 With `_fused` set (CUDA) the routing (softmax, top-k, renorm) and the shared expert's gated add are one Triton launch
 each (`gpu.kernels.fused_ops.route_topk`, `sigmoid_gate_add`); at decode sizes (T <= `router.MAX_TOKENS`, plain
 bias-free router) the router GEMV, the routing and the shared expert gate's GEMV are one launch together
-(`gpu.kernels.router.router_topk`). `route` and the torch expressions are the reference. Ties among probabilities
-may select different ids of equal weight (see `route_topk`).
+(`gpu.kernels.router.router_topk`); the sigmoid router likewise: its selection in one launch (`route_topk` with a
+`SigmoidRoute`), and at decode sizes the fp32 router GEMV with it (`router_topk`). `route`, `route_sigmoid` and the
+torch expressions are the reference. Ties among probabilities may select different ids of equal weight (see
+`route_topk`).
 """
 
 from __future__ import annotations
@@ -109,10 +110,8 @@ class SparseMoe(Op):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         shared_gate = None                                 # [T, 1] when the fused router computed it
-        if self._sigmoid:                                  # torch on every device (no fused sigmoid router)
-            logits = F.linear(x.float(), self.gate.weight.float())
-            ids, weights = route_sigmoid(logits, getattr(self, "e_score_correction_bias", None), self._top_k,
-                                         *self._groups, self._renorm, self._scale)
+        if self._sigmoid:
+            ids, weights = self._route_sigmoid(x)
         elif self._fused:
             from ft.runtime.gpu.kernels import fused_ops, router
             if x.shape[0] <= router.MAX_TOKENS and _plain(self.gate, x):                   # decode: one launch
@@ -136,8 +135,23 @@ class SparseMoe(Op):
         return y
 
 
-def _plain(linear: Linear, x: torch.Tensor) -> bool:
+    def _route_sigmoid(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        bias = getattr(self, "e_score_correction_bias", None)
+        if not self._fused:
+            return route_sigmoid(F.linear(x.float(), self.gate.weight.float()), bias, self._top_k, *self._groups,
+                                 self._renorm, self._scale)
+        from ft.runtime.gpu.kernels import fused_ops, router
+        from ft.runtime.gpu.kernels.sigmoid_topk import SigmoidRoute
+
+        how = SigmoidRoute(bias, *self._groups, self._scale)
+        if x.shape[0] <= router.MAX_TOKENS and _plain(self.gate, x, any_float=True):          # decode: one launch
+            return router.router_topk(x, self.gate.weight, self._top_k, self._renorm, sigmoid=how)[:2]
+        return fused_ops.route_topk(F.linear(x.float(), self.gate.weight.float()), self._top_k, self._renorm, how)
+
+
+def _plain(linear: Linear, x: torch.Tensor, any_float: bool = False) -> bool:
     """The fused router reads `linear.weight` directly: a plain (not kept quantized), bias-free, contiguous weight in
     x's dtype."""
     w = linear.weight
-    return not linear.stays_quantized and linear.bias is None and w.dtype == x.dtype and w.is_contiguous()
+    dtype_ok = w.is_floating_point() and w.element_size() >= 2 if any_float else w.dtype == x.dtype
+    return not linear.stays_quantized and linear.bias is None and dtype_ok and w.is_contiguous()

@@ -10,6 +10,8 @@ a trip through memory), in one launch:
   route_topk(logits [T, E], k, renormalize) -> (ids int64 [T, k], weights fp32 [T, k])
       p = softmax(fp32(logits)); the k largest p in descending order; divided by their sum iff renormalize
                                                                                   (layers/moe.py `route`)
+      with `sigmoid` (SigmoidRoute): glm4_moe's sigmoid, correction-bias, group-limited selection
+                                                                    (`sigmoid_topk.py`, layers/moe.py `route_sigmoid`)
   silu_mul(gate_up [..., 2I]) -> act [..., I]
       act = cast(fp32(cast(silu(g))) * fp32(u)), [g | u] = gate_up                  (layers/mlp.py)
   sigmoid_gate_add(y [..., H], gate [..., 1], shared [..., H]) -> y + cast(cast(sigmoid(gate)) * shared), rounded
@@ -36,7 +38,9 @@ import triton
 import triton.language as tl
 
 from ft.runtime.gpu.kernels.pdl import pdl_args, pdl_wait
+from ft.runtime.gpu.kernels.sigmoid_topk import SigmoidRoute, _sigmoid_topk
 from ft.runtime.layers.moe import route as route_topk_ref
+from ft.runtime.layers.moe import route_sigmoid
 from ft.runtime.layers.norm import rms_norm as rms_norm_ref
 
 TILES = {
@@ -119,14 +123,19 @@ def _softmax_topk(z, valid, K: tl.constexpr, RENORM: tl.constexpr, BLOCK_K: tl.c
 
 
 @triton.jit
-def _route_kernel(logits, stride, ids, wts, E, K: tl.constexpr, RENORM: tl.constexpr,
-                  BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    # one token row per program, as a [1, BLOCK_E] block for _softmax_topk
+def _route_kernel(logits, stride, ids, wts, E, bias, scale, K: tl.constexpr, RENORM: tl.constexpr,
+                  SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                  BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    # one token row per program, as a [1, BLOCK_E] block for _softmax_topk / _sigmoid_topk
     pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)[None, :]
     z = tl.load(logits + row * stride + e, mask=e < E, other=float("-inf")).to(tl.float32)
-    top_w, top_i = _softmax_topk(z, e < E, K, RENORM, BLOCK_K)
+    if SIGMOID:
+        top_w, top_i = _sigmoid_topk(z, e < E, bias, scale, E, K, RENORM, HAS_BIAS, N_GROUP, TOPK_GROUP, BLOCK_G,
+                                     BLOCK_K)
+    else:
+        top_w, top_i = _softmax_topk(z, e < E, K, RENORM, BLOCK_K)
     j = tl.arange(0, BLOCK_K)[None, :]
     tl.store(wts + row * K + j, top_w, mask=j < K)
     tl.store(ids + row * K + j, top_i.to(tl.int64), mask=j < K)
@@ -211,9 +220,15 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     return _norm_launch(x, delta, weight, eps)
 
 
-def route_topk(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] -> (ids int64 [T, k], weights fp32 [T, k]), descending; ties by ascending id (docstring)."""
+def route_topk(logits: torch.Tensor, k: int, renormalize: bool,
+               sigmoid: SigmoidRoute | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] -> (ids int64 [T, k], weights fp32 [T, k]), descending; ties by ascending id (docstring).
+    `sigmoid`: glm4_moe's routing instead of the softmax (`sigmoid_topk.py`; logits fp32, as the layer computes
+    them)."""
     T, E = logits.shape
+    if sigmoid is not None and (E > TILES["route_max_e"] or not sigmoid.supported(E, k)):
+        return route_sigmoid(logits.float(), sigmoid.bias, k, sigmoid.n_group, sigmoid.topk_group, renormalize,
+                             sigmoid.scale)
     if E > TILES["route_max_e"] or not 0 < k <= E:
         return route_topk_ref(logits, k, renormalize)
     logits = _rows(logits)
@@ -221,8 +236,9 @@ def route_topk(logits: torch.Tensor, k: int, renormalize: bool) -> tuple[torch.T
     weights = torch.empty(T, k, dtype=torch.float32, device=logits.device)
     if T:
         block_e = triton.next_power_of_2(E)
+        routing = (sigmoid or SigmoidRoute(None, 1, 1, 1.0)).launch_args(logits)
         _route_kernel[(T,)](logits, logits.stride(0), ids, weights, E, K=k, RENORM=bool(renormalize),
-                            BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k),
+                            SIGMOID=sigmoid is not None, **routing, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k),
                             num_warps=min(8, max(1, block_e // TILES["route_elems_per_warp"])),
                             **pdl_args(logits.device))
     return ids, weights

@@ -1,6 +1,6 @@
 """glm4_moe on the GPU expert scheduler: NVFP4 experts in the slot cache (resident, or a budget of a few slots with
-the rest fetched / computed on the CPU), the sigmoid router on its PyTorch path. CPU emulation here; on CUDA the same
-checks against the CPU engine, with CUDA graphs."""
+the rest fetched / computed on the CPU). CPU emulation here (the sigmoid router on its PyTorch path); on CUDA the same
+checks against the CPU engine, with CUDA graphs and the fused sigmoid router (`router_topk` with a `SigmoidRoute`)."""
 
 from __future__ import annotations
 

@@ -176,3 +176,155 @@ def test_router_topk_cuda_model_shape(T):
     assert (w - w_ref).abs().max() <= 2e-2 * w_ref.max()
     assert ((xl.float() - xl_ref.float()).abs() <= xl_ref.float().abs() * 2 ** -7 + 1e-6).all()
     assert not router._counter(x.device).any()
+
+
+# ---- the sigmoid router (glm4_moe, glm_moe_dsa): selection kernel and decode router against route_sigmoid ---------
+def _sigmoid_expected(logits, bias, k, n_group, topk_group, renorm, scale):
+    """ids in descending c = sigmoid + bias within the kept groups (ties: lowest id / lowest group), weights as
+    route_sigmoid: the reference with a defined order."""
+    from ft.runtime.gpu.kernels.sigmoid_topk import SigmoidRoute  # noqa: F401  (the module under test imports)
+
+    s = logits.float().sigmoid()
+    c = s + (bias if bias is not None else 0)
+    T, E = c.shape
+    if n_group > 1:
+        top2 = torch.sort(c.view(T, n_group, -1), dim=-1, descending=True, stable=True).values[..., :2].sum(-1)
+        groups = torch.sort(top2, dim=-1, descending=True, stable=True).indices[:, :topk_group]
+        keep = torch.zeros(T, n_group, dtype=torch.bool, device=c.device).scatter_(1, groups, True)
+        c = c.masked_fill(~keep.repeat_interleave(E // n_group, dim=1), float("-inf"))
+    ids = torch.sort(c, dim=-1, descending=True, stable=True).indices[:, :k]
+    w = s.gather(1, ids)
+    if renorm:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return ids, w * scale
+
+
+def _by_id(ids, w):
+    order = ids.argsort(-1)
+    return ids.gather(1, order), w.gather(1, order)
+
+
+@pytest.mark.parametrize("E,k,n_group,topk_group", [(8, 2, 1, 1), (60, 4, 1, 1), (64, 8, 8, 4), (48, 6, 4, 2)])
+@pytest.mark.parametrize("renorm,scale", [(True, 2.5), (False, 1.0)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_route_topk_sigmoid(E, k, n_group, topk_group, renorm, scale, with_bias):
+    from ft.runtime.gpu.kernels.sigmoid_topk import SigmoidRoute
+    from ft.runtime.layers.moe import route_sigmoid
+
+    g = torch.Generator().manual_seed(E + k + n_group)
+    logits = (torch.randn(5, E, generator=g) * 2).to(DEV)
+    bias = (torch.randn(E, generator=g) * 0.5).to(DEV) if with_bias else None
+    how = SigmoidRoute(bias, n_group, topk_group, scale)
+    ids, w = fo.route_topk(logits, k, renorm, how)
+    assert ids.dtype == torch.int64 and w.dtype == torch.float32 and ids.shape == w.shape == (5, k)
+    want_ids, want_w = _sigmoid_expected(logits, bias, k, n_group, topk_group, renorm, scale)
+    assert torch.equal(ids.cpu(), want_ids.cpu())
+    torch.testing.assert_close(w.cpu(), want_w.cpu(), rtol=2e-6, atol=1e-7)
+    ref_ids, ref_w = _by_id(*route_sigmoid(logits, bias, k, n_group, topk_group, renorm, scale))  # the layer's ops
+    got_ids, got_w = _by_id(ids, w)
+    assert torch.equal(got_ids.cpu(), ref_ids.cpu())
+    torch.testing.assert_close(got_w.cpu(), ref_w.cpu(), rtol=2e-6, atol=1e-7)
+
+
+def test_route_topk_sigmoid_ties_and_groups():
+    from ft.runtime.gpu.kernels.sigmoid_topk import SigmoidRoute
+
+    # 4 groups of 4: group sums (top-2) 1.6 | 1.6 | 1.7 | 1.0 -> groups 2 and 0 (the tie with group 1 goes to the
+    # lower group); within them experts 8, 9 tie and 0 follows; the bias chooses but never weighs
+    c = torch.tensor([[0.8, 0.8, 0.1, 0.1, 0.8, 0.8, 0.0, 0.0, 0.9, 0.9, 0.8, 0.0, 0.5, 0.5, 0.0, 0.0]])
+    bias = torch.full((16,), 0.05)
+    s = (c - 0.05).clamp(1e-3, 1 - 1e-3)
+    logits = torch.log(s / (1 - s))                                                        # sigmoid(logits) = s
+    ids, w = fo.route_topk(logits.to(DEV), 3, False, SigmoidRoute(bias.to(DEV), 4, 2, 1.0))
+    assert ids.cpu().tolist() == [[8, 9, 0]]
+    torch.testing.assert_close(w.cpu(), s[:, [8, 9, 0]], rtol=1e-5, atol=0)
+    # groups the kernels cannot take (E not split evenly; fewer eligible experts than k) go to the reference
+    assert not SigmoidRoute(None, 3, 1, 1.0).supported(16, 2)
+    assert not SigmoidRoute(None, 4, 1, 1.0).supported(16, 5)
+    ids, _ = fo.route_topk(logits.to(DEV), 5, True, SigmoidRoute(None, 4, 1, 1.0))   # the reference's choice
+    assert ids.shape == (1, 5) and set(ids[0, :4].tolist()) == {8, 9, 10, 11}
+
+
+@pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("T,E,H,n_group,topk_group", [(1, 16, 32, 1, 1), (3, 64, 96, 8, 4), (16, 60, 32, 1, 1)])
+def test_router_topk_sigmoid(wdtype, T, E, H, n_group, topk_group):
+    from ft.runtime.gpu.kernels.sigmoid_topk import SigmoidRoute
+
+    x = _sixteenths(T, H, seed=T + H, dtype=torch.bfloat16)
+    weight = _sixteenths(E, H, seed=E, dtype=wdtype)                    # logits exact in fp32: any summation order
+    bias = (torch.arange(E, dtype=torch.float32) % 7 / 64).to(DEV)
+    for k, renorm, scale in ((4, True, 2.5), (2, False, 1.0)):
+        how = SigmoidRoute(bias, n_group, topk_group, scale)
+        ids, w, extra = router.router_topk(x, weight, k, renorm, sigmoid=how)
+        assert extra is None
+        logits = torch.nn.functional.linear(x.float(), weight.float())
+        want_ids, want_w = _sigmoid_expected(logits, bias, k, n_group, topk_group, renorm, scale)
+        assert torch.equal(ids.cpu(), want_ids.cpu())
+        torch.testing.assert_close(w.cpu(), want_w.cpu(), rtol=2e-6, atol=1e-7)
+    assert not router._counter(x.device).any()
+    with pytest.raises(AssertionError, match="no shared expert gate"):
+        router.router_topk(x, weight, 2, True, extra=x[:1].contiguous(), sigmoid=SigmoidRoute(None, 1, 1, 1.0))
+
+
+@pytest.mark.parametrize("T", [1, 5, router.MAX_TOKENS + 2])
+def test_sparse_moe_sigmoid_fused_matches_reference(monkeypatch, T):
+    from ft.formats.config import ModelConfig
+    from ft.runtime.layers.moe import BoundExperts, SparseMoe
+
+    E, H, I = 16, 32, 16
+    cfg = ModelConfig(
+        family="glm4_moe", vocab_size=16, hidden_size=H, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+        rms_norm_eps=1e-6, rope_theta=10000.0, rotary_dim=8, max_position_embeddings=64,
+        layer_types=("full_attention",), mlp_types=("moe",), attn_qkv_bias=False, attn_qk_norm=False,
+        attn_output_gate=False, num_experts=E, num_experts_per_tok=4, moe_intermediate_size=I, norm_topk_prob=True,
+        shared_expert_intermediate_size=0, intermediate_size=0, linear_num_key_heads=0, linear_num_value_heads=0,
+        linear_key_head_dim=0, linear_value_head_dim=0, linear_conv_kernel_dim=0, tie_word_embeddings=True,
+        bos_token_id=None, eos_token_ids=(1,), router_scoring="sigmoid", router_correction_bias=True,
+        router_n_group=4, router_topk_group=2, routed_scaling_factor=2.5, shared_expert_gate=False)
+    moe = SparseMoe(cfg)
+    moe.gate.weight = _sixteenths(E, H, seed=30, dtype=torch.bfloat16)
+    moe.e_score_correction_bias = (torch.arange(E, dtype=torch.float32) % 5 / 32).to(DEV)
+    scale = torch.arange(1, E + 1, dtype=torch.float32, device=DEV) / E
+    seen = []
+
+    def experts(layer, x, ids, weights):   # y = sum_j w_j scale[ids_j] x, and the routing as a set per token
+        seen.append((ids.sort(-1).values.cpu(), weights.gather(1, ids.argsort(-1)).cpu()))
+        return ((weights * scale[ids]).sum(-1, keepdim=True) * x.float()).to(x.dtype)
+
+    moe.experts = BoundExperts(experts, 0)
+    x = _sixteenths(T, H, seed=T, dtype=torch.bfloat16)
+    moe._fused = False
+    ref = moe(x)
+    calls = {"router_topk": 0, "route_topk": 0}
+    for mod, name in ((router, "router_topk"), (fo, "route_topk")):
+        def counted(*a, _fn=getattr(mod, name), _name=name, **kw):
+            calls[_name] += 1
+            return _fn(*a, **kw)
+        monkeypatch.setattr(mod, name, counted)
+    moe._fused = True
+    got = moe(x)
+    assert (calls["router_topk"], calls["route_topk"]) == ((1, 0) if T <= router.MAX_TOKENS else (0, 1))
+    assert torch.equal(seen[1][0], seen[0][0])                          # the same experts for every token
+    torch.testing.assert_close(seen[1][1], seen[0][1], rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(got.float(), ref.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("E,H,n_group,topk_group", [(128, 4096, 1, 1), (160, 5120, 1, 1), (256, 7168, 8, 4)])
+def test_router_topk_sigmoid_cuda_model_shape(E, H, n_group, topk_group):
+    # GLM-4.5-Air, GLM-4.5 and a grouped DeepSeek-V3-style router at decode (T = 1, 8), top-8 with renorm and scale
+    from ft.runtime.gpu.kernels.sigmoid_topk import SigmoidRoute
+
+    g = torch.Generator(device="cuda").manual_seed(E)
+    weight = (torch.randn(E, H, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
+    how = SigmoidRoute(torch.randn(E, generator=g, device="cuda") * 0.01, n_group, topk_group, 2.5)
+    for T in (1, 8):
+        x = torch.randn(T, H, generator=g, device="cuda").to(torch.bfloat16)
+        ids, w, _ = router.router_topk(x, weight, 8, True, sigmoid=how)
+        logits = torch.nn.functional.linear(x.float(), weight.float())
+        want_ids, want_w = _sigmoid_expected(logits, how.bias, 8, n_group, topk_group, True, 2.5)
+        # fp32 sums in another order than cuBLAS: a near tie may swap, the weights move by ulps
+        assert (ids == want_ids).float().mean() >= 0.95
+        same = (ids == want_ids).all(-1)
+        torch.testing.assert_close(w[same], want_w[same], rtol=1e-4, atol=1e-6)
+        assert not router._counter(x.device).any()
