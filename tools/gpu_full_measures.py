@@ -1,9 +1,13 @@
 """What tools/gpu_full_models.py measures besides tok/s: GPU time of CUDA graph replays, the bytes a decode step
-moves (for the HBM bound), and Belady's hit rate on the engine's own routing trace."""
+moves (for the HBM bound), Belady's hit rate on the engine's own routing trace, and how a prefill at a budget overlaps
+its copies with its kernels."""
 
 from __future__ import annotations
 
 import contextlib
+import json
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -82,3 +86,46 @@ def belady_row(ex, window: int) -> dict:
     b["ours_of_belady"] = b["ours_hit_rate"] / max(1e-9, b["hit_rate"])
     b["steps"] = len(ex.trace) - window
     return b
+
+
+def prefill_overlap(model, tokens: int) -> dict:
+    """Where one prefill forward of `tokens` tokens at a budget spends its time (torch.profiler, CUDA activity): wall
+    ms from the first GPU event to the last, ms the kernels keep the GPU busy, ms copies run, ms both run at once,
+    and ms neither does; the copies' bytes and rate; the kernels taking most time. The pipelined prefill
+    (runtime/gpu/prefill_pipeline.py) should keep the copies running under the kernels: `both_ms` near `copy_ms`."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from gpu_full_checks import _top, ids, prefill
+
+    st = model.new_state(tokens + 1)
+    toks = ids(tokens, model.config.vocab_size)
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        prefill(model, st, toks)
+        torch.cuda.synchronize()
+    st.free()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())["traceEvents"]
+    return {"tokens": tokens, **overlap(events), "top_kernels": _top(prof, 1, n=12)}
+
+
+def overlap(events: list[dict]) -> dict:
+    """`prefill_overlap`'s figures from chrome-trace events (ts / dur in us; copies' args.bytes)."""
+    from gpu_full_checks import _busy
+
+    spans = {c: [(e["ts"], e["ts"] + e.get("dur", 0)) for e in events if e.get("cat") == c]
+             for c in ("kernel", "gpu_memcpy")}
+    every = spans["kernel"] + spans["gpu_memcpy"]
+    if not every:
+        return {}
+    wall = max(b for _, b in every) - min(a for a, _ in every)
+    kernels, _ = _busy(spans["kernel"])
+    copies, _ = _busy(spans["gpu_memcpy"])
+    either, _ = _busy(every)
+    copied = sum(e.get("args", {}).get("bytes", 0) for e in events if e.get("cat") == "gpu_memcpy")
+    return {"wall_ms": round(wall / 1e3, 2), "kernel_ms": round(kernels / 1e3, 2), "copy_ms": round(copies / 1e3, 2),
+            "both_ms": round((kernels + copies - either) / 1e3, 2), "idle_ms": round((wall - either) / 1e3, 2),
+            "copied_gb": round(copied / 1e9, 3), "copy_gbs": round(copied / max(copies, 1e-9) / 1e3, 1)}

@@ -22,7 +22,7 @@ from ft.runtime.gpu.offload_config import OffloadConfig
 from gpu_full_checks import CHUNK, agreement, engine_profile, finish, lane_agreement, profile
 from gpu_full_checks import ids as _ids
 from gpu_full_checks import prefill as _prefill
-from gpu_full_measures import belady_row, replay_ms, step_bytes, timed_replays
+from gpu_full_measures import belady_row, prefill_overlap, replay_ms, step_bytes, timed_replays
 
 
 def decode(eng: Engine, batch: int, context: int, steps: int, warmup: int = 3) -> dict:
@@ -165,6 +165,7 @@ def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64, v
             res["lane_agreement"] = lane_agreement(model, ex.mapped.lane)
         res["prefill_first"] = prefill(model, 4096, repeat=1)  # the process's first: Triton compiles its kernels
         res["prefill"] = prefill(model, 4096, repeat=1)
+        res["prefill_overlap"] = prefill_overlap(model, 4096)
         if llama and f"decode_{gib:g}gib" in llama:
             for row in ("decode", "decode_warm"):
                 res[row]["vs_llama_cpp"] = res[row]["tok_s"] / llama[f"decode_{gib:g}gib"]
@@ -188,7 +189,9 @@ def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64, v
     log(f"budget {gib:g} GiB ({res['mode']}, {variant or 'default'}): decode {res['decode']['tok_s']:.1f} "
         f"tok/s (after {WARM_TOKENS} tokens: {res['decode_warm']['tok_s']:.1f}), MB/token {bpt}, prefill 4096 "
         f"{res['prefill']['tok_s']:.0f} tok/s (first "
-        f"{res['prefill_first']['tok_s']:.0f}), peak {res['peak_device_gib']:.2f} GiB incl. context; lane "
+        f"{res['prefill_first']['tok_s']:.0f}; copies {res.get('prefill_overlap', {}).get('copy_ms')} ms, under "
+        f"kernels {res.get('prefill_overlap', {}).get('both_ms')} ms), peak {res['peak_device_gib']:.2f} GiB incl. "
+        f"context; lane "
         f"{res.get('lane')}")
     return res
 
