@@ -96,20 +96,36 @@ def test_router_topk_tiles_and_bounds():
 
 
 # ---- the layer: SparseMoe with _fused on (router_topk at T <= MAX_TOKENS) against the reference path -------------
-def _moe(dtype, shared: bool):
+def _moe_config(family: str, E: int, k: int, shared_I: int, **fields):
+    """A one-layer MoE config of hidden size 32 and expert width 16 (`fields` over the defaults)."""
     from ft.formats.config import ModelConfig
+
+    return ModelConfig(
+        family=family, vocab_size=16, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+        rms_norm_eps=1e-6, rope_theta=10000.0, rotary_dim=16, max_position_embeddings=64,
+        layer_types=("full_attention",), mlp_types=("moe",), attn_qkv_bias=False, attn_qk_norm=True,
+        attn_output_gate=False, num_experts=E, num_experts_per_tok=k, moe_intermediate_size=16, norm_topk_prob=True,
+        shared_expert_intermediate_size=shared_I, intermediate_size=0, linear_num_key_heads=0,
+        linear_num_value_heads=0, linear_key_head_dim=0, linear_value_head_dim=0, linear_conv_kernel_dim=0,
+        tie_word_embeddings=True, bos_token_id=None, eos_token_ids=(1,), **fields)
+
+
+def _count_routing_calls(monkeypatch) -> dict:
+    """Counts the calls of router.router_topk and fused_ops.route_topk from here on."""
+    calls = {"router_topk": 0, "route_topk": 0}
+    for mod, name in ((router, "router_topk"), (fo, "route_topk")):
+        def counted(*a, _fn=getattr(mod, name), _name=name, **kw):
+            calls[_name] += 1
+            return _fn(*a, **kw)
+        monkeypatch.setattr(mod, name, counted)
+    return calls
+
+
+def _moe(dtype, shared: bool):
     from ft.runtime.layers.moe import BoundExperts, SparseMoe
 
     E, H, I = 12, 32, 16
-    cfg = ModelConfig(
-        family="qwen3_5_moe", vocab_size=16, hidden_size=H, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
-        rms_norm_eps=1e-6, rope_theta=10000.0, rotary_dim=16, max_position_embeddings=64,
-        layer_types=("full_attention",), mlp_types=("moe",), attn_qkv_bias=False, attn_qk_norm=True,
-        attn_output_gate=False, num_experts=E, num_experts_per_tok=3, moe_intermediate_size=I, norm_topk_prob=True,
-        shared_expert_intermediate_size=I if shared else 0, intermediate_size=0, linear_num_key_heads=0,
-        linear_num_value_heads=0, linear_key_head_dim=0, linear_value_head_dim=0, linear_conv_kernel_dim=0,
-        tie_word_embeddings=True, bos_token_id=None, eos_token_ids=(1,))
-    moe = SparseMoe(cfg)
+    moe = SparseMoe(_moe_config("qwen3_5_moe", E, 3, I if shared else 0))
     moe.gate.weight = _sixteenths(E, H, seed=20, dtype=dtype)
     scale = torch.arange(1, E + 1, dtype=dtype, device=DEV) / E
 
@@ -132,12 +148,8 @@ def test_sparse_moe_fused_matches_reference(monkeypatch, dtype, shared, T):
     x = _sixteenths(T, 32, seed=T, dtype=dtype)
     moe._fused = False
     ref = moe(x)
-    calls = {"router_topk": 0, "route_topk": 0, "gate_linear": 0}
-    for mod, name in ((router, "router_topk"), (fo, "route_topk")):
-        def counted(*a, _fn=getattr(mod, name), _name=name, **kw):
-            calls[_name] += 1
-            return _fn(*a, **kw)
-        monkeypatch.setattr(mod, name, counted)
+    calls = _count_routing_calls(monkeypatch)
+    calls["gate_linear"] = 0
     if shared:
         sg, linear_call = moe.shared_expert_gate, Linear.__call__
 
@@ -268,19 +280,11 @@ def test_router_topk_sigmoid(wdtype, T, E, H, n_group, topk_group):
 
 @pytest.mark.parametrize("T", [1, 5, router.MAX_TOKENS + 2])
 def test_sparse_moe_sigmoid_fused_matches_reference(monkeypatch, T):
-    from ft.formats.config import ModelConfig
     from ft.runtime.layers.moe import BoundExperts, SparseMoe
 
-    E, H, I = 16, 32, 16
-    cfg = ModelConfig(
-        family="glm4_moe", vocab_size=16, hidden_size=H, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
-        rms_norm_eps=1e-6, rope_theta=10000.0, rotary_dim=8, max_position_embeddings=64,
-        layer_types=("full_attention",), mlp_types=("moe",), attn_qkv_bias=False, attn_qk_norm=False,
-        attn_output_gate=False, num_experts=E, num_experts_per_tok=4, moe_intermediate_size=I, norm_topk_prob=True,
-        shared_expert_intermediate_size=0, intermediate_size=0, linear_num_key_heads=0, linear_num_value_heads=0,
-        linear_key_head_dim=0, linear_value_head_dim=0, linear_conv_kernel_dim=0, tie_word_embeddings=True,
-        bos_token_id=None, eos_token_ids=(1,), router_scoring="sigmoid", router_correction_bias=True,
-        router_n_group=4, router_topk_group=2, routed_scaling_factor=2.5, shared_expert_gate=False)
+    E, H = 16, 32
+    cfg = _moe_config("glm4_moe", E, 4, 0, router_scoring="sigmoid", router_correction_bias=True, router_n_group=4,
+                      router_topk_group=2, routed_scaling_factor=2.5, shared_expert_gate=False)
     moe = SparseMoe(cfg)
     moe.gate.weight = _sixteenths(E, H, seed=30, dtype=torch.bfloat16)
     moe.e_score_correction_bias = (torch.arange(E, dtype=torch.float32) % 5 / 32).to(DEV)
@@ -295,12 +299,7 @@ def test_sparse_moe_sigmoid_fused_matches_reference(monkeypatch, T):
     x = _sixteenths(T, H, seed=T, dtype=torch.bfloat16)
     moe._fused = False
     ref = moe(x)
-    calls = {"router_topk": 0, "route_topk": 0}
-    for mod, name in ((router, "router_topk"), (fo, "route_topk")):
-        def counted(*a, _fn=getattr(mod, name), _name=name, **kw):
-            calls[_name] += 1
-            return _fn(*a, **kw)
-        monkeypatch.setattr(mod, name, counted)
+    calls = _count_routing_calls(monkeypatch)
     moe._fused = True
     got = moe(x)
     assert (calls["router_topk"], calls["route_topk"]) == ((1, 0) if T <= router.MAX_TOKENS else (0, 1))
