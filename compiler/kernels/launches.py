@@ -247,6 +247,7 @@ def moe(g: Geometry, lengths: list[int]) -> None:
     if not g.moe_layers:
         return
     from ft.runtime.gpu.cpu import lane as cpu_lane
+    from ft.runtime.gpu.cpu.lane_rates import COPY_RATE_MISSES
     from ft.runtime.gpu.kernels.gather import gather_missing
     from ft.runtime.gpu.host_plan import moe_nvfp4
     from ft.runtime.gpu.kernels.nvfp4_decode import moe_nvfp4_device
@@ -266,7 +267,7 @@ def moe(g: Geometry, lengths: list[int]) -> None:
     pool = torch.zeros(s16 + 1 + W, layout.stride, dtype=torch.uint8)
     row = torch.arange(E, dtype=torch.int32)
     table = torch.zeros(max(g.moe_layers) + 1, E, dtype=torch.int32)
-    state, split = torch.zeros(2, dtype=torch.int32), torch.zeros(4)
+    state, split = torch.zeros(2, dtype=torch.int32), torch.zeros(5)
     for T in (t for t in lengths if t <= MAX_DECODE or t * k <= W):  # device-planned decode (`device_path`)
         ids, w = torch.arange(T * k).view(T, k) % E, torch.ones(T, k)
         x = torch.zeros(T, H, dtype=g.dtype)
@@ -296,7 +297,7 @@ def moe(g: Geometry, lengths: list[int]) -> None:
             y, y_off = torch.zeros(T, H), cpu_lane.MB_X.value + W // k * H
             cpu_lane._wait_add_kernel[(1,)](y, ADDR, state, y.numel(), y_off, cpu_lane.WAIT_LIMIT, BLOCK=2048,
                                             FENCE=True, num_warps=4)
-    for n in cpu_lane.COPY_RATE_MISSES:  # the CPU lane's calibration at start (`cpu_lane.copy_rate`)
+    for n in (*COPY_RATE_MISSES, k):  # the CPU lane's calibration at start (`lane_rates`: copy_rate, gpu_fixed)
         for layer in g.moe_layers:
             for staging0 in staging:
                 gather_missing(pool, layout, torch.arange(n, dtype=torch.int32).view(1, n), table, layer, ADDR,

@@ -193,6 +193,7 @@ import json, sys, torch
 from triton import knobs
 from ft.formats import FtwReader
 from ft.runtime.gpu.cpu import lane as cpu_lane
+from ft.runtime.gpu.cpu import lane_rates
 from ft.runtime.gpu.kernels import decode_attention as da
 from ft.runtime.gpu.kernels.gather import gather_missing
 from ft.runtime.gpu.graphs import bucket_sizes
@@ -231,7 +232,7 @@ with cuda_target(90, cache_dir=cache):
                                     nkv=c.num_kv_heads, hd=c.head_dim, scale=1.0, gated=c.attn_output_gate,
                                     splits=da.num_splits(B, c.num_kv_heads, cuda))
     table = torch.full((L, E), -1, dtype=torch.int32)
-    for n in cpu_lane.COPY_RATE_MISSES:  # the CPU lane's calibration at start
+    for n in lane_rates.COPY_RATE_MISSES:  # the CPU lane's calibration at start
         gather_missing(pool, layout, torch.arange(n, dtype=torch.int32).view(1, n), table, 0, 1 << 40,
                        layout.stride, E)
     entry = torch.full((3, cpu_lane.MAX_DEVICE_PAIRS), -1, dtype=torch.int32)
