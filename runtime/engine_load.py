@@ -37,7 +37,7 @@ def load_for_engine(reader: FtwReader, s: EngineSettings, *, experts: Any = None
                 reader, device=s.device, vram_budget=s.vram_budget, memory_ratio=s.memory_ratio, offload=offload,
                 kv_reserve_tokens=s.kv_reserve_tokens, max_running_requests=s.max_running_requests,
                 dense_weights=s.dense_weights,
-                cuda_graphs=s.cuda_graphs, pin_host_bytes=s.pinned_memory, plan_name=s.plan,
+                cuda_graphs=s.cuda_graphs, pin_host_bytes=s.pinned_memory, cpu_lane=s.cpu_lane, plan_name=s.plan,
                 max_prefill_length=s.max_prefill_length)
         else:
             log.warning("%s; routed experts run on the CPU", why)

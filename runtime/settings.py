@@ -74,6 +74,11 @@ class EngineSettings:
                                            "swapped out), e.g. 8GiB; the CPU computes every cache miss of the rest "
                                            "at decode (prefill reads it through pinned staging buffers); 0 = none. "
                                            "Default: half of the memory available at start.", cli_type=str)
+    cpu_lane: bool = _opt(True, "--cpu-lane/--no-cpu-lane",
+                          "CUDA only: at a VRAM budget the CPU computes a share of each decode step's expert-cache "
+                          "misses while the GPU copies the rest, split by their measured rates; --no-cpu-lane: the "
+                          "GPU copies every miss (slower on most hosts), and greedy output equals a resident "
+                          "model's bit for bit (the CPU sums in another order).")
     dense_weights: str = _opt("auto", "--dense-weights",
                               "CUDA only: quantized dense linears (FP8 / NVFP4 in ModelOpt checkpoints) dequantized "
                               "to bf16 at load, or kept as stored and dequantized per call: 2-4x less VRAM for them, "

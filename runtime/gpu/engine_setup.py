@@ -68,12 +68,13 @@ def _weight_bytes(model) -> int:
 def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, memory_ratio: float,
                    offload: OffloadConfig | None, kv_reserve_tokens: int | None, max_running_requests: int,
                    dense_weights: str | None = None, cuda_graphs: bool = True,
-                   pin_host_bytes: int | None = None, plan_name: str | None = None,
+                   pin_host_bytes: int | None = None, cpu_lane: bool = True, plan_name: str | None = None,
                    max_prefill_length: int | None = None):
     """-> (model, GpuExperts with its slot pool allocated; `experts.vram_plan` says how the budget was spent). On
     CUDA with `cuda_graphs`, the model replays sync-free decode steps of up to `max_running_requests` sequences from
     CUDA graphs (`graphs.py`), captured here. `pin_host_bytes`: the host memory the default scheduler's banks may
-    page-lock (None: half of MemAvailable; ignored when `offload` is given, which says it itself). `plan_name`: the
+    page-lock (None: half of MemAvailable) and `cpu_lane` whether the CPU computes a share of the misses (both
+    ignored when `offload` is given, which says them itself). `plan_name`: the
     FTW's placement plan to use (`ft plan`), None to pick the one made for this machine (or plan at start, not
     written), "none" for neither; it sizes KV (unless `kv_reserve_tokens` is given) and preloads its experts.
     `experts.placement` says what was used. `max_prefill_length`: the engine's prefill chunk if given (it sizes the
@@ -89,7 +90,7 @@ def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, m
     budget = None
     if cuda or explicit is not None:
         budget = resolve_budget(dev, explicit, memory_ratio)
-    opts = offload or OffloadConfig(vram_budget=budget, pin_host_bytes=pin_host_bytes)
+    opts = offload or OffloadConfig(vram_budget=budget, pin_host_bytes=pin_host_bytes, cpu_lane=cpu_lane)
     if opts.vram_budget is None and budget is not None:
         opts = dataclasses.replace(opts, vram_budget=budget)
     if dense_weights is not None:

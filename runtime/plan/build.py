@@ -86,7 +86,7 @@ def make_plan(reader: FtwReader, settings: EngineSettings, routing: RoutingProfi
                         max_slots=len(moe) * E, dense_quantized=keep, outside=outside)
     geom = speed.Geometry(cfg.num_layers, len(moe), cfg.num_experts_per_tok, E, stride, layout.payload_bytes, dense)
     r = rates(dev, layout.payload_bytes, load_profile(dev.index or 0) if cuda else None)
-    lane = opts.cpu_lane and lane_available()
+    lane = settings.cpu_lane and lane_available()
     allowance = settings.pinned_memory if settings.pinned_memory is not None else mem_available() // 2
     pinned = []
     for i in range(len(moe)):  # in layer order while the allowance lasts, as the pinner registers them

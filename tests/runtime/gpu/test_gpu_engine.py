@@ -98,6 +98,9 @@ def test_cli_flags_are_checked(ftw_for):
     assert res.exit_code == 1 and "byte count" in res.output
     res = CliRunner().invoke(app, ["generate", "--ftw", ftw, "--token-ids", "1,2", "--memory-ratio", "1.5"])
     assert res.exit_code == 1 and "--memory-ratio" in res.output
+    res = CliRunner().invoke(app, ["generate", "--ftw", ftw, "--token-ids", "1,2", "--max-tokens", "1",
+                                   "--no-cpu-lane"])  # a CUDA-only setting: accepted, without effect on the CPU
+    assert res.exit_code == 0, res.output
     res = CliRunner().invoke(app, ["generate", "--ftw", ftw, "--token-ids", "1,2", "--dense-weights", "fp4"])
     assert res.exit_code == 1 and "--dense-weights 'fp4'" in res.output
     if not torch.cuda.is_available():
@@ -129,14 +132,14 @@ def test_cuda_engine_resident_and_mapped(ftw_for, monkeypatch):
     assert not plan.dense_quantized
     budget = LATE_OUTSIDE + plan.dense + plan.kv + plan.prefill_buffers + plan.reserve + 5 * ex.layout.stride + 4096
     del eng, ex
-    eng = Engine(ftw, EngineSettings(vram_budget=budget, **kw))
+    eng = Engine(ftw, EngineSettings(vram_budget=budget, cpu_lane=False, **kw))  # the GPU copies every miss
     ex2 = eng._experts  # allocator rounding moves the measured dense bytes a little between loads
     assert ex2.num_slots == ex2.vram_plan.num_slots and 4 <= ex2.num_slots <= 7
     ex2.wait_pinned()  # then decode reads misses in place (banks pinned and verified)
     got = generate(eng, prompt, params)
     ex2.settle()
     moe = eng.stats()["moe"]
-    assert ex2.opts.mode == "mapped" and moe["misses"] > 0 and moe["bytes_mapped"] > 0
+    assert ex2.opts.mode == "mapped" and not ex2.opts.cpu_lane and moe["misses"] > 0 and moe["bytes_mapped"] > 0
     assert got.token_ids == resident_tokens  # the same device kernel whichever memory an expert is read from
     eng.close()
     eng = Engine(ftw, EngineSettings(vram_budget=budget, dense_weights="quantized", **kw))
@@ -232,16 +235,19 @@ def test_engine_with_quantized_dense_weights_decodes_the_same_tokens(ftw_for):
     assert got == want and kept.dense_quantized and not plain.dense_quantized and kept.dense < plain.dense
 
 
-def test_pinned_memory_setting_reaches_the_scheduler(ftw_for):
-    """`--pinned-memory` (EngineSettings.pinned_memory) caps what the default scheduler's banks page-lock."""
+def test_pinned_memory_and_cpu_lane_settings_reach_the_scheduler(ftw_for):
+    """`--pinned-memory` (EngineSettings.pinned_memory) caps what the default scheduler's banks page-lock;
+    `--no-cpu-lane` leaves every miss to the GPU."""
     from ft.runtime.gpu.engine_setup import load_offloaded
 
-    s = EngineSettings(device="cpu", vram_budget="64GiB", pinned_memory="0")
+    s = EngineSettings(device="cpu", vram_budget="64GiB", pinned_memory="0", cpu_lane=False)
     assert s.pinned_memory == 0 and EngineSettings(pinned_memory="2GiB").pinned_memory == 2 << 30
+    assert EngineSettings().cpu_lane
     _, ex = load_offloaded(FtwReader(ftw_for("qwen3_5_moe", "nvfp4")), device=s.device, vram_budget=s.vram_budget,
                            memory_ratio=s.memory_ratio, offload=None, kv_reserve_tokens=256, max_running_requests=2,
-                           pin_host_bytes=s.pinned_memory)
+                           pin_host_bytes=s.pinned_memory, cpu_lane=s.cpu_lane)
     assert ex.opts.pin_host_bytes == 0  # carried into the options (a tiny model fits: it goes resident)
+    assert ex.opts.cpu_lane is False
     ex.close()
     with pytest.raises(ValueError, match="--pinned-memory"):
         EngineSettings(pinned_memory="lots")
