@@ -151,7 +151,7 @@ class SparseMoe(Op):
 
 def _plain(linear: Linear, x: torch.Tensor, any_float: bool = False) -> bool:
     """The fused router reads `linear.weight` directly: a plain (not kept quantized), bias-free, contiguous weight in
-    x's dtype."""
+    x's dtype (`any_float`: in any float dtype, for the sigmoid router's fp32 GEMV)."""
     w = linear.weight
     dtype_ok = w.is_floating_point() and w.element_size() >= 2 if any_float else w.dtype == x.dtype
     return not linear.stays_quantized and linear.bias is None and dtype_ok and w.is_contiguous()
