@@ -1,34 +1,24 @@
-"""Runtime tokenizer: `tokenizers` for ids, jinja2 for chat templates, streaming detokenization.
+"""Runtime tokenizer: `tokenizers` for ids, the chat template (`chat_template.py`), streaming detokenization.
 
-Chat templates render exactly as transformers' `apply_chat_template` does: same sandboxed environment
-(trim_blocks, lstrip_blocks, loop controls), same `tojson` filter (no HTML escaping, ensure_ascii=False),
-`raise_exception`, `strftime_now`, a namespace that refuses underscore names, message keys whose value is None
-dropped, reasoning aliased under `reasoning_content`/`thinking`, and the tokenizer's special tokens passed as
-template variables (`eos_token`, `pad_token`, ...).
+Chat templates render as transformers' `apply_chat_template` does: message keys whose value is None dropped,
+reasoning aliased under `reasoning_content`/`thinking`, and the tokenizer's special tokens passed as template
+variables (`eos_token`, `pad_token`, ...); the environment they render in is `chat_template.py`'s.
 """
 
 from __future__ import annotations
 
 import codecs
-import json
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HfTokenizer
 from tokenizers import decoders
+
+from ft.runtime.chat_template import ChatTemplate, ChatTemplateError, plain
 
 # Template variables that name special tokens, in transformers' special_tokens_map order.
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
-
-
-class ChatTemplateError(ValueError):
-    """The chat template refused the conversation (raise_exception) or failed to render it."""
 
 
 class Tokenizer:
@@ -38,7 +28,7 @@ class Tokenizer:
     def __init__(self, tokenizer: _HfTokenizer, chat_template: str | None = None, special: dict | None = None):
         self._tok = tokenizer
         self.chat_template = chat_template
-        self._template = _compile(chat_template) if chat_template is not None else None
+        self._template = ChatTemplate(chat_template) if chat_template is not None else None
         self._added = tokenizer.get_added_tokens_decoder()  # id -> AddedToken
         self.special_token_ids = frozenset(i for i, t in self._added.items() if t.special)
         # the control tokens' texts, longest first (so a token that contains another is found whole)
@@ -159,21 +149,16 @@ class Tokenizer:
         for i, message in enumerate(messages):
             if not isinstance(message, dict):
                 raise ChatTemplateError(f"message {i} must be a dict, got {type(message).__name__}")
-            message = {k: _plain(v) for k, v in message.items() if v is not None}
+            message = {k: plain(v) for k, v in message.items() if v is not None}
             reasoning = next((message[k] for k in _REASONING_KEYS if k in message), None)
             if reasoning is not None:
                 message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
             chat.append(message)
         if enable_thinking is not None:
             kwargs["enable_thinking"] = enable_thinking
-        variables = {**self.special_tokens_map, **{k: _plain(v) for k, v in kwargs.items()}}
-        try:
-            return self._template.render(messages=chat, tools=_plain(tools), documents=None,
-                                         add_generation_prompt=add_generation_prompt, **variables)
-        except jinja2.TemplateError as e:
-            raise ChatTemplateError(f"chat template: {e}") from e
-        except (TypeError, AttributeError, KeyError) as e:
-            raise ChatTemplateError(f"chat template could not render this conversation: {e}") from e
+        variables = {**self.special_tokens_map, **{k: plain(v) for k, v in kwargs.items()}}
+        return self._template.render(messages=chat, tools=plain(tools), documents=None,
+                                     add_generation_prompt=add_generation_prompt, **variables)
 
 
 class IncrementalDecoder:
@@ -229,20 +214,6 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _plain(value: Any) -> Any:
-    """Deep copy of JSON-like data, so the template sees only plain dict/list/str/number/bool/None values."""
-    if value is None or type(value) in (str, int, float, bool):
-        return value
-    if isinstance(value, dict):
-        return {_plain(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    for base in (str, int, float):  # subclasses (str/int enums, ...) back to the base type
-        if isinstance(value, base):
-            return base(value) if base is not str else str.__str__(value)
-    raise ChatTemplateError(f"chat template inputs must be JSON-like; got a {type(value).__name__}")
-
-
 def _byte_to_unicode() -> list[str]:
     """GPT-2 byte-level alphabet: printable bytes map to themselves, the other 68 to chr(256 + n) in byte order."""
     printable = set(range(33, 127)) | set(range(161, 173)) | set(range(174, 256))
@@ -251,69 +222,3 @@ def _byte_to_unicode() -> list[str]:
         out.append(chr(b) if b in printable else chr(256 + extra))
         extra += b not in printable
     return out
-
-
-class _Namespace(jinja2.utils.Namespace):
-    """jinja2 namespace that refuses underscore-prefixed attributes (no reaching into CPython internals)."""
-
-    def __init__(*args, **kwargs):  # noqa: N805 - same signature trick as jinja2.utils.Namespace
-        self, args = args[0], args[1:]
-        attrs = dict(*args, **kwargs)
-        for name in attrs:
-            _Namespace._check(name)
-        jinja2.utils.Namespace.__init__(self, attrs)
-
-    def __setitem__(self, name, value):
-        _Namespace._check(name)
-        jinja2.utils.Namespace.__setitem__(self, name, value)
-
-    @staticmethod
-    def _check(name):
-        if isinstance(name, str) and name.startswith("_"):
-            raise jinja2.exceptions.SecurityError(f"chat templates cannot set namespace attribute {name!r}")
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """Accepts `{% generation %}...{% endgeneration %}` (assistant-mask markers) and renders the body unchanged."""
-
-    tags = {"generation"}
-
-    def parse(self, parser):
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller):
-        return caller()
-
-
-class _DictFactory:
-    """`dict(...)` and `dict.fromkeys(...)` for templates, without exposing the dict type itself."""
-
-    def __call__(self, *args, **kwargs):
-        return dict(*args, **kwargs)
-
-    def fromkeys(self, *args, **kwargs):
-        return dict.fromkeys(*args, **kwargs)
-
-
-def _raise_exception(message):
-    raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _compile(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    env.globals["namespace"] = _Namespace
-    env.globals["dict"] = _DictFactory()
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateSyntaxError as e:
-        raise ChatTemplateError(f"chat template syntax error at line {e.lineno}: {e.message}") from e
