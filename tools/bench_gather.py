@@ -53,7 +53,8 @@ def main() -> int:
         for chunk, block, warps in SHAPES:
             def run():
                 _copy_kernel[(P, triton.cdiv(words, chunk))](pool, layout.stride, base, layout.stride, ids, slot, copy,
-                                                             words, CHUNK=chunk, BLOCK=block, num_warps=warps)
+                                                             words, CHUNK=chunk, BLOCK=block, num_warps=warps,
+                                                             PDL=False)
             pool.zero_()
             run()
             torch.cuda.synchronize()

@@ -293,10 +293,10 @@ def moe(g: Geometry, lengths: list[int]) -> None:
                     gather_missing(pool, layout, ids, table, layer, ADDR, layout.stride, staging0, entry=entry)
                     cpu_lane._post_kernel[(1,)](ADDR, state, split, x, ids.reshape(-1), w.reshape(-1), pair,
                                                 pair, layer, staging0, T, H, P, k, BLOCK_P=W,
-                                                BLOCK_H=1024, FENCE=True, num_warps=4)
+                                                BLOCK_H=1024, FENCE=True, num_warps=4, PDL=False)
             y, y_off = torch.zeros(T, H), cpu_lane.MB_X.value + W // k * H
             cpu_lane._wait_add_kernel[(1,)](y, ADDR, state, y.numel(), y_off, cpu_lane.WAIT_LIMIT, BLOCK=2048,
-                                            FENCE=True, num_warps=4)
+                                            FENCE=True, num_warps=4, PDL=False)  # PDL: the target's (stand_in)
     for n in (*COPY_RATE_MISSES, k):  # the CPU lane's calibration at start (`lane_rates`: copy_rate, gpu_fixed)
         for layer in g.moe_layers:
             for staging0 in staging:

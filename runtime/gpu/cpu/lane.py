@@ -41,6 +41,7 @@ import triton.language as tl
 
 from .kernel import c_layout, lane_threads, load_library
 from ..device_path import MAX_DEVICE_PAIRS
+from ..kernels.pdl import pdl_args, pdl_wait
 from ..pinning import bank_range, device_pointer
 from ..record_layout import RecordLayout
 
@@ -67,7 +68,8 @@ def _fence_sys(FENCE: tl.constexpr):
 
 @triton.jit
 def _post_kernel(mb_addr, state, split, x, ids, weights, pair_slot, pair_copy, layer, staging0, T, H, P, K,
-                 BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, FENCE: tl.constexpr):
+                 BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr, FENCE: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     mb = mb_addr.to(tl.int64).to(tl.pointer_type(tl.int32))
     mbf = mb_addr.to(tl.int64).to(tl.pointer_type(tl.float32))
     rp = tl.arange(0, BLOCK_P)
@@ -108,7 +110,9 @@ def _post_kernel(mb_addr, state, split, x, ids, weights, pair_slot, pair_copy, l
 
 
 @triton.jit
-def _wait_add_kernel(out, mb_addr, state, TH, Y_OFF, LIMIT, BLOCK: tl.constexpr, FENCE: tl.constexpr):
+def _wait_add_kernel(out, mb_addr, state, TH, Y_OFF, LIMIT, BLOCK: tl.constexpr, FENCE: tl.constexpr,
+                     PDL: tl.constexpr):
+    pdl_wait(PDL)
     if tl.load(state + 1) > 0:
         mb = mb_addr.to(tl.int64).to(tl.pointer_type(tl.int32))
         mbf = mb_addr.to(tl.int64).to(tl.pointer_type(tl.float32))
@@ -197,14 +201,16 @@ class CpuLane:
         split = self.split_all if cpu_only else self.split
         _post_kernel[(1,)](self.address, self.state, split, x.contiguous(), topk_ids.reshape(-1),
                            topk_weights.reshape(-1), pair_slot, pair_copy, layer, staging0, T, H, topk_ids.numel(),
-                           self.k, BLOCK_P=MAX_DEVICE_PAIRS, BLOCK_H=1024, FENCE=self.cuda, num_warps=4)
+                           self.k, BLOCK_P=MAX_DEVICE_PAIRS, BLOCK_H=1024, FENCE=self.cuda, num_warps=4,
+                           **pdl_args(self.device))
 
     def finish(self, y: torch.Tensor) -> torch.Tensor:
         """y (fp32 [T, H], contiguous) += the CPU's answer, once it is there (in place; returns y)."""
         n = y.numel()
         BLOCK = 2048
         _wait_add_kernel[(triton.cdiv(n, BLOCK),)](y, self.address, self.state, n, self.y_off, WAIT_LIMIT,
-                                                   BLOCK=BLOCK, FENCE=self.cuda, num_warps=4)
+                                                   BLOCK=BLOCK, FENCE=self.cuda, num_warps=4,
+                                                   **pdl_args(self.device))
         return y
 
     def check(self) -> None:

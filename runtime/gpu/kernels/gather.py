@@ -11,9 +11,10 @@ One decode call of one MoE layer, P = T * k routed pairs (P <= 64), with no host
    loads, so enough independent reads are in flight to fill the link (run M: 50.2 GB/s against 54 for copy-engine
    H2D; the GEMV kernel reading records in place reached 30).
 
-Then the resident kernel runs over `pair_slot` (`moe_nvfp4_device` with topk_ids = arange(P)). Every miss crosses the
-bus once. `plan_reference` is the PyTorch reference of step 1 (the CPU emulation runs it; tests compare the kernel
-with it).
+Both launch with PDL (`pdl.py`), as the decode step's other kernels: without it each would wait for its predecessor
+to drain before launching, and hold its successor back the same way. Then the resident kernel runs over `pair_slot`
+(`moe_nvfp4_device` with topk_ids = arange(P)). Every miss crosses the bus once. `plan_reference` is the PyTorch
+reference of step 1 (the CPU emulation runs it; tests compare the kernel with it).
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ import triton
 import triton.language as tl
 
 from ..record_layout import RecordLayout
+from .pdl import pdl_args, pdl_wait
 
 COPY_CHUNK, COPY_BLOCK = 4096, 512  # 8-byte words per program (32 KiB) and per load (4 KiB)
 
 
 @triton.jit
-def _plan_kernel(ids, table, entry, layer, E, P, W, staging0, BLOCK_P: tl.constexpr):
+def _plan_kernel(ids, table, entry, layer, E, P, W, staging0, BLOCK_P: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     rp = tl.arange(0, BLOCK_P)
     valid = rp < P
     row = table + layer * E  # no .to() on scalar arguments: Triton turns an argument equal to 1 into a constant
@@ -41,7 +44,8 @@ def _plan_kernel(ids, table, entry, layer, E, P, W, staging0, BLOCK_P: tl.conste
 
 @triton.jit
 def _copy_kernel(pool, slot_stride, host_base, host_stride, ids, pair_slot, pair_copy, words,
-                 CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                 CHUNK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     p = tl.program_id(0)
     c = tl.program_id(1)
     if tl.load(pair_copy + p) == 1:
@@ -84,14 +88,14 @@ def gather_missing(pool: torch.Tensor, layout: RecordLayout, topk_ids: torch.Ten
         entry = torch.empty(3, P, dtype=torch.int32, device=pool.device)
     pair_slot, pair_copy = entry[1, :P], entry[2, :P]
     _plan_kernel[(1,)](ids, table, entry, layer, table.shape[1], P, entry.stride(0), staging0, BLOCK_P=64,
-                       num_warps=1)
+                       num_warps=1, **pdl_args(pool.device))
     if between is not None:
         between(pair_slot, pair_copy)
     if host_base == 0:  # no mapping: `between` took every staged miss (the CPU lane's lane-only layers)
         return pair_slot, pair_copy
     _copy_kernel[(P, triton.cdiv(words, COPY_CHUNK))](
         pool, layout.stride, host_base, host_stride, ids, pair_slot, pair_copy, words,
-        CHUNK=COPY_CHUNK, BLOCK=COPY_BLOCK, num_warps=4)
+        CHUNK=COPY_CHUNK, BLOCK=COPY_BLOCK, num_warps=4, **pdl_args(pool.device))
     return pair_slot, pair_copy
 
 
