@@ -29,13 +29,15 @@ from ft.formats.quant import fp8, nvfp4
 
 from .nvfp4_decode import _gemv_tile
 from .fp4_format import _e4m3_shifted
+from .pdl import pdl_args, pdl_wait
 
 BLOCK_N = 32
 
 
 @triton.jit
 def _nvfp4_gemv_kernel(w, OFF_S, s2, x, out, N, K, S2_PER_ROW: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
+                       BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    pdl_wait(PDL)
     t = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = rows < N
@@ -48,7 +50,9 @@ def _nvfp4_gemv_kernel(w, OFF_S, s2, x, out, N, K, S2_PER_ROW: tl.constexpr, BLO
 
 
 @triton.jit
-def _fp8_rows_gemv_kernel(w, scale, x, out, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _fp8_rows_gemv_kernel(w, scale, x, out, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          PDL: tl.constexpr):
+    pdl_wait(PDL)
     t = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = rows < N
@@ -89,10 +93,10 @@ def quantized_gemv(scheme: str, x: torch.Tensor, weight: torch.Tensor, weight_sc
         off_s = weight_scale.data_ptr() - codes.data_ptr()
         per_row = weight_scale_2.numel() != 1
         _nvfp4_gemv_kernel[grid](codes, off_s, weight_scale_2.reshape(-1), x, out, N, K, S2_PER_ROW=per_row,
-                                 BLOCK_N=BLOCK_N, BLOCK_K=block_k, num_warps=4)
+                                 BLOCK_N=BLOCK_N, BLOCK_K=block_k, num_warps=4, **pdl_args(x.device))
     elif scheme == "fp8_row":
         _fp8_rows_gemv_kernel[grid](weight.view(torch.uint8), weight_scale, x, out, N, K, BLOCK_N=BLOCK_N,
-                                    BLOCK_K=128, num_warps=4)
+                                    BLOCK_K=128, num_warps=4, **pdl_args(x.device))
     else:
         raise ValueError(f"no GEMV for scheme {scheme!r}")
     return out
