@@ -285,8 +285,11 @@ def moe(g: Geometry, lengths: list[int]) -> None:
         P = T * k
         if P <= W:
             entry = torch.full((3, W), -1, dtype=torch.int32)  # `MappedPath.entry` / one layer's `graph_buf` row
-            # mode mapped after its gather: pairs 0..P-1 (int32) read the rows the plan wrote into the entry
-            moe_nvfp4_device(pool, layout, x, torch.arange(P, dtype=torch.int32).view(T, k), entry[1, :P], w)
+            # mode mapped after its gather: pairs 0..P-1 (int32) read the rows the plan wrote into the entry; fp32
+            # (the first call's check, the lane's sum) or stored in the compute dtype
+            for out_dtype in (F32, g.dtype):
+                moe_nvfp4_device(pool, layout, x, torch.arange(P, dtype=torch.int32).view(T, k), entry[1, :P], w,
+                                 out_dtype=out_dtype)
             pair = torch.zeros(P, dtype=torch.int32)
             for layer in g.moe_layers:  # layer and staging row are launch integers: each of their classes
                 for staging0 in staging:
@@ -295,8 +298,9 @@ def moe(g: Geometry, lengths: list[int]) -> None:
                                                 pair, layer, staging0, T, H, P, k, BLOCK_P=W,
                                                 BLOCK_H=1024, FENCE=True, num_warps=4, PDL=False)
             y, y_off = torch.zeros(T, H), cpu_lane.MB_X.value + W // k * H
-            cpu_lane._wait_add_kernel[(1,)](y, ADDR, state, y.numel(), y_off, cpu_lane.WAIT_LIMIT, BLOCK=2048,
-                                            FENCE=True, num_warps=4, PDL=False)  # PDL: the target's (stand_in)
+            for res in (y, torch.zeros(T, H, dtype=g.dtype)):  # the sum in place (fp32) or in the compute dtype
+                cpu_lane._wait_add_kernel[(1,)](y, res, ADDR, state, y.numel(), y_off, cpu_lane.WAIT_LIMIT,
+                                                BLOCK=2048, FENCE=True, num_warps=4, PDL=False)  # PDL: stand_in's
     for n in (*COPY_RATE_MISSES, k):  # the CPU lane's calibration at start (`lane_rates`: copy_rate, gpu_fixed)
         for layer in g.moe_layers:
             for staging0 in staging:

@@ -193,9 +193,14 @@ class MappedDecode:
                                                                  cpu_only=base == 0))
         pair_slot, _ = gather_missing(ex.pool, ex.layout, topk_ids, self.table.tensor, layer, base, bank.stride,
                                       ex.num_slots, between=post, entry=entry)
-        y = moe_nvfp4_device(ex.pool, ex.layout, x, self._pairs(P).view(topk_ids.shape), pair_slot, topk_weights)
-        if lane is not None:
-            lane.finish(y)
+        # the result in x's dtype on CUDA, rounded once on the kernel's store (the interpreter's bf16 store truncates:
+        # fp32 there); with the lane, its wait adds the CPU's share to the fp32 sum first
+        out_dtype = x.dtype if ex.device.type == "cuda" and self.checked else torch.float32
+        pairs = self._pairs(P).view(topk_ids.shape)
+        if lane is None:
+            y = moe_nvfp4_device(ex.pool, ex.layout, x, pairs, pair_slot, topk_weights, out_dtype=out_dtype)
+        else:
+            y = lane.finish(moe_nvfp4_device(ex.pool, ex.layout, x, pairs, pair_slot, topk_weights), out_dtype)
         return self._check(y, bank, x, topk_ids, topk_weights), entry
 
     def _check(self, got, bank, x, topk_ids, topk_weights) -> torch.Tensor:
@@ -204,7 +209,7 @@ class MappedDecode:
             err = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
             if not err <= 1e-2:
                 raise RuntimeError(f"mapped expert reads disagree with the reference (relative error {err:.2e}); "
-                                   "use mode offload")
+                                   "start with --pinned-memory 0 (no bank mapped: the CPU computes every miss)")
             self.checked = True
         return got
 

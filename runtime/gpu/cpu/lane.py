@@ -15,7 +15,7 @@ lane adds the CPU as a second miss path inside the same call, with no host work 
    the mmapped banks with the CPU kernel of `kernel.c` (NVFP4 or MXFP4 records), writes y and answers with the
    number;
 3. the GPU meanwhile copies and computes its own misses and hits; then `_wait_add_kernel` spins until the answer is
-   there and adds y into the call's fp32 output.
+   there and adds y to the call's fp32 sum, stored in the compute dtype on CUDA (no cast launch after it).
 Both paths start together and the split puts the finish of both at the same time (for M large, c / M -> q* =
 B_cpu / (B_pcie + B_cpu)). `state` (device int32 [2]: sequence number, CPU pairs of the current call) lives on the
 device, so calls and graph replays need nothing from the host. The split is refitted from the lane's own timing
@@ -110,9 +110,13 @@ def _post_kernel(mb_addr, state, split, x, ids, weights, pair_slot, pair_copy, l
 
 
 @triton.jit
-def _wait_add_kernel(out, mb_addr, state, TH, Y_OFF, LIMIT, BLOCK: tl.constexpr, FENCE: tl.constexpr,
+def _wait_add_kernel(out, res, mb_addr, state, TH, Y_OFF, LIMIT, BLOCK: tl.constexpr, FENCE: tl.constexpr,
                      PDL: tl.constexpr):
+    # res = out + the CPU's y (once it is there, if the call posted any), stored in res's dtype (res may be out)
     pdl_wait(PDL)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < TH
+    y = tl.zeros((BLOCK,), dtype=tl.float32)
     if tl.load(state + 1) > 0:
         mb = mb_addr.to(tl.int64).to(tl.pointer_type(tl.int32))
         mbf = mb_addr.to(tl.int64).to(tl.pointer_type(tl.float32))
@@ -123,10 +127,8 @@ def _wait_add_kernel(out, mb_addr, state, TH, Y_OFF, LIMIT, BLOCK: tl.constexpr,
         if i >= LIMIT:
             tl.store(mb + MB_GAVE_UP, 1)
         _fence_sys(FENCE)
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        m = offs < TH
         y = tl.load(mbf + Y_OFF + offs, mask=m, other=0.0, cache_modifier=".cv")  # never a stale cached line
-        tl.store(out + offs, tl.load(out + offs, mask=m) + y, mask=m)
+    tl.store(res + offs, (tl.load(out + offs, mask=m) + y).to(res.dtype.element_ty), mask=m)
 
 
 class CpuLane:
@@ -204,14 +206,16 @@ class CpuLane:
                            self.k, BLOCK_P=MAX_DEVICE_PAIRS, BLOCK_H=1024, FENCE=self.cuda, num_warps=4,
                            **pdl_args(self.device))
 
-    def finish(self, y: torch.Tensor) -> torch.Tensor:
-        """y (fp32 [T, H], contiguous) += the CPU's answer, once it is there (in place; returns y)."""
+    def finish(self, y: torch.Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """y (fp32 [T, H], contiguous) + the CPU's answer, once it is there: in place in y for fp32, else a new
+        tensor of `out_dtype` (the sum rounded once, on the store: no cast launch after it)."""
         n = y.numel()
         BLOCK = 2048
-        _wait_add_kernel[(triton.cdiv(n, BLOCK),)](y, self.address, self.state, n, self.y_off, WAIT_LIMIT,
+        res = y if out_dtype == y.dtype else torch.empty(y.shape, dtype=out_dtype, device=y.device)
+        _wait_add_kernel[(triton.cdiv(n, BLOCK),)](y, res, self.address, self.state, n, self.y_off, WAIT_LIMIT,
                                                    BLOCK=BLOCK, FENCE=self.cuda, num_warps=4,
                                                    **pdl_args(self.device))
-        return y
+        return res
 
     def check(self) -> None:
         """Raise if a post was refused or the GPU gave up waiting (reads host memory only: no sync)."""

@@ -39,8 +39,8 @@ def _lane(layout, host, k, **bw):
     return CpuLane(layout, banks, L, k, DEV, threads=2, **({"b_gpu": 1e7, "b_cpu": 1e7} | bw))
 
 
-def _call(lane, layout, host, ids, w, x, *, resident=()):
-    """One mapped decode call of layer 1 with the lane: plan, post, GPU share, wait + add."""
+def _call(lane, layout, host, ids, w, x, *, resident=(), out_dtype=torch.float32):
+    """One mapped decode call of layer 1 with the lane: plan, post, GPU share, wait + add (stored as out_dtype)."""
     T, k = ids.shape
     pool = torch.zeros(len(resident) + T * k, layout.stride, dtype=torch.uint8, device=DEV)
     table = torch.full((L, E), -1, dtype=torch.int32, device=DEV)
@@ -52,7 +52,8 @@ def _call(lane, layout, host, ids, w, x, *, resident=()):
     lane.post(1, x.to(DEV), ids.to(DEV), w.to(DEV), slot, copy, S)
     pairs = torch.arange(T * k, dtype=torch.int32, device=DEV).view(T, k)
     y = moe_nvfp4_device(pool, layout, x.to(DEV), pairs, slot, w.to(DEV)).float().contiguous()
-    lane.finish(y)
+    y = lane.finish(y, out_dtype)
+    assert y.dtype == out_dtype
     if CUDA:
         torch.cuda.synchronize()
     lane.check()
@@ -93,6 +94,23 @@ def test_split_follows_the_bandwidths(bank, bw, expect):
         y, _, copy = _call(lane, layout, host, ids, w, x)
         assert int((copy == 2).sum()) == (0 if expect == "none" else 8)
         assert rel_err(y, moe_ref(recs, layout, x, ids, w)) < TOL
+    finally:
+        lane.close()
+
+
+def test_the_wait_stores_the_sum_in_the_compute_dtype(bank):
+    """finish(y, bf16): the GPU's fp32 sum plus the CPU's, rounded once on the store (the interpreter's store
+    truncates: within one bf16 step of the fp32 result)."""
+    layout, recs, host = bank
+    lane = _lane(layout, host, 4)
+    g = torch.Generator().manual_seed(3)
+    ids, w = torch.stack([torch.randperm(E, generator=g)[:4] for _ in range(2)]), torch.rand(2, 4, generator=g)
+    x = torch.randn(2, H, generator=g).to(torch.bfloat16)
+    try:
+        y32, _, copy = _call(lane, layout, host, ids, w, x)
+        y16, _, copy16 = _call(lane, layout, host, ids, w, x, out_dtype=torch.bfloat16)
+        assert int((copy == 2).sum()) > 0 and torch.equal(copy, copy16)  # the CPU took a share both times
+        assert ((y16.float() - y32).abs() <= y32.abs() * 2 ** -7 + 1e-30).all()
     finally:
         lane.close()
 
