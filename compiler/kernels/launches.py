@@ -49,6 +49,7 @@ class Geometry:
     windows: tuple[int, ...] = (0,)  # attention windows of the layers (0: full attention)
     sigmoid: tuple[int, int, bool] | None = None  # the sigmoid router's (n_group, topk_group, bias?); None: softmax
     renorm: bool = True  # norm_topk_prob (a constexpr of the routing kernels)
+    router_bias: bool = False  # the router has a bias (gpt_oss): the decode router adds it
 
 
 def geometry(reader) -> Geometry:
@@ -84,7 +85,7 @@ def geometry(reader) -> Geometry:
                                                                for t in c.layer_types
                                                                if t in ("full_attention", "sliding_attention")})),
                     sigmoid=(c.router_n_group, c.router_topk_group, c.router_correction_bias)
-                    if c.router_scoring == "sigmoid" else None, renorm=c.norm_topk_prob)
+                    if c.router_scoring == "sigmoid" else None, renorm=c.norm_topk_prob, router_bias=c.router_bias)
 
 
 def _record(reader, moe_layers) -> tuple | None:
@@ -165,8 +166,9 @@ def router(g: Geometry, lengths: list[int]) -> None:
         if g.sigmoid is not None:
             router_topk(x, torch.zeros(g.E, g.H, dtype=g.dtype), g.k, g.renorm, sigmoid=_sigmoid_route(g))
             continue
+        bias = torch.zeros(g.E, dtype=g.dtype) if g.router_bias else None
         for extra in (None, torch.zeros(1, g.H, dtype=g.dtype)):
-            router_topk(x, torch.zeros(g.E, g.H, dtype=g.dtype), g.k, g.renorm, extra)
+            router_topk(x, torch.zeros(g.E, g.H, dtype=g.dtype), g.k, g.renorm, extra, bias=bias)
 
 
 def _sigmoid_route(g: Geometry):

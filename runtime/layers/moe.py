@@ -13,7 +13,7 @@ false): `y += shared_expert(x)`.
 
 With `_fused` set (CUDA) the routing (softmax, top-k, renorm) and the shared expert's gated add are one Triton launch
 each (`gpu.kernels.fused_ops.route_topk`, `sigmoid_gate_add`); at decode sizes (T <= `router.MAX_TOKENS`, plain
-bias-free router) the router GEMV, the routing and the shared expert gate's GEMV are one launch together
+router, its bias included) the router GEMV, the routing and the shared expert gate's GEMV are one launch together
 (`gpu.kernels.router.router_topk`); the sigmoid router likewise: its selection in one launch (`route_topk` with a
 `SigmoidRoute`), and at decode sizes the fp32 router GEMV with it (`router_topk`). `route`, `route_sigmoid` and the
 torch expressions are the reference. Ties among probabilities may select different ids of equal weight (see
@@ -114,10 +114,11 @@ class SparseMoe(Op):
             ids, weights = self._route_sigmoid(x)
         elif self._fused:
             from ft.runtime.gpu.kernels import fused_ops, router
-            if x.shape[0] <= router.MAX_TOKENS and _plain(self.gate, x):                   # decode: one launch
+            if x.shape[0] <= router.MAX_TOKENS and _plain(self.gate, x, biased=True):      # decode: one launch
                 sg = getattr(self, "shared_expert_gate", None)
                 extra = sg.weight if sg is not None and _plain(sg, x) else None
-                ids, weights, shared_gate = router.router_topk(x, self.gate.weight, self._top_k, self._renorm, extra)
+                ids, weights, shared_gate = router.router_topk(x, self.gate.weight, self._top_k, self._renorm, extra,
+                                                               bias=self.gate.bias)
             else:
                 ids, weights = fused_ops.route_topk(self.gate(x), self._top_k, self._renorm)   # x [T, H]
         else:
@@ -149,9 +150,11 @@ class SparseMoe(Op):
         return fused_ops.route_topk(F.linear(x.float(), self.gate.weight.float()), self._top_k, self._renorm, how)
 
 
-def _plain(linear: Linear, x: torch.Tensor, any_float: bool = False) -> bool:
-    """The fused router reads `linear.weight` directly: a plain (not kept quantized), bias-free, contiguous weight in
-    x's dtype (`any_float`: in any float dtype, for the sigmoid router's fp32 GEMV)."""
-    w = linear.weight
+def _plain(linear: Linear, x: torch.Tensor, *, any_float: bool = False, biased: bool = False) -> bool:
+    """The fused router reads `linear.weight` directly: a plain (not kept quantized), contiguous weight in x's dtype
+    (`any_float`: in any float dtype, for the sigmoid router's fp32 GEMV), bias-free (`biased`: or a contiguous [E]
+    bias in x's dtype, gpt-oss's router)."""
+    w, b = linear.weight, linear.bias
     dtype_ok = w.is_floating_point() and w.element_size() >= 2 if any_float else w.dtype == x.dtype
-    return not linear.stays_quantized and linear.bias is None and dtype_ok and w.is_contiguous()
+    bias_ok = b is None or (biased and b.dtype == x.dtype and b.dim() == 1 and b.is_contiguous())
+    return not linear.stays_quantized and bias_ok and dtype_ok and w.is_contiguous()

@@ -1,9 +1,9 @@
 """Decode-time MoE routing in one Triton launch: the router GEMV, softmax, top-k and renorm (and the shared expert's
 gate GEMV), which the layer code runs as two or three launches (cuBLAS GEMV, `fused_ops.route_topk`, cuBLAS GEMV).
 
-  router_topk(x [T, H], weight [E, H], k, renormalize, extra [1, H] | None)
+  router_topk(x [T, H], weight [E, H], k, renormalize, extra [1, H] | None, bias [E] | None)
       -> (ids int64 [T, k], weights fp32 [T, k], extra_logit [T, 1] in x.dtype | None)
-  logits = cast(x · weightᵀ) (fp32 accumulation, rounded to x.dtype as F.linear returns it), then
+  logits = cast(x · weightᵀ + bias) (fp32 accumulation, rounded once to x.dtype as F.linear returns it), then
   `layers/moe.py route(logits, k, renormalize)`: p = softmax(fp32(logits)), the k largest p in descending order (ties
   by ascending expert id, as `fused_ops.route_topk`), divided by their sum iff renormalize;
   extra_logit = cast(x · extraᵀ) (the shared expert gate's logit, `shared_expert_gate(x)`).
@@ -57,8 +57,9 @@ _COUNTERS: dict[str, torch.Tensor] = {}
 
 
 @triton.jit
-def _router_kernel(x, sx, w, extra, scratch, extra_out, ids, wts, counters, E, H, n_programs, bias, scale,
+def _router_kernel(x, sx, w, extra, scratch, extra_out, ids, wts, counters, E, H, n_programs, bias, scale, gate_bias,
                    K: tl.constexpr, RENORM: tl.constexpr, HAS_EXTRA: tl.constexpr, RNE_BITS: tl.constexpr,
+                   GATE_BIAS: tl.constexpr,
                    SIGMOID: tl.constexpr, HAS_BIAS: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
                    BLOCK_TOPK: tl.constexpr, PDL: tl.constexpr):
@@ -72,6 +73,8 @@ def _router_kernel(x, sx, w, extra, scratch, extra_out, ids, wts, counters, E, H
     wrow = tl.where(r < E, w + r.to(tl.int64) * H, extra)                          # [BE] row pointers
     rm = r < E + HAS_EXTRA
     logit = fma_rows(wrow, rm, x, sx, one, one < 1, H, 1, BLOCK_E, BLOCK_K)                        # [1, BE] fp32
+    if GATE_BIAS:  # the router's own bias (gpt-oss), added before the one rounding, as F.linear does
+        logit += tl.load(gate_bias + r[None, :], mask=(r < E)[None, :], other=0.0).to(tl.float32)
     if not SIGMOID:  # F.linear's rounding to x.dtype (the sigmoid router's logits stay fp32, as its layer's)
         logit = _cast(logit, dt, RNE_BITS)
     tl.store(scratch + r[None, :], logit.to(tl.float32), mask=(r < E)[None, :])
@@ -115,12 +118,13 @@ def launch_tiles(H: int, tiles: dict | None = None) -> dict:
 
 
 def router_topk(x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: bool, extra: torch.Tensor | None = None,
-                tiles: dict | None = None, sigmoid: SigmoidRoute | None = None
+                tiles: dict | None = None, sigmoid: SigmoidRoute | None = None, bias: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """x [T, H] (last dim contiguous), weight [E, H] and extra [1, H] or None (contiguous, x's dtype) -> (ids int64
     [T, k], weights fp32 [T, k], extra_logit [T, 1] in x.dtype or None), one launch (module docstring). `tiles`
     overrides entries of TILES (benchmark sweeps; `launch_tiles`). `sigmoid`: glm4_moe's routing on fp32 logits
-    (`sigmoid_topk.py`; weight in any float dtype, no extra). Outside the bounds (T > MAX_TOKENS, E > MAX_EXPERTS,
+    (`sigmoid_topk.py`; weight in any float dtype, no extra). `bias` [E]: the router's own bias (gpt-oss; softmax
+    routing only), added to the fp32 dot before its rounding. Outside the bounds (T > MAX_TOKENS, E > MAX_EXPERTS,
     k not in [1, E], a grouping `SigmoidRoute.supported` refuses): the reference."""
     T, H = x.shape
     E = weight.shape[0]
@@ -129,8 +133,10 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: bool
     if extra is not None:
         assert sigmoid is None, "the sigmoid router has no shared expert gate"
         assert extra.shape == (1, H) and extra.dtype == x.dtype and extra.is_contiguous(), extra.shape
+    if bias is not None:
+        assert sigmoid is None and bias.shape == (E,) and bias.is_contiguous(), bias.shape
     if T > MAX_TOKENS or E > MAX_EXPERTS or not 0 < k <= E or not (sigmoid is None or sigmoid.supported(E, k)):
-        return router_topk_ref(x, weight, k, renormalize, extra, sigmoid)
+        return router_topk_ref(x, weight, k, renormalize, extra, sigmoid, bias)
     x = x if x.stride(1) == 1 else x.contiguous()
     ids = torch.empty(T, k, dtype=torch.int64, device=x.device)
     weights = torch.empty(T, k, dtype=torch.float32, device=x.device)
@@ -144,6 +150,7 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: bool
     _router_kernel[(n_programs, T)](
         x, x.stride(0), weight, weight if extra is None else extra, scratch,
         weights if extra_logit is None else extra_logit, ids, weights, _counter(x.device), E, H, n_programs,
+        gate_bias=scratch if bias is None else bias, GATE_BIAS=bias is not None,
         K=k, RENORM=bool(renormalize), HAS_EXTRA=extra is not None, RNE_BITS=_rne_bits(x),
         SIGMOID=sigmoid is not None, **routing, BLOCK_E=t["BLOCK_E"], BLOCK_K=t["BLOCK_K"],
         BLOCK_R=triton.next_power_of_2(E), BLOCK_TOPK=triton.next_power_of_2(k), num_warps=t["num_warps"],
@@ -152,13 +159,13 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: bool
 
 
 def router_topk_ref(x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: bool,
-                    extra: torch.Tensor | None = None, sigmoid: SigmoidRoute | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                    extra: torch.Tensor | None = None, sigmoid: SigmoidRoute | None = None,
+                    bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The layer code's ops: `route(F.linear(x, weight), k, renormalize)` and `F.linear(x, extra)`; with `sigmoid`,
     `route_sigmoid(F.linear(fp32(x), fp32(weight)), ...)`."""
     if sigmoid is not None:
         ids, weights = route_sigmoid(F.linear(x.float(), weight.float()), sigmoid.bias, k, sigmoid.n_group,
                                      sigmoid.topk_group, renormalize, sigmoid.scale)
         return ids, weights, None
-    ids, weights = route(F.linear(x, weight), k, renormalize)
+    ids, weights = route(F.linear(x, weight, bias), k, renormalize)
     return ids, weights, None if extra is None else F.linear(x, extra)

@@ -68,6 +68,20 @@ def test_router_topk_random_fp32():
     torch.testing.assert_close(xl.cpu(), xl_ref.cpu(), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_router_topk_adds_the_routers_bias_before_rounding(dtype):
+    # gpt-oss: logits = F.linear(x, weight, bias), one rounding of the fp32 dot plus the bias; sixteenths keep the
+    # dot exact, and a bias in 1/512 steps lands sums between bf16 values, where a second rounding would show
+    x, weight = _sixteenths(3, 96, seed=12, dtype=dtype), _sixteenths(32, 96, seed=13, dtype=dtype)
+    bias = ((torch.arange(32) % 9 - 4) / 512 + 1).to(dtype).to(DEV)
+    ids, w, _ = router.router_topk(x, weight, 4, True, bias=bias)
+    logits = torch.nn.functional.linear(x, weight, bias)
+    probs = torch.softmax(logits.float(), -1)
+    assert torch.equal(ids.cpu(), torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :4].cpu())
+    torch.testing.assert_close(w.cpu(), router.router_topk_ref(x, weight, 4, True, bias=bias)[1].cpu(),
+                               rtol=2e-6, atol=1e-7)
+
+
 def test_router_topk_ties_and_repeat_calls():
     # x = e_0: logits are weight[:, 0]; experts 1, 4, 6 tie first and 2, 5 fourth -> ids by ascending id
     x = torch.zeros(2, 32, device=DEV)
@@ -141,10 +155,12 @@ def _moe(dtype, shared: bool):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("shared,biased", [(False, False), (True, False), (False, True)])
 @pytest.mark.parametrize("T", [1, 5, router.MAX_TOKENS + 2])
-def test_sparse_moe_fused_matches_reference(monkeypatch, dtype, shared, T):
+def test_sparse_moe_fused_matches_reference(monkeypatch, dtype, shared, biased, T):
     moe = _moe(dtype, shared)
+    if biased:  # gpt-oss's router bias rides along in the one decode launch
+        moe.gate.bias = ((torch.arange(12) % 5 - 2) / 64).to(dtype).to(DEV)
     x = _sixteenths(T, 32, seed=T, dtype=dtype)
     moe._fused = False
     ref = moe(x)
