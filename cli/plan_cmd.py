@@ -36,6 +36,8 @@ def plan(
     max_running_requests: int = typer.Option(4, "--max-running-requests", help="As `ft serve` will run."),
     dense_weights: str = typer.Option("auto", "--dense-weights", help="As `ft serve` will run: auto, dequantized "
                                       "or quantized."),
+    cpu_lane: bool = typer.Option(True, "--cpu-lane/--no-cpu-lane", help="As `ft serve` will run: the CPU computes "
+                                  "a share of the misses, or the GPU copies every one."),
 ) -> None:
     """Plan how this model runs on this machine: VRAM split, the experts that start resident (from routing counts,
     calibration or the uniform prior), page-locked banks, and the predicted decode / prefill tok/s with the
@@ -65,7 +67,7 @@ def plan(
     try:
         settings = EngineSettings(device=device, vram_budget=vram_budget, pinned_memory=pinned_memory,
                                   kv_reserve_tokens=kv_reserve_tokens, max_running_requests=max_running_requests,
-                                  dense_weights=dense_weights)
+                                  dense_weights=dense_weights, cpu_lane=cpu_lane)
     except ValueError as e:
         fail(str(e), 2)
     try:

@@ -52,6 +52,10 @@ def test_default_name_and_uniform_prior(ftw):
     assert res.exit_code == 0, res.output
     assert plan_names(FtwReader(ftw)) == ["cpu-0.5gib"]
     assert "routing: uniform (no --routing or --calibrate" in res.stdout
+    lane_off = _ft("plan", "--ftw", str(ftw), "--vram-budget", BUDGET, "--device", "cpu", "--no-cpu-lane",
+                   "--name", "no-lane")
+    assert lane_off.exit_code == 0, lane_off.output
+    assert read_plan(FtwReader(ftw), "no-lane").machine.cpu_lane is False  # as `ft serve --no-cpu-lane` will run
 
 
 @pytest.mark.parametrize("args,code,words", [
