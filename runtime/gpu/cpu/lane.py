@@ -282,7 +282,6 @@ def lane_for(md) -> CpuLane | None:
     if not (ex.opts.cpu_lane and (md.base or md.lane_only) and (ex.device.type == "cuda" or ex.interpret)):
         return None
     from ..store import DEFAULT_B_CPU, DEFAULT_B_PCIE
-
     from .lane_rates import copy_rate, gpu_fixed
 
     gbs = ex.profile.get("gbs") or {}
