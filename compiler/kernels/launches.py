@@ -50,6 +50,7 @@ class Geometry:
     sigmoid: tuple[int, int, bool] | None = None  # the sigmoid router's (n_group, topk_group, bias?); None: softmax
     renorm: bool = True  # norm_topk_prob (a constexpr of the routing kernels)
     router_bias: bool = False  # the router has a bias (gpt_oss): the decode router adds it
+    shared_gate: bool = True  # the shared expert is gated (else added as is: glm4_moe)
 
 
 def geometry(reader) -> Geometry:
@@ -85,7 +86,8 @@ def geometry(reader) -> Geometry:
                                                                for t in c.layer_types
                                                                if t in ("full_attention", "sliding_attention")})),
                     sigmoid=(c.router_n_group, c.router_topk_group, c.router_correction_bias)
-                    if c.router_scoring == "sigmoid" else None, renorm=c.norm_topk_prob, router_bias=c.router_bias)
+                    if c.router_scoring == "sigmoid" else None, renorm=c.norm_topk_prob, router_bias=c.router_bias,
+                    shared_gate=c.shared_expert_gate)
 
 
 def _record(reader, moe_layers) -> tuple | None:
@@ -147,7 +149,7 @@ def fused(g: Geometry, lengths: list[int]) -> None:
                 f.route_topk(torch.zeros(T, g.E, dtype=F32), g.k, g.renorm, _sigmoid_route(g))
         if g.shared_I:
             f.silu_mul(torch.zeros(T, 2 * g.shared_I, dtype=dt))
-            f.sigmoid_gate_add(x, torch.zeros(T, 1, dtype=dt), x.clone())
+            f.sigmoid_gate_add(x, torch.zeros(T, 1, dtype=dt) if g.shared_gate else None, x.clone())
         if g.qk_norm:  # the q and k heads of the qkv rows, normed in place of a strided split
             rows = (g.nq * (2 if g.gated else 1) + 2 * g.nkv) * g.hd
             qkv = torch.zeros(T, rows, dtype=dt)

@@ -125,6 +125,9 @@ class SparseMoe(Op):
             ids, weights = route(self.gate(x), self._top_k, self._renorm)
         y = self.experts(x, ids, weights)
         if hasattr(self, "shared_expert") and not hasattr(self, "shared_expert_gate"):
+            if self._fused:  # one PDL launch instead of torch's add
+                from ft.runtime.gpu.kernels import fused_ops
+                return fused_ops.sigmoid_gate_add(y, None, self.shared_expert(x))
             return y + self.shared_expert(x)
         if hasattr(self, "shared_expert"):
             gate = self.shared_expert_gate(x) if shared_gate is None else shared_gate     # [T, 1]

@@ -16,6 +16,7 @@ a trip through memory), in one launch:
       act = cast(fp32(cast(silu(g))) * fp32(u)), [g | u] = gate_up                  (layers/mlp.py)
   sigmoid_gate_add(y [..., H], gate [..., 1], shared [..., H]) -> y + cast(cast(sigmoid(gate)) * shared), rounded
                                                                                   (layers/moe.py shared expert)
+      gate None: y + shared, rounded once (an ungated shared expert)
 `cast` is the round-to-nearest-even conversion to the input dtype. Every intermediate the PyTorch ops round to the
 compute dtype is rounded here too, so results equal the references up to fp32 summation order (the mean over D, the
 softmax sum) and the last ulp of exp/rsqrt.
@@ -155,20 +156,21 @@ def _silu_mul_kernel(gu, stride, out, I, RNE_BITS: tl.constexpr, BLOCK: tl.const
 
 
 @triton.jit
-def _sigmoid_gate_add_kernel(yp, sy, gp, sg, sp, ss, out, H, RNE_BITS: tl.constexpr, BLOCK: tl.constexpr,
-                             PDL: tl.constexpr):
-    # out[t, n] = cast(y + cast(cast(sigmoid(g[t])) * s[t, n])); program (t, column block)
+def _sigmoid_gate_add_kernel(yp, sy, gp, sg, sp, ss, out, H, GATE: tl.constexpr, RNE_BITS: tl.constexpr,
+                             BLOCK: tl.constexpr, PDL: tl.constexpr):
+    # out[t, n] = cast(y + cast(cast(sigmoid(g[t])) * s[t, n])), without GATE cast(y + s); program (t, column block)
     pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = n < H
     dt = out.dtype.element_ty
-    g = tl.load(gp + t * sg).to(tl.float32)
-    gate = _rounded(tl.math.div_rn(1.0, 1.0 + tl.exp(-g)), dt)
     s = tl.load(sp + t * ss + n, mask=m, other=0.0).to(tl.float32)
     y = tl.load(yp + t * sy + n, mask=m, other=0.0).to(tl.float32)
-    prod = _rounded(gate * s, dt)
-    tl.store(out + t * H + n, _cast(y + prod, dt, RNE_BITS), mask=m)
+    if GATE:
+        g = tl.load(gp + t * sg).to(tl.float32)
+        gate = _rounded(tl.math.div_rn(1.0, 1.0 + tl.exp(-g)), dt)
+        s = _rounded(gate * s, dt)
+    tl.store(out + t * H + n, _cast(y + s, dt, RNE_BITS), mask=m)
 
 
 # ---- launchers ---------------------------------------------------------------------------------------------------
@@ -257,18 +259,21 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def sigmoid_gate_add(y: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
-    """y, shared [..., H], gate [..., 1] of one dtype -> y + sigmoid(gate) * shared (rounded as torch does)."""
-    if not (y.dtype == gate.dtype == shared.dtype) or y.shape != shared.shape or gate.shape[-1] != 1:
+def sigmoid_gate_add(y: torch.Tensor, gate: torch.Tensor | None, shared: torch.Tensor) -> torch.Tensor:
+    """y, shared [..., H], gate [..., 1] of one dtype -> y + sigmoid(gate) * shared (rounded as torch does); gate None:
+    y + shared (an ungated shared expert, glm4_moe)."""
+    if (y.dtype != shared.dtype or y.shape != shared.shape
+            or (gate is not None and (gate.dtype != y.dtype or gate.shape[-1] != 1))):
         return sigmoid_gate_add_ref(y, gate, shared)
     H = y.shape[-1]
-    y2, g2, s2 = _rows(y), _rows(gate), _rows(shared)
+    y2, s2 = _rows(y), _rows(shared)
+    g2 = y2 if gate is None else _rows(gate)
     out = torch.empty(y.shape, dtype=y.dtype, device=y.device)
     if y2.shape[0] and H:
         block = min(TILES["elem_block"], triton.next_power_of_2(H))
         _sigmoid_gate_add_kernel[(y2.shape[0], triton.cdiv(H, block))](
-            y2, y2.stride(0), g2, g2.stride(0), s2, s2.stride(0), out, H, RNE_BITS=_rne_bits(y), BLOCK=block,
-            num_warps=TILES["elem_warps"], **pdl_args(out.device))
+            y2, y2.stride(0), g2, g2.stride(0), s2, s2.stride(0), out, H, GATE=gate is not None,
+            RNE_BITS=_rne_bits(y), BLOCK=block, num_warps=TILES["elem_warps"], **pdl_args(out.device))
     return out
 
 
@@ -284,5 +289,5 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(g) * u
 
 
-def sigmoid_gate_add_ref(y: torch.Tensor, gate: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
-    return y + torch.sigmoid(gate) * shared
+def sigmoid_gate_add_ref(y: torch.Tensor, gate: torch.Tensor | None, shared: torch.Tensor) -> torch.Tensor:
+    return y + shared if gate is None else y + torch.sigmoid(gate) * shared

@@ -106,6 +106,14 @@ def test_silu_mul(dtype, T, I):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_ungated_shared_add_rounds_once_as_torch(dtype):
+    # gate None (glm4_moe's ungated shared expert): cast(y + shared), bit for bit torch's `y + shared`
+    y, shared = _rand(3, 96, dtype=dtype, seed=4), _rand(3, 96, dtype=dtype, seed=5, scale=3.0)
+    got = fo.sigmoid_gate_add(y, None, shared)
+    assert got.dtype == dtype and torch.equal(got.cpu(), (y + shared).cpu())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T,H", [(1, 96), (4, 64)])
 def test_sigmoid_gate_add(dtype, T, H):
     y, gate, shared = _rand(T, H, dtype=dtype, seed=1), _rand(T, 1, dtype=dtype, seed=2), _rand(T, H, dtype=dtype,

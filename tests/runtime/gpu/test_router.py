@@ -299,10 +299,12 @@ def test_sparse_moe_sigmoid_fused_matches_reference(monkeypatch, T):
     from ft.runtime.layers.moe import BoundExperts, SparseMoe
 
     E, H = 16, 32
-    cfg = _moe_config("glm4_moe", E, 4, 0, router_scoring="sigmoid", router_correction_bias=True, router_n_group=4,
+    cfg = _moe_config("glm4_moe", E, 4, 16, router_scoring="sigmoid", router_correction_bias=True, router_n_group=4,
                       router_topk_group=2, routed_scaling_factor=2.5, shared_expert_gate=False)
-    moe = SparseMoe(cfg)
+    moe = SparseMoe(cfg)  # with an ungated shared expert, added by one fused launch
     moe.gate.weight = _sixteenths(E, H, seed=30, dtype=torch.bfloat16)
+    moe.shared_expert.gate_up_proj.weight = _sixteenths(32, H, seed=31, dtype=torch.bfloat16)
+    moe.shared_expert.down_proj.weight = _sixteenths(H, 16, seed=32, dtype=torch.bfloat16)
     moe.e_score_correction_bias = (torch.arange(E, dtype=torch.float32) % 5 / 32).to(DEV)
     scale = torch.arange(1, E + 1, dtype=torch.float32, device=DEV) / E
     seen = []
