@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from ft.runtime.gpu.kernels.pdl import pdl_args, pdl_wait
-from ft.runtime.gpu.kernels.sigmoid_topk import SigmoidRoute, _sigmoid_topk
+from ft.runtime.gpu.kernels.sigmoid_topk import NO_SIGMOID, SigmoidRoute, _sigmoid_topk
 from ft.runtime.layers.moe import route as route_topk_ref
 from ft.runtime.layers.moe import route_sigmoid
 from ft.runtime.layers.norm import rms_norm as rms_norm_ref
@@ -238,7 +238,7 @@ def route_topk(logits: torch.Tensor, k: int, renormalize: bool,
     weights = torch.empty(T, k, dtype=torch.float32, device=logits.device)
     if T:
         block_e = triton.next_power_of_2(E)
-        routing = (sigmoid or SigmoidRoute(None, 1, 1, 1.0)).launch_args(logits)
+        routing = (sigmoid or NO_SIGMOID).launch_args(logits)
         _route_kernel[(T,)](logits, logits.stride(0), ids, weights, E, K=k, RENORM=bool(renormalize),
                             SIGMOID=sigmoid is not None, **routing, BLOCK_E=block_e, BLOCK_K=triton.next_power_of_2(k),
                             num_warps=min(8, max(1, block_e // TILES["route_elems_per_warp"])),

@@ -41,7 +41,7 @@ import triton.language as tl
 from ft.runtime.gpu.kernels.dense_gemv import fma_rows
 from ft.runtime.gpu.kernels.fused_ops import _cast, _rne_bits, _softmax_topk
 from ft.runtime.gpu.kernels.pdl import pdl_args, pdl_wait
-from ft.runtime.gpu.kernels.sigmoid_topk import SigmoidRoute, _sigmoid_topk
+from ft.runtime.gpu.kernels.sigmoid_topk import NO_SIGMOID, SigmoidRoute, _sigmoid_topk
 from ft.runtime.layers.moe import route, route_sigmoid
 
 MAX_TOKENS = 16
@@ -146,7 +146,7 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: bool
     t = launch_tiles(H, tiles)
     n_programs = triton.cdiv(E + (extra is not None), t["BLOCK_E"])
     scratch = torch.empty(T, E, dtype=torch.float32, device=x.device)
-    routing = (sigmoid or SigmoidRoute(None, 1, 1, 1.0)).launch_args(scratch)
+    routing = (sigmoid or NO_SIGMOID).launch_args(scratch)
     _router_kernel[(n_programs, T)](
         x, x.stride(0), weight, weight if extra is None else extra, scratch,
         weights if extra_logit is None else extra_logit, ids, weights, _counter(x.device), E, H, n_programs,

@@ -47,6 +47,9 @@ class SigmoidRoute:
                     BLOCK_G=triton.next_power_of_2(max(1, self.n_group)))
 
 
+NO_SIGMOID = SigmoidRoute(None, 1, 1, 1.0)  # the launch arguments of a softmax-routed call (SIGMOID off)
+
+
 @triton.jit
 def _sigmoid_topk(z, valid, bias, scale, E, K: tl.constexpr, RENORM: tl.constexpr, HAS_BIAS: tl.constexpr,
                   N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr):

@@ -210,8 +210,6 @@ def test_router_topk_cuda_model_shape(T):
 def _sigmoid_expected(logits, bias, k, n_group, topk_group, renorm, scale):
     """ids in descending c = sigmoid + bias within the kept groups (ties: lowest id / lowest group), weights as
     route_sigmoid: the reference with a defined order."""
-    from ft.runtime.gpu.kernels.sigmoid_topk import SigmoidRoute  # noqa: F401  (the module under test imports)
-
     s = logits.float().sigmoid()
     c = s + (bias if bias is not None else 0)
     T, E = c.shape
