@@ -81,9 +81,10 @@ class EngineSettings:
                           "model's bit for bit (the CPU sums in another order).")
     dense_weights: str = _opt("auto", "--dense-weights",
                               "CUDA only: quantized dense linears (FP8 / NVFP4 in ModelOpt checkpoints) dequantized "
-                              "to bf16 at load, or kept as stored and dequantized per call: 2-4x less VRAM for them, "
-                              "left to the expert cache, for extra work per prefill. auto: kept quantized when "
-                              "dequantized they would take over half of the VRAM budget, else dequantized.")
+                              "to bf16 at load, or kept as stored (decode reads them through a dequantizing GEMV, "
+                              "prefill dequantizes them per call): 2-4x less VRAM for them, left to the expert "
+                              "cache. auto: kept quantized when the budget cannot hold every expert with them "
+                              "dequantized, else dequantized.")
     plan: str | None = _opt(None, "--plan",
                             "CUDA only: the FTW's placement plan to start from (`ft plan` writes them: VRAM split, "
                             "experts preloaded into the cache, KV size), by NAME, or none. Default: the plan made "

@@ -1,6 +1,7 @@
 """Time the dense decode projections on cuBLAS (the call forms torch offers) and on the Triton skinny GEMM.
 
     python tools/bench_dense.py --out DIR [--quick] [--tokens 1,8]   # writes DIR/bench_dense.json, one line per row
+    python tools/bench_dense.py --compile-only [ARCH] [--quick]       # any machine: the quantized GEMV for sm_ARCH
 
 At decode a dense linear is a GEMV (T = 1) or a skinny GEMM (T = 8) that should stream its bf16 weight at HBM speed;
 cuBLAS picks its kernel by the call's shape and layout, e.g. split-K plus a reduce kernel for `F.linear` of
@@ -14,6 +15,11 @@ us is per call, `hbm_frac` the weight bytes per us over the HBM read rate measur
 Without --quick dense_gemv is also timed over `SWEEP` (FMA and tensor-core tiles; configurations whose launched tiles
 coincide are timed once): the JSON's "sweep" holds every timing, "best" the fastest tiles per shape and T, each
 printed against the default tiles and F.linear.
+
+The JSON's "quantized" rows time the dequantizing GEMV of linears kept quantized (`gpu/kernels/dense_quant.py`,
+`--dense-weights quantized`) on the stored formats of the two models' releases (`QUANT_SHAPES`), with its TILES and,
+without --quick, over `QUANT_SWEEP`; `hbm_frac` counts the stored bytes (codes and scales), `bf16_us` is the
+dense_gemv row of the same shape, the time the default (dequantized) placement spends.
 """
 
 from __future__ import annotations
@@ -42,6 +48,99 @@ SWEEP = ([{"DOT": False, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "acc_ele
           for bn, bk, nw, acc in itertools.product((1, 2, 4, 8, 16), (512, 2048), (2, 4, 8), (8192, 16384))]
          + [{"DOT": True, "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": nw, "num_stages": ns}     # num_warps 0: TILES'
             for bn, bk, nw, ns in itertools.product((8, 16, 32, 64), (128, 256, 512), (0, 4), (3, 4))])
+
+# (name, scheme, out, in): the linears the releases store quantized (geom: NVFP4 attention as nvidia/Qwen3-30B-A3B-FP4;
+# qwen3.6: FP8 attention / DeltaNet projections, NVFP4 shared expert and LM head as nvidia/Qwen3.6-35B-A3B-NVFP4)
+QUANT_SHAPES = [("qkv_proj geom", "nvfp4", 5120, 2048), ("o_proj geom", "nvfp4", 2048, 4096),
+                ("in_proj_qkvz", "fp8_row", 12288, 2048), ("out_proj", "fp8_row", 2048, 4096),
+                ("qkv_proj 3.6 gated", "fp8_row", 9216, 2048), ("o_proj 3.6", "fp8_row", 2048, 4096),
+                ("shared gate_up", "nvfp4", 1024, 2048), ("shared down", "nvfp4", 2048, 512),
+                ("lm_head 3.6", "nvfp4", 248320, 2048)]
+QUANT_SWEEP = [{"R": r, "BKW": b, "num_warps": w}
+               for r, b, w in itertools.product((2, 4, 8, 16), (16, 32, 64), (2, 4, 8))]
+
+
+def quantized_weights(scheme: str, n: int, k: int, copies: int, device) -> list[tuple]:
+    """`copies` random stored weights (weight, weight_scale, weight_scale_2) as `Linear` keeps them on the device."""
+    out = []
+    for _ in range(copies):
+        if scheme == "nvfp4":  # codes and scales in one allocation, codes first
+            buf = torch.randint(0, 256, (n * k // 2 + n * k // 16,), dtype=torch.uint8, device=device)
+            scales = buf[n * k // 2:].view(torch.float8_e4m3fn)
+            scales.copy_((torch.rand(scales.shape, device=device) + 0.5).to(torch.float8_e4m3fn))
+            out.append((buf[:n * k // 2].view(n, k // 2), scales.view(n, k // 16),
+                        torch.full((1,), 0.003, device=device)))
+        else:
+            w = (torch.randn(n, k, device=device) * 8).to(torch.float8_e4m3fn)
+            out.append((w, torch.rand(n, device=device) * 0.01, None))
+    return out
+
+
+def quantized(shapes, tokens, hbm: float, *, sweep: bool, device="cuda", time_us=None,
+              l2_bytes: int = L2_BYTES) -> list[dict]:
+    """The dequantizing GEMV per shape and T (TILES, then QUANT_SWEEP if `sweep`) -> rows {shape, scheme, N, K, T,
+    tiles, us, hbm_frac, max_rel_diff (against the fp32 reference), default}. `time_us(fns)`: us per call
+    (graph_us; tests pass a stand-in), over weight copies of at least `l2_bytes` together."""
+    from ft.runtime.gpu.kernels.dense_quant import quantized_gemv, reference_linear, tiles_for
+
+    time_us = time_us or (lambda fns: graph_us(fns, reps=len(fns)))
+    rows = []
+    for name, scheme, n, k in shapes:
+        stored = n * k // 2 + n * k // 16 if scheme == "nvfp4" else n * k
+        ws = quantized_weights(scheme, n, k, max(2, -(-l2_bytes // stored)), device)
+        for T in tokens:
+            x = torch.randn(T, k, device=device).to(torch.bfloat16)
+            want = reference_linear(scheme, x.cpu(), *(t.cpu() if t is not None else None for t in ws[0]))
+            configs = [None] + (QUANT_SWEEP if sweep else [])
+            for cfg in configs:
+                try:
+                    got = quantized_gemv(scheme, x, *ws[0], tiles=cfg).float().cpu()
+                    us = time_us([lambda w=w, c=cfg: quantized_gemv(scheme, x, *w, tiles=c) for w in ws])
+                except Exception as e:  # noqa: BLE001 - e.g. too many registers for a large tile: skip it, say so
+                    print(f"  {name} {cfg}: {type(e).__name__}: {str(e)[:120]}")
+                    continue
+                rows.append({"shape": name, "scheme": scheme, "N": n, "K": k, "T": T,
+                             "tiles": {**tiles_for(scheme, T), **(cfg or {})}, "us": round(us, 2),
+                             "hbm_frac": round(stored / us / 1e3 / hbm, 3), "default": cfg is None,
+                             "max_rel_diff": float((got - want).abs().max() / want.abs().max())})
+        del ws
+    return rows
+
+
+def compile_quantized(shapes, tokens, arch: int, *, sweep: bool, log=print) -> list[dict]:
+    """The dequantizing GEMV built for sm_<arch> with no GPU, per distinct (scheme, K), T and tile config: registers,
+    spill bytes and SASS instructions per weight (`moe_decode_compile.sass_stats`; the whole K is unrolled, so the
+    static count is what a program executes)."""
+    import triton
+
+    from moe_decode_compile import fmt_row, sass_stats
+
+    from ft.runtime.gpu.kernels import dense_quant as dq
+
+    rows = []
+    for scheme, k in dict.fromkeys((sc, k) for _, sc, _, k in shapes):
+        for T in tokens:
+            for cfg in [None] + (QUANT_SWEEP if sweep else []):
+                tile = {**dq.tiles_for(scheme, T), **(cfg or {})}
+                words = k // 16 if scheme == "nvfp4" else k // 8
+                consts = dict(R=tile["R"], A=triton.next_power_of_2(T), ASM=True, XBF16=True, PDL=True,
+                              BKW=min(tile["BKW"], triton.next_power_of_2(words)))
+                if scheme == "nvfp4":
+                    fn, consts = dq._nvfp4_gemv_kernel, dict(consts, KB=words, S2_PER_ROW=False)
+                    values = dict(w="*u8", OFF_S=16, s2="*fp32", x="*bf16", out="*bf16", N=4096, T=T)
+                else:
+                    fn, consts = dq._fp8_rows_gemv_kernel, dict(consts, KW=words)
+                    values = dict(w="*u8", scale="*fp32", x="*bf16", out="*bf16", N=4096, T=T)
+                row = {"scheme": scheme, "K": k, "T": T, "tiles": tile, "arch": arch}
+                try:
+                    st = sass_stats(fn, values, consts, tile["num_warps"], arch)
+                    row.update(regs=st["regs"], stack=st["stack"],
+                               instr_per_weight=round(st["instructions"] * tile["num_warps"] * 32 / (tile["R"] * k), 2))
+                except Exception as e:  # noqa: BLE001 - report every config
+                    row["error"] = f"{type(e).__name__}: {e}"[-400:]
+                rows.append(row)
+                log(fmt_row({**row, **{f"t_{a}": b for a, b in tile.items()}}))
+    return rows
 
 
 def forms(T: int):
@@ -79,12 +178,20 @@ def sweep(name, n, k, T, x, ws, want, hbm) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, help="directory for bench_dense.json (required unless --compile-only)")
     ap.add_argument("--quick", action="store_true", help="dense_gemv with its default tiles only, no sweep")
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="token counts T, comma-separated")
+    ap.add_argument("--compile-only", type=int, nargs="?", const=90, metavar="ARCH",
+                    help="build the quantized GEMV's configs for sm_ARCH (no GPU needed) and print their SASS figures")
     args = ap.parse_args()
+    if args.compile_only:
+        compile_quantized(QUANT_SHAPES, list(map(int, args.tokens.split(","))), args.compile_only,
+                          sweep=not args.quick)
+        return
     if not torch.cuda.is_available():
-        raise SystemExit("bench_dense: no CUDA device here; nothing to time")
+        raise SystemExit("bench_dense: no CUDA device here; nothing to time (--compile-only builds without one)")
+    if args.out is None:
+        raise SystemExit("bench_dense: --out DIR is required")
     args.out.mkdir(parents=True, exist_ok=True)
     hbm = hbm_read_gbs()
     print(f"HBM read {hbm:.0f} GB/s")
@@ -119,8 +226,16 @@ def main() -> None:
                 print(f"{name:20s} [{n:6d},{k:5d}] T={T} best   {b['us']:7.2f} us {100 * b['hbm_frac']:5.1f}% HBM"
                       f"  {b['tiles']}")
         del ws
+    quant = quantized(QUANT_SHAPES, list(map(int, args.tokens.split(","))), hbm, sweep=not args.quick)
+    bf16_us = {(r["shape"], r["T"]): r["us"] for r in rows if r["form"] == "triton"}
+    for r in quant:
+        r["bf16_us"] = bf16_us.get((r["shape"], r["T"]))
+    for r in (r for r in quant if r["default"]):
+        fastest = min((q for q in quant if (q["shape"], q["T"]) == (r["shape"], r["T"])), key=lambda q: q["us"])
+        print(f"{r['shape']:20s} {r['scheme']:7s} T={r['T']} {r['us']:7.2f} us {100 * r['hbm_frac']:5.1f}% HBM "
+              f"(bf16 {r['bf16_us']} us; best {fastest['us']} us {fastest['tiles']})")
     out = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "hbm_read_gbs": round(hbm, 1),
-           "default_tiles": TILES, "rows": rows, "best": best, "sweep": swept}
+           "default_tiles": TILES, "rows": rows, "best": best, "sweep": swept, "quantized": quant}
     (args.out / "bench_dense.json").write_text(json.dumps(out, indent=1))
 
 

@@ -88,9 +88,10 @@ def pdl_ab(eng: Engine) -> dict:
     return out
 
 
-def _engine(ftw, *, vram_budget: int | None = None, offload=None) -> Engine:
+def _engine(ftw, *, vram_budget: int | None = None, offload=None, dense_weights: str = "auto") -> Engine:
     return Engine(ftw, EngineSettings(device="cuda", kv_reserve_tokens=8192 + 256, max_prefill_length=4096,
-                                      max_running_requests=8, vram_budget=vram_budget), offload=offload)
+                                      max_running_requests=8, vram_budget=vram_budget, dense_weights=dense_weights),
+                  offload=offload)
 
 
 def prefill(model, tokens: int, repeat: int = 2) -> dict:
@@ -121,10 +122,13 @@ def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64, v
     allocator's peak plus what the device held outside the allocator while the engine ran (what nvidia-smi shows;
     meaningful for the first engine of a process only: later ones may find memory the earlier ones left).
     `variant`: OffloadConfig fields that differ from the default scheduler's (e.g. {"cpu_lane": False}: the GPU
-    copies every miss). `traces`: where the engine's routing trace goes (`preset` names the file)."""
+    copies every miss; "dense" is `--dense-weights`, e.g. {"dense": "dequantized"}). `traces`: where the engine's
+    routing trace goes (`preset` names the file)."""
     torch.cuda.reset_peak_memory_stats()
     t = time.perf_counter()
-    eng = _engine(ftw, vram_budget=int(gib * (1 << 30)), offload=OffloadConfig(**{"trace_limit": TRACE, **variant}))
+    fields = {"trace_limit": TRACE, **(variant or {})}
+    dense = fields.pop("dense", "auto")
+    eng = _engine(ftw, vram_budget=int(gib * (1 << 30)), offload=OffloadConfig(**fields), dense_weights=dense)
     lane = eng._experts.opts.cpu_lane
     model, ex = eng.model, eng._experts
     res: dict = {"budget_gib": gib, "mode": ex.opts.mode, "variant": variant or {}, "cpu_lane": lane,

@@ -1,15 +1,12 @@
-"""Check and time the NVFP4 MoE kernel on the GPU: decode (batch 1, top-k) and prefill (many tokens, all experts).
-
-GB/s counts each routed expert's payload bytes once per call (what the kernel must read at least); the check
-compares against the PyTorch reference on fresh random records and inputs.
-
-`bench_decode_device` (appended to `bench_kernel`'s rows, `"path"` says which) times decode shapes three ways:
+"""Records and timings shared by the MoE kernel benchmarks: synthetic NVFP4 banks with random block scales
+(`_bench_records`, also bench_moe_prefill's), and `bench_decode_device`, which times decode shapes three ways:
 "host+sync" is what a host-planned call costs (routing to the host, slot lookup, `plan_blocks`, `moe_nvfp4`);
 "device/<combine>" the device-planned kernels of `nvfp4_decode.py` with routing and slot table on the device, per
 block config; "device/pairs+graph" the same call captured in a CUDA graph and replayed (checked bit-equal to eager);
 "device/mapped" the same kernel with no expert in VRAM, every record read from page-locked host memory over the bus
 (the kernel pulls records across PCIe itself); "device/gather+compute" mode mapped's miss path: the misses copied by
 `gather_missing` into staging rows, then the resident kernel; "device/gather" the copy alone (its GB/s: the link).
+GB/s counts each routed expert's payload bytes once per call (what the kernel must read at least).
 """
 
 from __future__ import annotations
@@ -41,86 +38,6 @@ def _bench_records(layout: RecordLayout, num_experts: int, seed: int, g: torch.G
         vals = torch.exp2(torch.rand(num_experts, n, generator=g) * 6 - 8).to(torch.float8_e4m3fn)
         host[:, off:off + n] = vals.view(torch.uint8)
     return host
-
-
-def bench_kernel(*, hidden: int = 2048, inter: int = 512, num_experts: int = 256, top_k: int = 8,
-                 tokens: tuple[int, ...] = (1, 4, 512, 2048), seed: int = 0, decode_device: bool = True) -> list[dict]:
-    from ft.runtime.gpu.host_plan import moe_nvfp4
-
-    dev = torch.device("cuda")
-    layout = RecordLayout.packed(hidden, inter)
-    g = torch.Generator().manual_seed(seed)
-    host = _bench_records(layout, num_experts, seed, g)
-    pool = host.to(dev)
-    rng = np.random.default_rng(seed)
-    rows = []
-    for T in tokens:
-        x = torch.randn(T, hidden, generator=g).to(torch.bfloat16)
-        slots = _random_slots(T, top_k, num_experts, rng)
-        w = torch.rand(T, top_k, generator=g)
-        xd, wd = x.to(dev), w.to(dev)
-        y = moe_nvfp4(pool, layout, xd, slots, wd)
-        check_T = min(T, 16)  # the reference is slow; check the first rows
-        ref = moe_ref(host, layout, x[:check_T], torch.from_numpy(slots[: check_T * top_k]).view(check_T, top_k),
-                      w[:check_T])
-        err = float((y[:check_T].cpu().double() - ref.double()).norm() / ref.double().norm())
-        ms = _time_ms(lambda: moe_nvfp4(pool, layout, xd, slots, wd))
-        n_exp = len(np.unique(slots))
-        nbytes = n_exp * layout.payload_bytes
-        flops = 2 * T * top_k * (3 * hidden * inter)
-        rows.append({"path": "host", "tokens": T, "experts_touched": n_exp, "ms": ms, "gbs": nbytes / ms / 1e6,
-                     "tflops": flops / ms / 1e9, "rel_err": err})
-    if decode_device:
-        rows += bench_decode_device(hidden=hidden, inter=inter, num_experts=num_experts, top_k=top_k, seed=seed)
-        rows += bench_dense_quant(seed=seed)
-    return rows
-
-
-DENSE_SHAPES = (("lm_head", "nvfp4", 248320, 2048), ("deltanet.in_proj_qkvz", "fp8_row", 12288, 2048),
-                ("attn.o_proj", "fp8_row", 2048, 4096))  # Qwen3.6-35B-A3B
-
-
-def bench_dense_quant(*, shapes=DENSE_SHAPES, tokens: tuple[int, ...] = (1, 4), seed: int = 0,
-                      device: str = "cuda") -> list[dict]:
-    """Quantized dense linears at decode: the dequantizing GEMV (`dense_quant.py`), the chunked dequantization path
-    (`Linear` for more rows), and F.linear on the bf16 copy the default path holds. GB/s counts the bytes each path
-    must read at least (the stored weight; the bf16 weight). `device="cpu"` (interpreter, tiny shapes) only
-    exercises this code in tests."""
-    from ft.runtime.layers import linear as linear_mod
-    from ft.runtime.layers.linear import Linear
-
-    dev = torch.device(device)
-    g = torch.Generator().manual_seed(seed + 2)
-    rows = []
-    for name, scheme, n, k in shapes:
-        parts = ({"weight": torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g),
-                  "weight_scale": (torch.rand(n, k // 16, generator=g) + 0.5).to(torch.float8_e4m3fn),
-                  "weight_scale_2": torch.tensor(0.003)} if scheme == "nvfp4" else
-                 {"weight": (torch.randn(n, k, generator=g) * 8).to(torch.float8_e4m3fn),
-                  "weight_scale": torch.rand(n, generator=g) * 0.01})
-        ops = {}
-        for keep in (False, True):
-            op = Linear()
-            for key, t in parts.items():
-                setattr(op, key, t.to(dev))  # prepare dequantizes where the tensors are
-            op.bias = None
-            op.prepare(name, scheme, torch.bfloat16, dev, keep_quantized=keep)
-            ops[keep] = op
-        stored = sum(t.numel() * t.element_size() for t in (ops[True].weight, ops[True].weight_scale))
-        for T in tokens:
-            x = torch.randn(T, k, generator=g).to(torch.bfloat16).to(dev)
-            want = ops[False](x).float()
-            base = {"path": f"dense/{scheme}", "linear": name, "tokens": T, "shape": [n, k]}
-            for how, fn, nbytes in (
-                    ("gemv", lambda: ops[True](x), stored),
-                    ("chunked", lambda: ops[True]._chunked(x), stored),
-                    ("bf16", lambda: ops[False](x), n * k * 2)):
-                err = float((fn().float() - want).norm() / want.norm())
-                ms = _time_ms(fn)
-                rows.append({**base, "method": how, "ms": ms, "gbs": nbytes / ms / 1e6, "rel_err_vs_bf16": err})
-                if how == "gemv" and dev.type not in linear_mod.GEMV_DEVICES:
-                    rows[-1]["error"] = "the GEMV failed and Linear fell back to chunked dequantization (see the log)"
-    return rows
 
 
 DEVICE_CONFIGS = (  # block configs of the device-planned kernels tried per decode shape

@@ -223,21 +223,22 @@ def deltanet(g: Geometry, lengths: list[int]) -> None:
 
 
 def dense(g: Geometry, lengths: list[int]) -> None:
-    from ft.runtime.gpu.kernels.dense_gemv import MAX_TOKENS, dense_gemv
-    from ft.runtime.gpu.kernels.dense_quant import quantized_gemv, supported
+    from ft.runtime.gpu.kernels import dense_gemv as dg, dense_quant as dq
 
     for scheme, N, K in g.linears:
-        for T in (t for t in lengths if t <= MAX_TOKENS):
+        for T in (t for t in lengths if t <= (dg.MAX_TOKENS if scheme is None else dq.MAX_TOKENS)):
             x = torch.zeros(T, K, dtype=g.dtype)
             if scheme is None:
-                dense_gemv(x, torch.zeros(N, K, dtype=g.dtype))
-            elif scheme == "nvfp4" and supported(scheme, K):
+                dg.dense_gemv(x, torch.zeros(N, K, dtype=g.dtype))
+            elif not dq.supported(scheme, K, g.dtype):
+                continue
+            elif scheme == "nvfp4":
                 buf = torch.zeros(N * K // 2 + N * K // 16, dtype=torch.uint8)
                 w, s = buf[:N * K // 2].view(N, K // 2), buf[N * K // 2:].view(torch.float8_e4m3fn).view(N, K // 16)
                 for s2 in (torch.ones(1), torch.ones(N)):
-                    quantized_gemv("nvfp4", x, w, s, s2)
-            elif scheme == "fp8_row":
-                quantized_gemv("fp8_row", x, torch.zeros(N, K, dtype=torch.float8_e4m3fn), torch.ones(N), None)
+                    dq.quantized_gemv("nvfp4", x, w, s, s2)
+            else:
+                dq.quantized_gemv("fp8_row", x, torch.zeros(N, K, dtype=torch.float8_e4m3fn), torch.ones(N), None)
 
 
 def embedding(g: Geometry, lengths: list[int]) -> None:

@@ -55,10 +55,13 @@ def eager_reason(config) -> str | None:
 
 
 def _weight_bytes(model) -> int:
+    """The dense weights' bytes as a GPU would hold them (CPU emulation of a budget): an untied embedding table stays
+    in host memory there (`sizing.dense_weight_bytes`)."""
     total = [0]
+    host = "" if model.config.tie_word_embeddings else "embed_tokens.weight"
 
-    def count(_name: str, t: torch.Tensor) -> torch.Tensor:
-        total[0] += t.numel() * t.element_size()
+    def count(name: str, t: torch.Tensor) -> torch.Tensor:
+        total[0] += 0 if name == host else t.numel() * t.element_size()
         return t
 
     model.map_weights(count)
@@ -96,7 +99,7 @@ def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, m
     if dense_weights is not None:
         opts = dataclasses.replace(opts, dense=resolve_dense(reader, dense_weights, budget))  # OffloadConfig checks
         if dense_weights == "auto" and opts.dense == "quantized":
-            log.info("dense weights kept quantized: dequantized they would take over half of the VRAM budget")
+            log.info("dense weights kept quantized: the VRAM budget cannot hold every expert with them dequantized")
     placement = None  # the FTW's plan for this machine, or one made now (`ft.runtime.plan.select`); before loading
     if budget is not None and plan_name != "none":
         from ft.runtime.plan.select import choose_placement
@@ -122,7 +125,7 @@ def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, m
                             max_context=model.config.max_position_embeddings, stride=experts.layout.stride,
                             prefill_slots=opts.prefill_slots, max_slots=max_slots,
                             reserve=resolve_reserve(opts.reserve_bytes, reader, max_prefill_length or getattr(
-                                placement, "prefill_chunk", None)),
+                                placement, "prefill_chunk", None), dense_quantized=keep),
                             dense_quantized=keep, outside=outside)
     num_slots = opts.num_slots if opts.num_slots is not None else (plan.num_slots if plan else None)
     if opts.mode == "resident":

@@ -24,8 +24,9 @@ class OffloadConfig:
       slots get what is left when the first MoE call arrives (or what the engine's VRAM plan gives them). With
       neither a budget nor num_slots, allocating the pool fails (mode resident needs neither).
     dense: how quantized dense linears (NVFP4 / FP8 in ModelOpt checkpoints) sit on the GPU: dequantized to the
-      compute dtype at load (default), or quantized as stored and dequantized chunk by chunk per call (2-4x less VRAM
-      for them, which goes to the expert cache, for one extra pass over those weights per call; same results).
+      compute dtype at load, or quantized as stored (2-4x less VRAM for them, which goes to the expert cache; decode
+      reads them through a dequantizing GEMV, prefill dequantizes them chunk by chunk per call; same values). The
+      engine resolves `--dense-weights auto` into one of the two at load (`sizing.resolve_dense`).
     """
 
     mode: str = "mapped"

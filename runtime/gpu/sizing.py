@@ -126,13 +126,17 @@ def activation_reserve(cfg: ModelConfig, chunk: int, elem: int) -> int:
     return int(RESERVE_MARGIN * (chunk * stream + widest)) + RESERVE_SLACK
 
 
-def resolve_reserve(given: int | None, reader: FtwReader, chunk: int | None) -> int:
+def resolve_reserve(given: int | None, reader: FtwReader, chunk: int | None, *, dense_quantized: bool = False) -> int:
     """The activation reserve: `given` (OffloadConfig.reserve_bytes), else `activation_reserve` for prefill chunks of
-    `chunk` tokens (None: the engine's default at a budget, OFFLOADED_PREFILL_CHUNK) in the FTW's compute dtype."""
+    `chunk` tokens (None: the engine's default at a budget, OFFLOADED_PREFILL_CHUNK) in the FTW's compute dtype, plus,
+    with dense linears kept quantized, what a prefill projection's dequantization holds (`linear.DEQUANT_TRANSIENT`)."""
+    from ft.runtime.layers.linear import DEQUANT_TRANSIENT
+
     if given is not None:
         return given
     elem = reader.tensor("embed_tokens.weight").element_size()
-    return activation_reserve(reader.config, chunk or OFFLOADED_PREFILL_CHUNK, elem)
+    dequant = DEQUANT_TRANSIENT if dense_quantized and reader.quant.get("linears") else 0
+    return activation_reserve(reader.config, chunk or OFFLOADED_PREFILL_CHUNK, elem) + dequant
 
 
 KV_TARGET_TOKENS = 65536  # default KV budget: room for one coding agent's long conversation
@@ -254,16 +258,17 @@ def dense_weight_bytes(reader: FtwReader, *, keep_quantized: bool) -> tuple[int,
     return nonlayer, per_layer
 
 
-DENSE_AUTO_SHARE = 0.5  # --dense-weights auto: past this share of the budget, dequantized dense weights crowd out
-
-
 def resolve_dense(reader: FtwReader, choice: str, budget: int | None) -> str:
-    """`--dense-weights` as the engine applies it: "auto" keeps an FTW's quantized dense linears as stored when
-    dequantizing them would take more than DENSE_AUTO_SHARE of the VRAM budget (GLM-4.5-Air's 13 GB at 8 GiB: it
-    would not even start), else dequantizes them (the faster prefill); "dequantized" and "quantized" pass through."""
+    """`--dense-weights` as the engine applies it: "auto" keeps an FTW's quantized dense linears as stored whenever the
+    budget cannot hold the model with them dequantized (dense weights plus every expert record): the experts then
+    compete with the dense weights for VRAM, and every byte the stored form saves (2-4x) becomes expert slots, while
+    the dequantizing GEMV reads fewer bytes per decode step than the bf16 copy (`kernels/dense_quant.py`). A budget
+    that holds everything dequantized keeps the bf16 copy (the plain GEMMs of prefill, no dequantization per call).
+    "dequantized" and "quantized" pass through."""
     if choice != "auto":
         return choice
     if budget is None or not reader.quant.get("linears"):
         return "dequantized"
     nonlayer, per_layer = dense_weight_bytes(reader, keep_quantized=False)
-    return "quantized" if nonlayer + sum(per_layer.values()) > DENSE_AUTO_SHARE * budget else "dequantized"
+    experts = sum(b.num_experts * b.stride for b in map(reader.bank, reader.bank_names()))
+    return "quantized" if nonlayer + sum(per_layer.values()) + experts > budget else "dequantized"

@@ -116,7 +116,8 @@ class GpuExperts:
         else:
             used = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
             n = plan_num_slots(o.vram_budget, used + extra * stride, stride,
-                               reserve=resolve_reserve(o.reserve_bytes, self._reader, None),
+                               reserve=resolve_reserve(o.reserve_bytes, self._reader, None,
+                                                       dense_quantized=o.dense == "quantized"),
                                max_slots=len(self.moe_layers) * self.E)
         self.num_slots = n
         self.pool = torch.empty(n + extra, stride, dtype=torch.uint8, device=self.device)

@@ -4,9 +4,10 @@
 * `nvfp4`: `weight` u8 [out, in/2], `weight_scale` f8_e4m3 [out, in/16], `weight_scale_2` f32 [out];
 * `fp8_row`: `weight` f8_e4m3 [out, in], `weight_scale` f32 [out].
 By default a quantized linear is dequantized once, at `prepare`, into the compute dtype (exact up to that dtype's
-rounding). With `keep_quantized` (opt-in on the GPU, `OffloadConfig(dense="quantized")`: the weights take 2-4x less
-room, which goes to the expert cache) the stored bytes move to the device as they are. On CUDA, calls of at most
-`GEMV_MAX_TOKENS` rows (decode) run a dequantizing GEMV that reads the stored bytes once (`gpu.kernels.dense_quant`);
+rounding). With `keep_quantized` (on the GPU, `OffloadConfig(dense="quantized")`, which `--dense-weights auto`
+chooses at budgets that cannot hold every expert: the weights take 2-4x less room, which goes to the expert cache) the
+stored bytes move to the device as they are. On CUDA, calls of at most `GEMV_MAX_TOKENS` bf16 rows (decode) run a
+dequantizing GEMV that reads the stored bytes once (`gpu.kernels.dense_quant`);
 other calls dequantize `CHUNK_BYTES` of weight rows at a time into the same compute-dtype values the default path
 holds and multiply by them (the same results, for a transient of one chunk and one extra pass over the weight).
 Plain bf16 / fp16 weights on a GEMV device (decided at `prepare`: `_gemv`) run calls of at most `dense_gemv.MAX_TOKENS`
@@ -26,8 +27,11 @@ from ft.runtime.layers.base import REQUIRED, Op, place
 
 PLAIN_SCHEMES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 QUANT_SCHEMES = ("nvfp4", "fp8_row")
-CHUNK_BYTES = 64 << 20  # fp32 dequantization transient per chunk of rows (keep_quantized)
-GEMV_MAX_TOKENS = 8  # keep_quantized: rows of x up to which the dequantizing GEMV runs
+CHUNK_BYTES = 16 << 20  # fp32 dequantization transient per chunk of rows (keep_quantized)
+# what `_chunked` holds at once beyond x and y: NVFP4's int64 codes and fp32 values, the scaled fp32 chunk and its
+# compute-dtype copy (about 4.5 chunks); the VRAM split reserves it when dense linears stay quantized
+DEQUANT_TRANSIENT = 5 * CHUNK_BYTES
+GEMV_MAX_TOKENS = 8  # keep_quantized: rows of x up to which the dequantizing GEMV runs (= dense_quant.MAX_TOKENS)
 DENSE_GEMV_MAX_TOKENS = 16  # plain weights: rows of x up to which the dense GEMV runs (= dense_gemv.MAX_TOKENS)
 GEMV_DEVICES = ["cuda"]  # where the GEMVs run (tests add "cpu" under TRITON_INTERPRET=1; emptied if one fails to run)
 DENSE_GEMV_DTYPES = (torch.bfloat16, torch.float16)  # plain weights the dense GEMV takes (fp32: cuBLAS)
@@ -124,7 +128,7 @@ class Linear(Op):
         if self.weight.device.type in GEMV_DEVICES and x.numel() <= GEMV_MAX_TOKENS * k:
             from ft.runtime.gpu.kernels.dense_quant import quantized_gemv, supported
 
-            if supported(self._scheme, k):
+            if supported(self._scheme, k, x.dtype):
                 try:
                     y = quantized_gemv(self._scheme, x.reshape(-1, k).contiguous(), self.weight, self.weight_scale,
                                        self.weight_scale_2)

@@ -75,14 +75,13 @@ def make_plan(reader: FtwReader, settings: EngineSettings, routing: RoutingProfi
             outside = held + LATE_OUTSIDE
         nonlayer, per_layer = dense_weight_bytes(reader, keep_quantized=keep)
         dense = nonlayer + sum(per_layer.values())
-        if not cuda and not cfg.tie_word_embeddings:  # the CPU emulation counts the host-side embedding table too
-            dense += reader.tensor("embed_tokens.weight").nbytes
     per_token, per_seq = state_bytes(cfg, reader.tensor("embed_tokens.weight").dtype)
 
     vram = split_budget(budget, dense=dense, per_token=per_token, per_seq=per_seq,
                         max_running_requests=settings.max_running_requests, kv_tokens=settings.kv_reserve_tokens,
                         max_context=cfg.max_position_embeddings, stride=stride, prefill_slots=opts.prefill_slots,
-                        reserve=resolve_reserve(opts.reserve_bytes, reader, settings.max_prefill_length),
+                        reserve=resolve_reserve(opts.reserve_bytes, reader, settings.max_prefill_length,
+                                                dense_quantized=keep),
                         max_slots=len(moe) * E, dense_quantized=keep, outside=outside)
     geom = speed.Geometry(cfg.num_layers, len(moe), cfg.num_experts_per_tok, E, stride, layout.payload_bytes, dense)
     r = rates(dev, layout.payload_bytes, load_profile(dev.index or 0) if cuda else None)

@@ -49,6 +49,12 @@ def _e2m1_pair(w, J: tl.constexpr, ASM: tl.constexpr):
     # w u32 (8 codes, code i in bits 4i..4i+3) -> fp32 (code J, code J + 4), each the E2M1 value * 2^-14
     s = w >> (4 * J)
     t = ((s & 0x70007) << 9) | ((s & 0x80008) << 12)  # two fp16 patterns `s00eee0..`, one per 16-bit half
+    return f16x2_f32(t, ASM)
+
+
+@triton.jit
+def f16x2_f32(t, ASM: tl.constexpr):
+    # u32 holding two fp16 bit patterns -> fp32 (low half, high half)
     if ASM:
         lo, hi = tl.inline_asm_elementwise(
             "{ .reg .b16 l, h; mov.b32 {l, h}, $2; cvt.f32.f16 $0, l; cvt.f32.f16 $1, h; }",
@@ -75,51 +81,66 @@ def _bf16_at(lo, hi, J: tl.constexpr):
 
 
 @triton.jit
-def _block_dot(words, xw, xm, R: tl.constexpr, A: tl.constexpr, BKB: tl.constexpr, ASM: tl.constexpr):
-    # words u64 [R, A, BKB]; xw u64 pointers [1, A or 1, BKB]: a block's 16 bf16 activations are the 4 u64 at
-    # xw .. xw + 3 -> fp32 [R, A, BKB] = sum_i E2M1_i * 2^-14 * x[16b + i]
+def _block_dot(words, xw, xm, R: tl.constexpr, A: tl.constexpr, BKB: tl.constexpr, ASM: tl.constexpr,
+               XBF16: tl.constexpr = True):
+    # words u64 [R, A, BKB]; XBF16: xw u64 pointers [1, A or 1, BKB], a block's 16 bf16 activations the 4 u64 at
+    # xw .. xw + 3; else xw typed pointers to the block's 16 activations (fp16 / fp32: one load each)
+    # -> fp32 [R, A, BKB] = sum_i E2M1_i * 2^-14 * x[16b + i]
     lo = words.to(tl.uint32)  # codes 0..7 of the block
     hi = (words >> 32).to(tl.uint32)  # codes 8..15
-    x0 = tl.load(xw, mask=xm, other=0)  # activations 0..3
-    x1 = tl.load(xw + 1, mask=xm, other=0)  # 4..7
-    x2 = tl.load(xw + 2, mask=xm, other=0)  # 8..11
-    x3 = tl.load(xw + 3, mask=xm, other=0)  # 12..15
-    x0l, x0h = x0.to(tl.uint32), (x0 >> 32).to(tl.uint32)
-    x1l, x1h = x1.to(tl.uint32), (x1 >> 32).to(tl.uint32)
-    x2l, x2h = x2.to(tl.uint32), (x2 >> 32).to(tl.uint32)
-    x3l, x3h = x3.to(tl.uint32), (x3 >> 32).to(tl.uint32)
     acc = tl.zeros([R, A, BKB], dtype=tl.float32)
-    for j in tl.static_range(4):  # codes j, j + 4 (low u32) and j + 8, j + 12 (high u32)
-        e0, e4 = _e2m1_pair(lo, j, ASM)
-        e8, e12 = _e2m1_pair(hi, j, ASM)
-        acc += e0 * _bf16_at(x0l, x0h, j)
-        acc += e4 * _bf16_at(x1l, x1h, j)
-        acc += e8 * _bf16_at(x2l, x2h, j)
-        acc += e12 * _bf16_at(x3l, x3h, j)
+    if XBF16:
+        x0 = tl.load(xw, mask=xm, other=0)  # activations 0..3
+        x1 = tl.load(xw + 1, mask=xm, other=0)  # 4..7
+        x2 = tl.load(xw + 2, mask=xm, other=0)  # 8..11
+        x3 = tl.load(xw + 3, mask=xm, other=0)  # 12..15
+        x0l, x0h = x0.to(tl.uint32), (x0 >> 32).to(tl.uint32)
+        x1l, x1h = x1.to(tl.uint32), (x1 >> 32).to(tl.uint32)
+        x2l, x2h = x2.to(tl.uint32), (x2 >> 32).to(tl.uint32)
+        x3l, x3h = x3.to(tl.uint32), (x3 >> 32).to(tl.uint32)
+        for j in tl.static_range(4):  # codes j, j + 4 (low u32) and j + 8, j + 12 (high u32)
+            e0, e4 = _e2m1_pair(lo, j, ASM)
+            e8, e12 = _e2m1_pair(hi, j, ASM)
+            acc += e0 * _bf16_at(x0l, x0h, j)
+            acc += e4 * _bf16_at(x1l, x1h, j)
+            acc += e8 * _bf16_at(x2l, x2h, j)
+            acc += e12 * _bf16_at(x3l, x3h, j)
+    else:
+        for j in tl.static_range(4):
+            e0, e4 = _e2m1_pair(lo, j, ASM)
+            e8, e12 = _e2m1_pair(hi, j, ASM)
+            acc += e0 * tl.load(xw + j, mask=xm, other=0).to(tl.float32)
+            acc += e4 * tl.load(xw + 4 + j, mask=xm, other=0).to(tl.float32)
+            acc += e8 * tl.load(xw + 8 + j, mask=xm, other=0).to(tl.float32)
+            acc += e12 * tl.load(xw + 12 + j, mask=xm, other=0).to(tl.float32)
     return acc
 
 
 @triton.jit
 def rows_dot(rec, OFF_C, OFF_S, rows, row_mask, xrow, x_mask, KB: tl.constexpr,
              R: tl.constexpr, A: tl.constexpr, BKB: tl.constexpr, ASM: tl.constexpr,
-             GPS: tl.constexpr = 1, E8M0: tl.constexpr = False):
+             GPS: tl.constexpr = 1, E8M0: tl.constexpr = False, XBF16: tl.constexpr = True):
     """R weight rows of each of A records against each record's activation row -> fp32 [R, A] (module docstring).
 
     rec u8 pointers, a scalar or [1, A, 1] (record bases); rows int [R, A or 1, 1]; row_mask bool broadcastable to
-    [R, A, 1]; xrow bf16 pointers, a scalar or [1, A, 1], to activation rows of K = 16 * KB elements, 8-byte aligned;
+    [R, A, 1]; xrow bf16 pointers, a scalar or [1, A, 1], to activation rows of K = 16 * KB elements, 8-byte aligned
+    (XBF16 = False: fp16 / fp32 rows, read one element at a time: dense linears of such models, `dense_quant.py`);
     x_mask bool broadcastable to [1, A, 1]. Codes at rec + OFF_C (u8 [rows, K/2]), scales at rec + OFF_S (u8
     [rows, K/(16 GPS)]: e4m3 per 16 codes, GPS = 1, NVFP4; or E8M0 per 32, GPS = 2, E8M0, MXFP4); BKB words (power of
     two) per unrolled K chunk. Exactly 0 where row_mask is false. ASM: CUDA only."""
     kb = tl.max_contiguous(tl.arange(0, BKB), 1)[None, None, :]  # one word per thread along K: see the docstring
     wp = (rec + OFF_C).to(tl.pointer_type(tl.uint64)) + rows.to(tl.int64) * KB  # row: KB words
     sp = rec + OFF_S + rows.to(tl.int64) * (KB // GPS)  # row: KB / GPS scale bytes
-    xw = xrow.to(tl.pointer_type(tl.uint64))  # 4 u64 of activations per word of codes
+    xw = xrow.to(tl.pointer_type(tl.uint64))  # 4 u64 of activations per word of codes (XBF16)
     acc = tl.zeros([R, A, BKB], dtype=tl.float32)
     for k0 in tl.static_range(0, KB, BKB):
         in_k = (k0 + kb) < KB
         m = row_mask & in_k
         words = tl.load(wp + (k0 + kb), mask=m, other=0)
         sc = tl.load(sp + (k0 + kb) // GPS, mask=m, other=0)  # GPS = 2: two words share a scale byte
-        part = _block_dot(words, xw + 4 * (k0 + kb), x_mask & in_k, R, A, BKB, ASM)
+        if XBF16:
+            part = _block_dot(words, xw + 4 * (k0 + kb), x_mask & in_k, R, A, BKB, ASM)
+        else:
+            part = _block_dot(words, xrow + 16 * (k0 + kb), x_mask & in_k, R, A, BKB, ASM, False)
         acc += part * _scale_shifted(sc.to(tl.uint16), E8M0)
     return tl.sum(acc, axis=2)

@@ -1,5 +1,5 @@
-"""--dense-weights auto: an FTW's quantized dense linears stay quantized on the GPU when dequantizing them would take
-over half of the VRAM budget, else they are dequantized; the engine and `ft plan` resolve it the same way."""
+"""--dense-weights auto: an FTW's quantized dense linears stay quantized on the GPU when the budget cannot hold every
+expert with them dequantized, else they are dequantized; the engine and `ft plan` resolve it the same way."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from ft.formats import FtwReader
 from ft.runtime.engine import Engine, EngineSettings
 from ft.runtime.gpu.offload_config import OffloadConfig
-from ft.runtime.gpu.sizing import DENSE_AUTO_SHARE, dense_weight_bytes, resolve_dense
+from ft.runtime.gpu.sizing import dense_weight_bytes, resolve_dense
 
 
 @pytest.fixture(scope="module")
@@ -18,12 +18,17 @@ def reader(ftw_for):
     return r
 
 
-def test_auto_keeps_them_quantized_when_dequantized_they_would_crowd_the_budget(reader):
+def _everything_dequantized(reader) -> int:
     nonlayer, per_layer = dense_weight_bytes(reader, keep_quantized=False)
-    dequantized = nonlayer + sum(per_layer.values())
-    edge = int(dequantized / DENSE_AUTO_SHARE)
+    banks = [reader.bank(n) for n in reader.bank_names()]
+    assert banks and nonlayer > 0
+    return nonlayer + sum(per_layer.values()) + sum(b.num_experts * b.stride for b in banks)
+
+
+def test_auto_keeps_them_quantized_when_the_experts_compete_with_them_for_the_budget(reader):
+    edge = _everything_dequantized(reader)
     assert resolve_dense(reader, "auto", edge - 1) == "quantized"
-    assert resolve_dense(reader, "auto", edge + 1) == "dequantized"
+    assert resolve_dense(reader, "auto", edge) == "dequantized"
     assert resolve_dense(reader, "auto", None) == "dequantized"  # no budget: nothing to share
     for choice in ("dequantized", "quantized"):  # explicit choices pass through
         assert resolve_dense(reader, choice, edge - 1) == choice
@@ -34,8 +39,7 @@ def test_auto_dequantizes_an_ftw_without_quantized_dense_linears(ftw_for):
 
 
 def test_the_engine_applies_it(reader):
-    nonlayer, per_layer = dense_weight_bytes(reader, keep_quantized=False)
-    tight = int((nonlayer + sum(per_layer.values())) / DENSE_AUTO_SHARE) - 1
+    tight = _everything_dequantized(reader) - 1
     kw = dict(device="cpu", kv_reserve_tokens=16, max_running_requests=1)
     for budget, want in ((tight, True), (64 << 30, False)):
         eng = Engine(reader, EngineSettings(vram_budget=budget, **kw),

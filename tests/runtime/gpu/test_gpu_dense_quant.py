@@ -14,8 +14,8 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 def _nvfp4(n: int, k: int, g: torch.Generator, scales_first: bool, per_row: bool):
     """codes u8 [n, k/2] and e4m3 scales [n, k/16] carved from one buffer (as Linear keeps them)."""
     nc, ns = n * k // 2, n * k // 16
-    buf = torch.empty(nc + ns + 64, dtype=torch.uint8)
-    c0, s0 = (ns + 64, 0) if scales_first else (0, nc + 64)
+    buf = torch.empty(nc + ns + 96, dtype=torch.uint8)
+    c0, s0 = (-(-ns // 16) * 16 + 64, 0) if scales_first else (0, nc + 64)  # codes 16-byte aligned
     buf[c0:c0 + nc] = torch.randint(0, 256, (nc,), dtype=torch.uint8, generator=g)
     buf[s0:s0 + ns] = (torch.rand(ns, generator=g) * 2 + 0.25).to(torch.float8_e4m3fn).view(torch.uint8)
     buf = buf.to(DEVICE)
@@ -25,9 +25,10 @@ def _nvfp4(n: int, k: int, g: torch.Generator, scales_first: bool, per_row: bool
     return codes, scales, s2.to(DEVICE)
 
 
-@pytest.mark.parametrize("n,k,t", [(40, 64, 1), (33, 96, 3), (64, 256, 2)])
+@pytest.mark.parametrize("n,k,t", [(40, 64, 1), (33, 96, 3), (64, 256, 2), (17, 1024, 8), (9, 48, 5)])
 @pytest.mark.parametrize("layout", ["codes_first_per_row", "scales_first_scalar"])
 def test_nvfp4_gemv_matches_the_reference(n, k, t, layout):
+    # k 96, 48: whole rows are not a power of two of words (masked K chunk); 1024: several unrolled chunks
     g = torch.Generator().manual_seed(n * k + t)
     codes, scales, s2 = _nvfp4(n, k, g, layout.startswith("scales_first"), layout.endswith("per_row"))
     x = torch.randn(t, k, generator=g).to(torch.bfloat16).to(DEVICE)
@@ -37,24 +38,57 @@ def test_nvfp4_gemv_matches_the_reference(n, k, t, layout):
     torch.testing.assert_close(got.float().cpu(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("n,k,t", [(40, 64, 1), (33, 200, 4)])  # 200: K not a multiple of the tile
+@pytest.mark.parametrize("n,k,t", [(40, 64, 1), (33, 208, 4), (70, 1024, 8), (5, 16, 3)])
 def test_fp8_rows_gemv_matches_the_reference(n, k, t):
+    # 208: 26 words a row (a masked chunk); 1024: two unrolled chunks; 16: two words
     g = torch.Generator().manual_seed(n + k)
     w = (torch.randn(n, k, generator=g) * 16).to(torch.float8_e4m3fn)
+    w[0, :8] = torch.tensor([0.0, -0.0, 2 ** -9, -(2 ** -7), 448.0, -448.0, 1.125, -3.5]).to(torch.float8_e4m3fn)
     s = torch.rand(n, generator=g) * 0.1 + 0.01
-    x = torch.randn(t, k, generator=g).to(torch.float32)
+    x = torch.randn(t, k, generator=g).to(torch.bfloat16)
     got = quantized_gemv("fp8_row", x.to(DEVICE), w.to(DEVICE), s.to(DEVICE), None)
     want = reference_linear("fp8_row", x, w, s, None)
-    assert got.shape == (t, n) and got.dtype == torch.float32
-    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-4)
+    assert got.shape == (t, n) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float().cpu(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
 
 
-def test_unsupported_shapes_are_refused():
-    assert supported("fp8_row", 7) and supported("nvfp4", 96) and not supported("nvfp4", 48)
+def test_fp8_rows_gemv_decodes_every_e4m3_byte_exactly():
+    # one row per byte value (NaN encodings excluded), x = one-hot columns: y = the decoded value times the row scale
+    b = torch.tensor([v for v in range(256) if v & 0x7F != 0x7F], dtype=torch.uint8)
+    w = b[:, None].expand(-1, 16).contiguous()
+    x = torch.eye(16)[:3].to(torch.bfloat16)
+    s = torch.full((len(b),), 0.5)
+    got = quantized_gemv("fp8_row", x.to(DEVICE), w.view(torch.float8_e4m3fn).to(DEVICE), s.to(DEVICE), None)
+    want = b.view(torch.float8_e4m3fn).float() * 0.5
+    assert torch.equal(got.float().cpu(), want.to(torch.bfloat16).float()[None, :].expand(3, -1))
+
+
+def test_unsupported_calls_are_refused():
+    assert supported("fp8_row", 32) and supported("nvfp4", 96) and supported("fp8_row", 32, torch.float32)
+    assert not supported("nvfp4", 40) and not supported("fp8_row", 24) and not supported("nvfp4", 64, torch.int8)
     g = torch.Generator().manual_seed(0)
     codes, scales, s2 = _nvfp4(8, 48, g, False, True)
-    with pytest.raises(ValueError, match="divisible by 32"):
-        quantized_gemv("nvfp4", torch.zeros(1, 48, device=DEVICE), codes, scales, s2)
+    with pytest.raises(ValueError, match="at most 8 rows"):
+        quantized_gemv("nvfp4", torch.zeros(9, 48, dtype=torch.bfloat16, device=DEVICE), codes, scales, s2)
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "fp8_row"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_other_activation_dtypes_match_the_reference(scheme, dtype):
+    # fp16 / fp32 activations (fp32 test models, fp16 checkpoints) take the element-wise loads
+    g = torch.Generator().manual_seed(5)
+    n, k, t = 21, 80, 3
+    if scheme == "nvfp4":
+        w, s, s2 = _nvfp4(n, k, g, False, True)
+    else:
+        w, s, s2 = (torch.randn(n, k, generator=g) * 16).to(torch.float8_e4m3fn).to(DEVICE), \
+            (torch.rand(n, generator=g) * 0.1).to(DEVICE), None
+    x = torch.randn(t, k, generator=g).to(dtype)
+    got = quantized_gemv(scheme, x.to(DEVICE), w, s, s2)
+    want = reference_linear(scheme, x, w.cpu(), s.cpu(), None if s2 is None else s2.cpu())
+    assert got.dtype == dtype and got.shape == (t, n)
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.float().cpu(), want, rtol=tol, atol=tol * want.abs().max().item())
 
 
 @pytest.mark.parametrize("scheme", ["nvfp4", "fp8_row"])
@@ -92,19 +126,20 @@ def test_kept_quantized_linear_runs_the_gemv_for_decode_rows(scheme, monkeypatch
     assert calls == [scheme]
 
 
-def test_dense_benchmark_rows(monkeypatch):
-    import kernel_bench  # tools/kernel_bench.py (conftest puts tools/ on the path)
-    from ft.runtime.layers import linear as linear_mod
+def test_quantized_benchmark_rows():
+    import bench_dense  # tools/bench_dense.py (conftest puts tools/ on the path)
 
-    monkeypatch.setattr(kernel_bench, "_time_ms", lambda fn: 2.0)
-    if DEVICE == "cpu":
-        monkeypatch.setattr(linear_mod, "GEMV_DEVICES", ["cuda", "cpu"])
-    rows = kernel_bench.bench_dense_quant(shapes=(("head", "nvfp4", 40, 64), ("proj", "fp8_row", 24, 96)),
-                                          tokens=(1,), device=DEVICE)
-    assert [(r["linear"], r["method"]) for r in rows] == [
-        (lin, m) for lin in ("head", "proj") for m in ("gemv", "chunked", "bf16")]
-    assert all(r["rel_err_vs_bf16"] < 2e-2 and r["ms"] == 2.0 for r in rows)
-    assert rows[0]["gbs"] == (40 * 32 + 40 * 4) / 2.0 / 1e6 and rows[2]["gbs"] == 40 * 64 * 2 / 2.0 / 1e6
+    shapes = (("head", "nvfp4", 40, 64), ("proj", "fp8_row", 24, 96))
+    timed = []
+    rows = bench_dense.quantized(shapes, (1, 3), 1e3, sweep=False, device=DEVICE, l2_bytes=0,
+                                 time_us=lambda fns: timed.append(len(fns)) or 2.0)
+    assert [(r["shape"], r["T"]) for r in rows] == [("head", 1), ("head", 3), ("proj", 1), ("proj", 3)]
+    assert timed == [2] * 4 and all(r["default"] and r["us"] == 2.0 for r in rows)
+    assert all(r["max_rel_diff"] < 2e-2 for r in rows)
+    assert rows[0]["hbm_frac"] == round((40 * 32 + 40 * 4) / 2.0 / 1e3 / 1e3, 3)  # stored bytes: codes + scales
+    swept = bench_dense.quantized(shapes[1:], (1,), 1e3, sweep=True, device=DEVICE, l2_bytes=0,
+                                  time_us=lambda fns: 1.0)
+    assert len(swept) == 1 + len(bench_dense.QUANT_SWEEP) and swept[1]["tiles"] == bench_dense.QUANT_SWEEP[0]
 
 
 def test_a_failing_gemv_falls_back_to_chunked_dequantization(monkeypatch, caplog):
@@ -123,8 +158,8 @@ def test_a_failing_gemv_falls_back_to_chunked_dequantization(monkeypatch, caplog
     for o in (op, ref):
         o.weight = (torch.randn(16, 64, generator=torch.Generator().manual_seed(1)) * 4).to(torch.float8_e4m3fn)
         o.weight_scale, o.bias = torch.full((16,), 0.05), None
-    op.prepare("m", "fp8_row", torch.float32, torch.device("cpu"), keep_quantized=True)
-    ref.prepare("m", "fp8_row", torch.float32, torch.device("cpu"))
-    x = torch.randn(2, 64, generator=g)
+    op.prepare("m", "fp8_row", torch.bfloat16, torch.device("cpu"), keep_quantized=True)
+    ref.prepare("m", "fp8_row", torch.bfloat16, torch.device("cpu"))
+    x = torch.randn(2, 64, generator=g).to(torch.bfloat16)
     assert torch.equal(op(x), ref(x)) and linear_mod.GEMV_DEVICES == []
     assert "quantized GEMV failed (RuntimeError: no kernel for this GPU)" in caplog.text
