@@ -92,13 +92,13 @@ def compile_checkpoint(model: str | Path, out_dir: str | Path, *, revision: str 
     # The work is streaming copies of at most a few MB per op: torch's intra-op thread pool only adds barrier
     # latency (tens of ms per op on a busy machine), so run single-threaded and restore the caller's setting.
     # --quantize spreads whole experts over `threads` workers instead (expert_jobs.py).
-    threads = torch.get_num_threads()
+    caller = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         return _compile(model, Path(out_dir), revision, dtype, dequant, force, progress, verify, quantize,
                         threads or default_threads())
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(caller)
 
 
 def _compile(model: str | Path, out_dir: Path, revision: str | None, dtype: str, dequant: bool, force: bool,

@@ -159,11 +159,17 @@ def test_expert_jobs_write_in_order_bounded_and_raise_the_first_failure() -> Non
 
 
 @pytest.mark.parametrize("layout,quant", [("per_expert", "none"), ("fused", "none"), ("per_expert", "fp8")])
-def test_compile_bytes_do_not_depend_on_threads(tmp_path: Path, layout: str, quant: str) -> None:
+def test_compile_bytes_do_not_depend_on_threads(tmp_path: Path, layout: str, quant: str,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import ft.compiler.emit as emit
+
+    workers = []
+    monkeypatch.setattr(emit, "ExpertJobs", lambda n: workers.append(n) or ExpertJobs(n))
     src = synth("qwen3_5_moe", "tiny", tmp_path / "src", dtype="bf16", expert_layout=layout, quant=quant,
                 twin=False)
     one = compile_checkpoint(src, tmp_path / "one.ftw", progress=False, quantize="nvfp4", threads=1)
     many = compile_checkpoint(src, tmp_path / "many.ftw", progress=False, quantize="nvfp4", threads=3)
+    assert workers == [1, 3]  # the threads asked for reach the workers
     names = sorted(p.name for p in one.iterdir())
     assert names == sorted(p.name for p in many.iterdir())
     for n in set(names) - {STAMP_NAME}:
