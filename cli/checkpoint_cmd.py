@@ -24,6 +24,10 @@ def checkpoint(
                                                                     "or block-FP8 checkpoint at compile time: nvfp4 "
                                                                     "(ModelOpt's NVFP4 recipe; the GPU expert cache "
                                                                     "needs it)."),
+    quantize_dense: Optional[str] = typer.Option(None, "--quantize-dense", help="Also quantize the plain attention, "
+                                                 "DeltaNet, dense-MLP and shared-expert projections and the LM head: "
+                                                 "fp8 (one scale per row) or nvfp4. At small VRAM budgets the GPU "
+                                                 "runtime keeps them quantized, leaving the room to the expert cache."),
     threads: Optional[int] = typer.Option(None, "--threads", help="Threads quantizing experts (--quantize) while the "
                                                                   "source is read and the FTW written (default: all "
                                                                   "cores). The output does not depend on it."),
@@ -53,7 +57,8 @@ def checkpoint(
 
             parse_archs(kernels)
         path = compile_checkpoint(model, out, revision=revision, dtype=dtype, dequant=dequant, force=force,
-                                  progress=progress, verify=verify, quantize=quantize, threads=threads)
+                                  progress=progress, verify=verify, quantize=quantize, threads=threads,
+                                  quantize_dense=quantize_dense)
     except (CheckpointError, ValueError) as e:
         console.print(f"[red]error[/red] {escape(str(e))}")
         raise typer.Exit(1)

@@ -42,10 +42,12 @@ from ft.formats.verify import check, full_plan, plan_bytes, sample_plan
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 VERIFY_MODES = ("sample", "full")
 QUANTIZE = ("nvfp4",)  # --quantize: schemes the routed experts of an unquantized/block-FP8 source can be quantized to
+QUANTIZE_DENSE = ("fp8", "nvfp4")  # --quantize-dense: the same for its plain dense linears (`linear.dense_quantizable`)
 _CONFIG_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def dtype_policy(dtype: str, dequant: bool, hf: dict, quantize: str | None = None) -> DtypePolicy:
+def dtype_policy(dtype: str, dequant: bool, hf: dict, quantize: str | None = None,
+                 quantize_dense: str | None = None) -> DtypePolicy:
     """--dtype / --dequant -> DtypePolicy; `plain` (for dequantized weights) is --dtype, else the config's declared
     dtype (`torch_dtype` in older configs, `dtype` in newer ones, possibly inside text_config), else bf16."""
     if dtype != "auto" and dtype not in DTYPES:
@@ -56,9 +58,13 @@ def dtype_policy(dtype: str, dequant: bool, hf: dict, quantize: str | None = Non
     plain = explicit or _CONFIG_DTYPES.get(declared, torch.bfloat16)
     if quantize is not None and quantize not in QUANTIZE:
         raise CheckpointError(f"--quantize {quantize!r} is not supported; supported: {', '.join(QUANTIZE)}")
-    if quantize and dequant:
-        raise CheckpointError("--quantize and --dequant contradict each other; pass one of them")
-    return DtypePolicy(explicit, plain, dequant, quantize)
+    if quantize_dense is not None and quantize_dense not in QUANTIZE_DENSE:
+        raise CheckpointError(f"--quantize-dense {quantize_dense!r} is not supported; supported: "
+                              f"{', '.join(QUANTIZE_DENSE)}")
+    if (quantize or quantize_dense) and dequant:
+        raise CheckpointError(f"--{'quantize' if quantize else 'quantize-dense'} and --dequant contradict each other; "
+                              "pass one of them")
+    return DtypePolicy(explicit, plain, dequant, quantize, quantize_dense)
 
 
 def _size(n: int) -> str:
@@ -77,13 +83,16 @@ def _check_out(out_dir: Path, root: Path, force: bool) -> None:
 
 def compile_checkpoint(model: str | Path, out_dir: str | Path, *, revision: str | None = None, dtype: str = "auto",
                        dequant: bool = False, force: bool = False, progress: bool = True,
-                       verify: str = "sample", quantize: str | None = None, threads: int | None = None) -> Path:
+                       verify: str = "sample", quantize: str | None = None, threads: int | None = None,
+                       quantize_dense: str | None = None) -> Path:
     """Compile `model` (a directory or a hub repo id) into the FTW directory `out_dir`; returns `out_dir`.
     `verify`: the final check, "sample" or "full" (module doc). Raises CheckpointError with a one-line reason for
     any bad or unsupported input, and for a failed final check (then nothing is left at `out_dir`).
     `quantize` ("nvfp4"): quantize the routed experts of an unquantized or block-FP8 source to NVFP4 (ModelOpt's
     recipe, `ft.compiler.quant.nvfp4`); dense linears, routers and embeddings keep their dtype (block-FP8 dense
-    linears are dequantized, as without `quantize`). `threads`: workers quantizing experts in parallel with the
+    linears are dequantized, as without `quantize`). `quantize_dense` ("fp8": one scale per row, or "nvfp4"): the
+    plain attention / DeltaNet / dense-MLP / shared-expert projections and the LM head too (`linear.DENSE_QUANTIZABLE`),
+    which the GPU runtime keeps quantized at small budgets. `threads`: workers quantizing experts in parallel with the
     reading and writing (default: all cores; `ft.compiler.expert_jobs`); the output does not depend on it."""
     if verify not in VERIFY_MODES:
         raise CheckpointError(f"--verify {verify!r} is not supported; supported: {', '.join(VERIFY_MODES)}")
@@ -95,14 +104,14 @@ def compile_checkpoint(model: str | Path, out_dir: str | Path, *, revision: str 
     caller = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _compile(model, Path(out_dir), revision, dtype, dequant, force, progress, verify, quantize,
-                        threads or default_threads())
+        return _compile(model, Path(out_dir), revision, dtype, dequant, force, progress, verify,
+                        (quantize, quantize_dense), threads or default_threads())
     finally:
         torch.set_num_threads(caller)
 
 
 def _compile(model: str | Path, out_dir: Path, revision: str | None, dtype: str, dequant: bool, force: bool,
-             progress: bool, verify: str, quantize: str | None, threads: int) -> Path:
+             progress: bool, verify: str, quantize: tuple[str | None, str | None], threads: int) -> Path:
     loc = locate(str(model), revision)
     _check_out(out_dir, loc.root, force)
     # sha256 of every source file: the small metadata files on a background thread, the weight files by the
@@ -129,7 +138,9 @@ def _compile(model: str | Path, out_dir: Path, revision: str | None, dtype: str,
 
 
 def _emit(loc, ck: Checkpoint, out_dir: Path, hasher: Hasher, stream: SourceStream, dtype: str, dequant: bool,
-          force: bool, progress: bool, verify: str, quantize: str | None, threads: int) -> Path:
+          force: bool, progress: bool, verify: str, quantize_pair: tuple[str | None, str | None],
+          threads: int) -> Path:
+    quantize, quantize_dense = quantize_pair  # routed experts, dense linears
     family = family_for(ck.config)
     gen = read_json_if_exists(loc.root, "generation_config.json")
     cfg = family.normalize(ck.config, gen)
@@ -140,7 +151,7 @@ def _emit(loc, ck: Checkpoint, out_dir: Path, hasher: Hasher, stream: SourceStre
     finally:
         reader.close()
     decl = parse_quant(ck.config, read_json_if_exists(loc.root, "hf_quant_config.json"))
-    pol = dtype_policy(dtype, dequant, ck.config, quantize)
+    pol = dtype_policy(dtype, dequant, ck.config, quantize, quantize_dense)
     if quantize and decl.quantized and decl.default != "fp8_block":
         raise CheckpointError(f"--quantize {quantize}: {loc.root.name} is already quantized "
                               f"({_quant_name(decl.source)}); --quantize takes an unquantized BF16/FP16/FP32 source "
@@ -169,9 +180,12 @@ def _emit(loc, ck: Checkpoint, out_dir: Path, hasher: Hasher, stream: SourceStre
                  "source": decl.source}
         metadata = {"architectures": ck.config.get("architectures") or [], "model_type": ck.config.get("model_type"),
                     "skipped": prep.skipped, "ignored": prep.ignored,
-                    "options": {"dtype": dtype, "dequant": dequant, "quantize": quantize}}
-        if quantize:  # provenance of the expert codes: this compiler, not the source (specs/ftw.md §5.9)
-            metadata["quantized"] = {"experts": quantize, "by": "ft checkpoint --quantize", "recipe": "modelopt"}
+                    "options": {"dtype": dtype, "dequant": dequant, "quantize": quantize,
+                                "quantize_dense": quantize_dense}}
+        if quantize or quantize_dense:  # provenance of the codes: this compiler, not the source (specs/ftw.md §5.9)
+            metadata["quantized"] = {"by": "ft checkpoint --quantize", "recipe": "modelopt",
+                                     **({"experts": quantize} if quantize else {}),
+                                     **({"dense": quantize_dense} if quantize_dense else {})}
         w.finish(config=cfg, quant=quant, tokenizer=tok_meta, generation=generation_defaults(gen, cfg),
                  provenance=provenance(loc.source, loc.revision, _digests(hasher, stream)), metadata=metadata,
                  check=lambda tmp: _verify(tmp, out_dir, verify, progress))

@@ -15,7 +15,8 @@ from ft.compiler.async_writer import AsyncWriter
 from ft.compiler.errors import CheckpointError
 from ft.compiler.expert_jobs import ExpertJobs
 from ft.compiler.experts import Bank
-from ft.compiler.linear import DtypePolicy, Rows, Sniffed, cat, dequantize, finalize, load, take, to_dtype
+from ft.compiler.linear import (DtypePolicy, Rows, Sniffed, cat, dense_quantizable, dequantize, finalize, load,
+                                quantize_dense, take, to_dtype)
 from ft.compiler.plan import LinearItem, TensorItem
 from ft.compiler.prepare import Prepared
 from ft.compiler.safetensors_io import TensorReader
@@ -109,6 +110,9 @@ class Emitter:
         r = cat(parts)
         if item.perm is not None:
             r = take(r, item.perm)
+        if self.pol.quantize_dense and r.scheme == "plain" and not item.router and \
+                dense_quantizable(item.name, item.in_features):
+            r = quantize_dense(r, self.pol.quantize_dense)
         pol = DtypePolicy(None, self.pol.plain, self.pol.dequant, self.pol.quantize) if item.router else self.pol
         scheme, tensors = finalize(r, pol, item.name)
         if scheme in ("nvfp4", "fp8_row"):

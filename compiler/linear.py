@@ -200,12 +200,42 @@ def take(r: Rows, rows: torch.Tensor) -> Rows:
 class DtypePolicy:
     """`dtype` None = keep each tensor's source dtype (--dtype auto). `plain` is used where a float dtype must be
     chosen (dequantized weights, mixed-encoding fusions). `dequant` turns every quantized linear into `plain`.
-    `quantize` ("nvfp4" or None): routed experts of an unquantized source are quantized at compile time."""
+    `quantize` ("nvfp4" or None): routed experts of an unquantized source are quantized at compile time.
+    `quantize_dense` ("fp8", "nvfp4" or None): so are the plain dense linears `dense_quantizable` names."""
 
     dtype: torch.dtype | None
     plain: torch.dtype
     dequant: bool
     quantize: str | None = None
+    quantize_dense: str | None = None
+
+
+# FTW linears `--quantize-dense` quantizes (layer-relative suffixes, and the LM head): the attention, DeltaNet, dense
+# MLP and shared-expert projections, which the runtime applies through `Linear` only (routers, gates, indexers, MLA
+# down-projections and conv weights stay in their dtype, as in ModelOpt's releases)
+DENSE_QUANTIZABLE = ("self_attn.qkv_proj", "self_attn.o_proj", "linear_attn.in_proj_qkvz", "linear_attn.out_proj",
+                     "mlp.gate_up_proj", "mlp.down_proj", "mlp.shared_expert.gate_up_proj",
+                     "mlp.shared_expert.down_proj")
+
+
+def dense_quantizable(name: str, in_features: int) -> bool:
+    """Whether `--quantize-dense` applies to FTW linear `name` with `in_features` inputs (a multiple of 16: whole
+    NVFP4 scale blocks, whole words of the runtime's GEMV)."""
+    rel = name.split(".", 2)[2] if name.startswith("layers.") else name
+    return in_features % 16 == 0 and (rel in DENSE_QUANTIZABLE or name == "lm_head")
+
+
+def quantize_dense(r: Rows, scheme: str) -> Rows:
+    """A plain linear quantized at compile time: "fp8" -> per-row FP8 (`quant.fp8.quantize_rows`), "nvfp4" ->
+    ModelOpt's NVFP4 recipe with one global scale over all rows (fused q|k|v share it, as ModelOpt syncs their amax)."""
+    from ft.compiler.quant import fp8, nvfp4
+
+    w = r.t["weight"]
+    if scheme == "fp8":
+        q, s = fp8.quantize_rows(w)
+        return Rows("fp8", {"weight": q, "weight_scale": s})
+    q, s, s2 = nvfp4.quantize(w)
+    return Rows("nvfp4", {"weight": q, "weight_scale": s, "weight_scale_2": s2.expand(w.shape[0]).contiguous()})
 
 
 def finalize(r: Rows, pol: DtypePolicy, what: str) -> tuple[str, dict[str, torch.Tensor]]:

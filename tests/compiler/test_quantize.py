@@ -16,7 +16,6 @@ from ft.compiler.synth import synth
 from ft.formats import FtwReader
 from ft.formats.quant import nvfp4 as fmt
 from ft.formats.reader import STAMP_NAME
-from ft.runtime.model import Segment, load_model
 
 GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
 
@@ -103,18 +102,10 @@ def test_bank_is_the_quantized_source_bit_for_bit(quantized: Path, bf16_src: Pat
     assert n_banks >= 1
 
 
-def logits(ftw: Path, n: int = 48) -> torch.Tensor:
-    model = load_model(ftw)
-    ids = torch.randint(0, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(0))
-    state = model.new_state(n)
-    [out] = model.forward(ids, [Segment(state, n, "all")])
-    return out.float()
-
-
-def test_quantized_model_logits_close_to_bf16(work: Path, bf16_src: Path) -> None:
+def test_quantized_model_logits_close_to_bf16(work: Path, bf16_src: Path, ftw_logits) -> None:
     # fp32 compute for both, so the difference is the expert quantization alone
-    ref = logits(compile_checkpoint(bf16_src, work / "ref32.ftw", progress=False, dtype="fp32"))
-    q = logits(compile_checkpoint(bf16_src, work / "q32.ftw", progress=False, dtype="fp32", quantize="nvfp4"))
+    ref = ftw_logits(compile_checkpoint(bf16_src, work / "ref32.ftw", progress=False, dtype="fp32"))
+    q = ftw_logits(compile_checkpoint(bf16_src, work / "q32.ftw", progress=False, dtype="fp32", quantize="nvfp4"))
     delta = (q - ref).abs().max().item()
     top1 = (q.argmax(-1) == ref.argmax(-1)).float().mean().item()
     assert 0 < delta < 0.1 * ref.abs().max().item(), delta
