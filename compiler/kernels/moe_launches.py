@@ -35,7 +35,7 @@ def moe_launches(g: Geometry, lengths: list[int]) -> None:
     pool = torch.zeros(s16 + 1 + W, layout.stride, dtype=torch.uint8)
     row = torch.arange(E, dtype=torch.int32)
     table = torch.zeros(max(g.moe_layers) + 1, E, dtype=torch.int32)
-    state, split = torch.zeros(2, dtype=torch.int32), torch.zeros(5)
+    state, split = torch.zeros(2, dtype=torch.int32), torch.zeros(4)
     for T in (t for t in lengths if t <= MAX_DECODE or t * k <= W):  # device-planned decode (`device_path`)
         ids, w = torch.arange(T * k).view(T, k) % E, torch.ones(T, k)
         x = torch.zeros(T, H, dtype=g.dtype)
@@ -69,7 +69,7 @@ def moe_launches(g: Geometry, lengths: list[int]) -> None:
             for res in (y, torch.zeros(T, H, dtype=g.dtype)):  # the sum in place (fp32) or in the compute dtype
                 cpu_lane._wait_add_kernel[(1,)](y, res, ADDR, state, y.numel(), y_off, cpu_lane.WAIT_LIMIT,
                                                 BLOCK=2048, FENCE=True, num_warps=4, PDL=False)  # PDL: stand_in's
-    for n in (*COPY_RATE_MISSES, k):  # the CPU lane's calibration at start (`lane_rates`: copy_rate, gpu_fixed)
+    for n in COPY_RATE_MISSES:  # the CPU lane's calibration at start (`lane_rates.copy_rate`)
         for layer in g.moe_layers:
             for staging0 in staging:
                 gather_missing(pool, layout, torch.arange(n, dtype=torch.int32).view(1, n), table, layer, ADDR,

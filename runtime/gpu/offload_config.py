@@ -49,8 +49,6 @@ class OffloadConfig:
     b_pcie: float | None = None  # bytes/s for the initial split; None = bench profile, else defaults
     b_cpu: float | None = None
     cpu_fixed_s: float | None = None  # fixed seconds per CPU call for the initial split; None = profile / default
-    lane_gpu_fixed_s: float | None = None  # the GPU's own seconds in a lane call whatever the CPU takes; None =
-    # measured at start (`cpu/lane_rates.gpu_fixed`), 0 = the split before it (benchmarks compare both)
     adapt: bool = True  # refine the split from measured step times
     trace_limit: int = 0  # routing steps kept (`GpuExperts.trace`) for benchmarks' Belady comparisons; 0 = none
     dense: str = "dequantized"
@@ -66,7 +64,5 @@ class OffloadConfig:
             raise ValueError(f"admit_max must be >= 0, got {self.admit_max}")
         if not self.admit_margin >= 0:
             raise ValueError(f"admit_margin must be >= 0, got {self.admit_margin}")
-        if self.lane_gpu_fixed_s is not None and not self.lane_gpu_fixed_s >= 0:
-            raise ValueError(f"lane_gpu_fixed_s must be >= 0 seconds, got {self.lane_gpu_fixed_s}")
         if self.prefill_slots < 1 or self.num_staging < 1:
             raise ValueError("prefill_slots and num_staging must be >= 1")

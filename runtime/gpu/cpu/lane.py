@@ -5,10 +5,9 @@ a small VRAM budget is bound by the link while the host's cores and the rest of 
 lane adds the CPU as a second miss path inside the same call, with no host work per call (CUDA-graph safe):
 
 1. after the plan (`gather._plan_kernel`), `_post_kernel` (one program) picks how many of the call's staged misses
-   go to the CPU: c in 0..M minimising max((M - c) * t_gpu + g_fixed, t_fixed + c * t_cpu) (`split`, device f32
-   [5]: seconds per GPU miss, per CPU miss, the CPU's fixed cost per call, a cap, and the GPU's own work between the
-   post and its wait whatever c is: the copy launch and the MoE kernels over the call's pairs, `lane_rates`). The
-   last c misses in pair order become CPU pairs (pair_slot -1: the GPU kernels skip them; pair_copy 2: not copied,
+   go to the CPU: c in 0..M minimising max((M - c) * t_gpu, t_fixed + c * t_cpu) (`split`, device f32 [4]: seconds
+   per GPU miss (`lane_rates`), per CPU miss, the CPU's fixed cost per call, a cap). The last c misses in pair order
+   become CPU pairs (pair_slot -1: the GPU kernels skip them; pair_copy 2: not copied,
    counted as CPU work on read-back). It writes their (expert, token, weight) and x into the mailbox through the
    GPU's mapping of it, then the sequence number (after a system-scope fence);
 2. the CPU lane (`lane.c`: a persistent team of spinning threads) sees the number, computes those experts from
@@ -19,7 +18,7 @@ lane adds the CPU as a second miss path inside the same call, with no host work 
 Both paths start together and the split puts the finish of both at the same time (for M large, c / M -> q* =
 B_cpu / (B_pcie + B_cpu)). `state` (device int32 [2]: sequence number, CPU pairs of the current call) lives on the
 device, so calls and graph replays need nothing from the host. The split is refitted from the lane's own timing
-(`refit`, between steps: an upload of five floats).
+(`refit`, between steps: an upload of four floats).
 
 The GPU gives up waiting after about `WAIT_LIMIT` polls (seconds) and raises the mailbox's MB_GAVE_UP; the lane
 refuses a malformed post (MB_ERR, y zeros). `check` (host, no sync) turns both into an exception after the step, so a
@@ -79,8 +78,7 @@ def _post_kernel(mb_addr, state, split, x, ids, weights, pair_slot, pair_copy, l
     staged = valid & (copy == 1) & (slot == staging0 + rp)  # misses the GPU would copy into staging rows
     M = tl.sum(staged.to(tl.int32))
     c = rp.to(tl.float32)
-    cost = tl.maximum((M - c) * tl.load(split) + tl.load(split + 4),
-                      tl.where(c > 0, tl.load(split + 2) + c * tl.load(split + 1), 0.0))
+    cost = tl.maximum((M - c) * tl.load(split), tl.where(c > 0, tl.load(split + 2) + c * tl.load(split + 1), 0.0))
     cost = tl.where((rp <= M) & (c <= tl.load(split + 3)), cost, float("inf"))
     n = tl.argmin(cost, 0).to(tl.int32)  # the first minimum: ties go to the GPU
     to_cpu = staged & (tl.cumsum(staged.to(tl.int32), 0) > M - n)
@@ -136,8 +134,7 @@ class CpuLane:
     number of experts); records are read in place, so the banks must stay mapped (and verified) while it runs."""
 
     def __init__(self, layout: RecordLayout, banks: dict[int, tuple[int, int, int]], num_layers: int, k: int,
-                 device: torch.device, *, b_gpu: float, b_cpu: float, threads: int | None = None,
-                 gpu_fixed: float = 0.0):
+                 device: torch.device, *, b_gpu: float, b_cpu: float, threads: int | None = None):
         self._clayout = c_layout(layout)  # NVFP4 or MXFP4 (ValueError for any other scheme)
         self.lib = load_library()
         if self.lib is None:
@@ -168,15 +165,14 @@ class CpuLane:
         self.t_gpu = per / b_gpu if b_gpu > 0 else math.inf
         self.t_cpu = per / b_cpu if b_cpu > 0 else math.inf
         self.t_fixed = CPU_FIXED_S
-        self.g_fixed = gpu_fixed
         self._start = (self.t_cpu, self.t_fixed)
         self._last_fit = monotonic()
         self.enabled = True
-        # [t_gpu, t_cpu, t_fixed, cap, g_fixed], then the same with the GPU path priced out (`split_all`: layers
-        # whose bank is not mapped, every staged miss to the CPU)
-        self._splits = torch.empty(2, 5, dtype=torch.float32, device=device)
+        # [t_gpu, t_cpu, t_fixed, cap], then the same with the GPU path priced out (`split_all`: layers whose bank
+        # is not mapped, every staged miss to the CPU)
+        self._splits = torch.empty(2, 4, dtype=torch.float32, device=device)
         self.split, self.split_all = self._splits[0], self._splits[1]
-        self._split_host = torch.empty(2, 5, dtype=torch.float32, pin_memory=self.cuda)
+        self._split_host = torch.empty(2, 4, dtype=torch.float32, pin_memory=self.cuda)
         self._upload_split()
         self._seen = np.zeros(len(STATS), np.float64)
 
@@ -184,8 +180,8 @@ class CpuLane:
         big = 1e30  # an unavailable path costs "infinitely" much, finitely (inf * 0 would be nan in the kernel)
         cap = float(MAX_DEVICE_PAIRS) if self.enabled else 0.0
         t_cpu = min(self.t_cpu, big)
-        self._split_host.copy_(torch.tensor([[min(self.t_gpu, big), t_cpu, self.t_fixed, cap, self.g_fixed],
-                                             [big, t_cpu, self.t_fixed, float(MAX_DEVICE_PAIRS), 0.0]]))
+        self._split_host.copy_(torch.tensor([[min(self.t_gpu, big), t_cpu, self.t_fixed, cap],
+                                             [big, t_cpu, self.t_fixed, float(MAX_DEVICE_PAIRS)]]))
         self._splits.copy_(self._split_host, non_blocking=self.cuda)
 
     def set_enabled(self, on: bool) -> None:
@@ -267,7 +263,7 @@ class CpuLane:
         for key in ("fit_experts", "fit_ns", "fit_experts_sq", "fit_experts_ns"):
             del c[key]
         return {**c, "threads": self.threads, "t_gpu_us": self.t_gpu * 1e6, "t_cpu_us": self.t_cpu * 1e6,
-                "t_fixed_us": self.t_fixed * 1e6, "g_fixed_us": self.g_fixed * 1e6,
+                "t_fixed_us": self.t_fixed * 1e6,
                 "cpu_share": self.t_gpu / (self.t_gpu + self.t_cpu) if math.isfinite(self.t_gpu + self.t_cpu) else 0.0,
                 "busy_us_per_job": c["busy_ns"] / 1e3 / max(1, c["jobs"])}
 
@@ -282,16 +278,15 @@ def lane_for(md) -> CpuLane | None:
     if not (ex.opts.cpu_lane and (md.base or md.lane_only) and (ex.device.type == "cuda" or ex.interpret)):
         return None
     from ..store import DEFAULT_B_CPU, DEFAULT_B_PCIE
-    from .lane_rates import copy_rate, gpu_fixed
+    from .lane_rates import copy_rate
 
     gbs = ex.profile.get("gbs") or {}
     b_gpu = ex.opts.b_pcie or copy_rate(md) or (gbs.get("h2d_expert_pinned") or 0) * 1e9 or DEFAULT_B_PCIE
     b_cpu = ex.opts.b_cpu or (gbs.get("cpu_expert") or 0) * 1e9 or DEFAULT_B_CPU
-    g_fixed = ex.opts.lane_gpu_fixed_s if ex.opts.lane_gpu_fixed_s is not None else gpu_fixed(md) or 0.0
     banks = {i: (bank_range(ex.banks[i])[0], ex.banks[i].stride, ex.E) for i in sorted({*md.base, *md.lane_only})}
     try:
         return CpuLane(ex.layout, banks, ex.L, ex.k, ex.device, b_gpu=b_gpu, b_cpu=b_cpu,
-                       threads=ex.opts.cpu_threads, gpu_fixed=g_fixed)
+                       threads=ex.opts.cpu_threads)
     except RuntimeError as e:  # no C compiler, or no mapping for the mailbox: the GPU serves every miss
         log.warning("CPU expert lane off: %s", e)
         return None

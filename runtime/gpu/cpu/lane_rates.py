@@ -1,9 +1,9 @@
-"""The CPU lane's start-up measurements of the GPU side of a mapped decode call (`lane.lane_for` prices its split
-with them): what one more staged miss costs the GPU, and what the GPU does in a call whatever the CPU takes.
+"""The CPU lane's start-up measurement of the GPU side of a mapped decode call (`lane.lane_for` prices its split
+with it): what one more staged miss costs the GPU.
 
-Both time the call's own kernels, with the launches `ft kernels build` covers (`compiler/kernels/launches.py`), best
-of 5 with CUDA events (the first may compile: never the best). Both return None where they cannot be measured (no
-CUDA, inside a graph capture, no mapped bank, too few staging rows, experts or slots).
+It times the call's own copy kernel, with the launches `ft kernels build` covers (`compiler/kernels/launches.py`),
+best of 5 with CUDA events (the first may compile: never the best), and returns None where it cannot be measured (no
+CUDA, inside a graph capture, no mapped bank, too few staging rows or experts).
 """
 
 from __future__ import annotations
@@ -58,30 +58,3 @@ def copy_rate(md) -> float | None:
     per = (_best_ms(calls(hi)) - _best_ms(calls(lo))) / (hi - lo) * 1e-3
     return ex.layout.payload_bytes / per if per > 0 else None
 
-
-def gpu_fixed(md) -> float | None:
-    """Seconds of a one-token call's GPU work that does not depend on how many misses the CPU takes: the gather with
-    nothing to copy (its plan kernel, which runs before the CPU's post, included: a microsecond or two) and the MoE
-    kernels over the k pairs. The CPU's answer is waited for only after them, so they are the CPU's head start."""
-    ex = md.ex
-    if not _measurable(md) or ex.num_slots < ex.k or ex.E < ex.k:
-        return None
-    from ..kernels.gather import gather_missing
-    from ..kernels.nvfp4_decode import moe_nvfp4_device
-
-    layer, k = next(iter(md.base)), ex.k
-    table = torch.full((ex.L, ex.E), -1, dtype=torch.int32, device=ex.device)
-    table[layer, :k] = torch.arange(k, dtype=torch.int32, device=ex.device)  # experts 0..k-1 in slots 0..k-1: hits
-    ids = torch.arange(k, dtype=torch.int32, device=ex.device).view(1, k)
-    dtype = ex._reader.tensor("embed_tokens.weight").dtype  # the compute dtype of the layers' x
-    x = torch.zeros(1, ex.layout.hidden, dtype=dtype, device=ex.device)
-    w = torch.full((1, k), 1.0 / k, dtype=torch.float32, device=ex.device)
-    pairs = torch.arange(k, dtype=torch.int32, device=ex.device).view(1, k)
-    _staging_idle(ex)
-
-    def call():
-        pair_slot, _ = gather_missing(ex.pool, ex.layout, ids, table, layer, md.base[layer], ex.banks[layer].stride,
-                                      ex.num_slots)
-        moe_nvfp4_device(ex.pool, ex.layout, x, pairs, pair_slot, w)
-
-    return _best_ms(call) * 1e-3

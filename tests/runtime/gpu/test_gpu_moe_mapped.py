@@ -253,35 +253,3 @@ def test_ring_entries_are_not_reused_before_they_are_read_back(reader):
     ex.settle()
     assert [u.tolist() for layer, u in ex.trace if layer == 1] == routed
     ex.close()
-
-
-@pytest.mark.skipif(not (INTERP or torch.cuda.is_available()), reason="needs the Triton kernels (CUDA or interpreter)")
-@pytest.mark.parametrize("given", [None, 3e-6])
-def test_the_lane_split_counts_the_gpus_own_work_in_a_call(reader, given):
-    """`lane_gpu_fixed_s` as given, else measured at start on CUDA (the gather and MoE kernels of a call with no
-    miss: positive, well under a millisecond); off CUDA it cannot be measured and is 0."""
-    from ft.runtime.gpu.cpu.kernel import load_library
-
-    if load_library() is None:
-        pytest.skip("no C compiler for the CPU lane")
-    cuda = torch.cuda.is_available()
-    opts = OffloadConfig(num_slots=3, lane_gpu_fixed_s=given)
-    ex = GpuExperts(reader, opts, device="cuda" if cuda else "cpu", device_plan=True, interpret=not cuda)
-    ex.allocate()
-    if cuda:
-        ex.wait_pinned(timeout=60)
-    layer, x, ids, w = next(_calls(reader, (1,), seed=2))
-    dev = ex.device
-    y = ex(layer, x.to(dev), ids.to(dev), w.to(dev))
-    assert rel_err(y.float().cpu(), _full(reader, layer, x, ids, w)) < 1e-2
-    lane = ex.mapped.lane
-    assert lane is not None
-    got = lane.stats()["g_fixed_us"] * 1e-6
-    if given is not None:
-        assert got == pytest.approx(given)
-    elif cuda:
-        assert 0 < got < 1e-3
-    else:
-        assert got == 0
-    assert float(lane.split[4]) == pytest.approx(got)
-    ex.close()
