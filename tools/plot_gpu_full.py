@@ -39,9 +39,10 @@ class Row:
 
 
 def rows(runs: list[dict]) -> list[Row]:
-    """The latest measurement of each (model, placement, routing) over the runs, in first-seen order."""
+    """The latest measurement of each (model, placement, routing) over the runs, in first-seen order; a run marked
+    "superseded" (it measured code removed since) is left out."""
     latest: dict[tuple, Row] = {}
-    for run in runs:
+    for run in (r for r in runs if not r.get("superseded")):
         routing = "skewed" if "--routing skewed" in run.get("command", "") else "uniform"
         date = run.get("date", "")[:10]
         for model, v in run.get("models", {}).items():

@@ -33,6 +33,8 @@ def test_each_row_shows_its_latest_default_run_beside_its_peer():
             "qwen3.6-35b-a3b": {"budgets": [_budget(8, 118.0), {"budget_gib": 12, "decode_warm": {}}]}}),
         _run("2026-12-03 10:00 UTC", "gpu_run.sh --routing skewed --budgets 8", {
             "qwen3moe-35b-geom": {"budgets": [_budget(8, 170.0, ratio=2.0)]}}),
+        {**_run("2026-12-04 10:00 UTC", "gpu_run.sh --routing skewed --budgets 8", {  # measured removed code
+            "qwen3moe-35b-geom": {"budgets": [_budget(8, 130.0, ratio=1.5)]}}), "superseded": "removed since"},
     ]
     got = {(r.model, r.placement, r.routing): r for r in plot.rows(runs)}
     assert set(got) == {("qwen3moe-35b-geom", "resident", "uniform"), ("qwen3moe-35b-geom", "8 GiB", "uniform"),
@@ -41,7 +43,8 @@ def test_each_row_shows_its_latest_default_run_beside_its_peer():
     assert (resident.tok_s, resident.peer, resident.bound_tok_s) == (500.0, ("llama.cpp", 400.0), 2000.0)
     uniform = got[("qwen3moe-35b-geom", "8 GiB", "uniform")]  # the later run; its variant row left out
     assert uniform.tok_s == 120.0 and uniform.date == "2026-12-02" and uniform.peer[1] == 84.5
-    assert got[("qwen3moe-35b-geom", "8 GiB", "skewed")].peer == ("llama.cpp", 85.0)
+    skewed = got[("qwen3moe-35b-geom", "8 GiB", "skewed")]  # not the superseded run's
+    assert skewed.peer == ("llama.cpp", 85.0) and skewed.tok_s == 170.0
     assert got[("qwen3.6-35b-a3b", "8 GiB", "uniform")].peer == ("FreeToken", 39.3)  # the peer the JSON lacks
     page = ET.fromstring(plot.svg(list(got.values())))
     texts = " ".join(t.text or "" for t in page.iter() if t.tag.endswith("text"))
