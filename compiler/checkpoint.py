@@ -104,14 +104,14 @@ def compile_checkpoint(model: str | Path, out_dir: str | Path, *, revision: str 
     caller = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _compile(model, Path(out_dir), revision, dtype, dequant, force, progress, verify,
-                        (quantize, quantize_dense), threads or default_threads())
+        return _compile(model, Path(out_dir), revision, dtype, dequant, force, progress, verify, quantize,
+                        quantize_dense, threads or default_threads())
     finally:
         torch.set_num_threads(caller)
 
 
 def _compile(model: str | Path, out_dir: Path, revision: str | None, dtype: str, dequant: bool, force: bool,
-             progress: bool, verify: str, quantize: tuple[str | None, str | None], threads: int) -> Path:
+             progress: bool, verify: str, quantize: str | None, quantize_dense: str | None, threads: int) -> Path:
     loc = locate(str(model), revision)
     _check_out(out_dir, loc.root, force)
     # sha256 of every source file: the small metadata files on a background thread, the weight files by the
@@ -130,7 +130,8 @@ def _compile(model: str | Path, out_dir: Path, revision: str | None, dtype: str,
     hasher.start()
     try:
         ck = Checkpoint.open(loc.root, on_files=start)
-        return _emit(loc, ck, out_dir, hasher, streams[0], dtype, dequant, force, progress, verify, quantize, threads)
+        return _emit(loc, ck, out_dir, hasher, streams[0], dtype, dequant, force, progress, verify, quantize,
+                     quantize_dense, threads)
     finally:
         for s in streams:
             s.stop()
@@ -138,9 +139,8 @@ def _compile(model: str | Path, out_dir: Path, revision: str | None, dtype: str,
 
 
 def _emit(loc, ck: Checkpoint, out_dir: Path, hasher: Hasher, stream: SourceStream, dtype: str, dequant: bool,
-          force: bool, progress: bool, verify: str, quantize_pair: tuple[str | None, str | None],
+          force: bool, progress: bool, verify: str, quantize: str | None, quantize_dense: str | None,
           threads: int) -> Path:
-    quantize, quantize_dense = quantize_pair  # routed experts, dense linears
     family = family_for(ck.config)
     gen = read_json_if_exists(loc.root, "generation_config.json")
     cfg = family.normalize(ck.config, gen)

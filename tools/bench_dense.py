@@ -111,8 +111,6 @@ def compile_quantized(shapes, tokens, arch: int, *, sweep: bool, log=print) -> l
     """The dequantizing GEMV built for sm_<arch> with no GPU, per distinct (scheme, K), T and tile config: registers,
     spill bytes and SASS instructions per weight (`moe_decode_compile.sass_stats`; the whole K is unrolled, so the
     static count is what a program executes)."""
-    import triton
-
     from moe_decode_compile import fmt_row, sass_stats
 
     from ft.runtime.gpu.kernels import dense_quant as dq
@@ -122,18 +120,17 @@ def compile_quantized(shapes, tokens, arch: int, *, sweep: bool, log=print) -> l
         for T in tokens:
             for cfg in [None] + (QUANT_SWEEP if sweep else []):
                 tile = {**dq.tiles_for(scheme, T), **(cfg or {})}
-                words = k // 16 if scheme == "nvfp4" else k // 8
-                consts = dict(R=tile["R"], A=triton.next_power_of_2(T), ASM=True, XBF16=True, PDL=True,
-                              BKW=min(tile["BKW"], triton.next_power_of_2(words)))
+                consts = dict(dq.launch_consts(scheme, k, T, cfg), ASM=True, XBF16=True, PDL=True)
+                warps = consts.pop("num_warps")
                 if scheme == "nvfp4":
-                    fn, consts = dq._nvfp4_gemv_kernel, dict(consts, KB=words, S2_PER_ROW=False)
+                    fn, consts = dq._nvfp4_gemv_kernel, dict(consts, S2_PER_ROW=False)
                     values = dict(w="*u8", OFF_S=16, s2="*fp32", x="*bf16", out="*bf16", N=4096, T=T)
                 else:
-                    fn, consts = dq._fp8_rows_gemv_kernel, dict(consts, KW=words)
+                    fn = dq._fp8_rows_gemv_kernel
                     values = dict(w="*u8", scale="*fp32", x="*bf16", out="*bf16", N=4096, T=T)
                 row = {"scheme": scheme, "K": k, "T": T, "tiles": tile, "arch": arch}
                 try:
-                    st = sass_stats(fn, values, consts, tile["num_warps"], arch)
+                    st = sass_stats(fn, values, consts, warps, arch)
                     row.update(regs=st["regs"], stack=st["stack"],
                                instr_per_weight=round(st["instructions"] * tile["num_warps"] * 32 / (tile["R"] * k), 2))
                 except Exception as e:  # noqa: BLE001 - report every config

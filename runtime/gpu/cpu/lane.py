@@ -7,9 +7,9 @@ lane adds the CPU as a second miss path inside the same call, with no host work 
 1. after the plan (`gather._plan_kernel`), `_post_kernel` (one program) picks how many of the call's staged misses
    go to the CPU: c in 0..M minimising max((M - c) * t_gpu, t_fixed + c * t_cpu) (`split`, device f32 [4]: seconds
    per GPU miss (`lane_rates`), per CPU miss, the CPU's fixed cost per call, a cap). The last c misses in pair order
-   become CPU pairs (pair_slot -1: the GPU kernels skip them; pair_copy 2: not copied,
-   counted as CPU work on read-back). It writes their (expert, token, weight) and x into the mailbox through the
-   GPU's mapping of it, then the sequence number (after a system-scope fence);
+   become CPU pairs (pair_slot -1: the GPU kernels skip them; pair_copy 2: not copied, counted as CPU work on
+   read-back). It writes their (expert, token, weight) and x into the mailbox through the GPU's mapping of it, then
+   the sequence number (after a system-scope fence);
 2. the CPU lane (`lane.c`: a persistent team of spinning threads) sees the number, computes those experts from
    the mmapped banks with the CPU kernel of `kernel.c` (NVFP4 or MXFP4 records), writes y and answers with the
    number;

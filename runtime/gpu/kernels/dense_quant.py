@@ -134,6 +134,15 @@ def supported(scheme: str, k: int, dtype: torch.dtype = torch.bfloat16) -> bool:
     return dtype in X_DTYPES and k % 16 == 0 and scheme in TILES
 
 
+def launch_consts(scheme: str, K: int, T: int, tiles: dict | None = None) -> dict:
+    """The constexprs of a call with in_features K and T rows of x: the tile (`tiles_for`, updated by `tiles`), the
+    token axis A, the words per row (KB for nvfp4, KW for fp8_row) and per unrolled chunk (BKW), and num_warps."""
+    tile = {**tiles_for(scheme, T), **(tiles or {})}
+    words = K // 16 if scheme == "nvfp4" else K // 8
+    return {"R": tile["R"], "A": triton.next_power_of_2(T), "BKW": min(tile["BKW"], triton.next_power_of_2(words)),
+            "KB" if scheme == "nvfp4" else "KW": words, "num_warps": tile["num_warps"]}
+
+
 def quantized_gemv(scheme: str, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                    weight_scale_2: torch.Tensor | None, *, tiles: dict | None = None) -> torch.Tensor:
     """x bf16 [T, K] (contiguous, T <= MAX_TOKENS) -> bf16 [T, N]. nvfp4: weight u8 [N, K/2] and weight_scale e4m3
@@ -149,24 +158,21 @@ def quantized_gemv(scheme: str, x: torch.Tensor, weight: torch.Tensor, weight_sc
     x = x.contiguous()
     if x.data_ptr() % 16:  # activations are read as u64 words
         x = x.clone()
-    tile = {**tiles_for(scheme, T), **(tiles or {})}
+    meta = launch_consts(scheme, K, T, tiles)
     out = torch.empty(T, N, dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(N, tile["R"]),)
-    meta = dict(R=tile["R"], A=triton.next_power_of_2(T), ASM=x.device.type == "cuda", XBF16=x.dtype == torch.bfloat16,
-                num_warps=tile["num_warps"], **pdl_args(x.device))
+    grid = (triton.cdiv(N, meta["R"]),)
+    meta.update(ASM=x.device.type == "cuda", XBF16=x.dtype == torch.bfloat16, **pdl_args(x.device))
     if scheme == "nvfp4":
         if weight.shape[1] * 2 != K:
             raise ValueError(f"NVFP4 weight [{N}, {weight.shape[1]}] does not match in_features {K}")
         codes = weight.view(torch.uint8)
         off_s = weight_scale.data_ptr() - codes.data_ptr()
-        _nvfp4_gemv_kernel[grid](codes, off_s, weight_scale_2.reshape(-1), x, out, N, T, KB=K // 16,
-                                 S2_PER_ROW=weight_scale_2.numel() != 1,
-                                 BKW=min(tile["BKW"], triton.next_power_of_2(K // 16)), **meta)
+        _nvfp4_gemv_kernel[grid](codes, off_s, weight_scale_2.reshape(-1), x, out, N, T,
+                                 S2_PER_ROW=weight_scale_2.numel() != 1, **meta)
     else:
         if weight.shape[1] != K:
             raise ValueError(f"FP8 weight [{N}, {weight.shape[1]}] does not match in_features {K}")
-        _fp8_rows_gemv_kernel[grid](weight.view(torch.uint8), weight_scale, x, out, N, T, KW=K // 8,
-                               BKW=min(tile["BKW"], triton.next_power_of_2(K // 8)), **meta)
+        _fp8_rows_gemv_kernel[grid](weight.view(torch.uint8), weight_scale, x, out, N, T, **meta)
     return out
 
 
