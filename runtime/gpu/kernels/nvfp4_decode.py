@@ -29,14 +29,12 @@ On CUDA the caller guarantees the bank is page-locked and mapped (cudaHostRegist
 and stays so for the call; on CPU under the interpreter any host address works. host_base == 0 compiles the
 kernels without the host branch (the `MAPPED` constexpr).
 
-Numerics: E2M1 and e4m3 decode from bits to the same values as `nvfp4_triton._weight_tile` (value * 2^-14, * 2^-8);
+Numerics: E2M1 and e4m3 decode from bits to the same values as `nvfp4_triton._weight_tile_k` (value * 2^-14, * 2^-8);
 each code times its bf16 activation is exact in fp32, summed over the 16 codes of a scale block, times the block's
 scale, summed over K; `scale_2 * 2^22` (2^22 for MXFP4) is applied to the fp32 accumulator, the biases added and the
 gated activation rounded to bf16 by `_to_bf16`. So the result equals the host-planned kernel's up to fp32 rounding
 order. Deterministic: no atomics, every sum (over K, over the k experts of a token, torch's sum for "pairs") runs in
 a fixed order.
-
-`_gemv_tile` (the former per-K-step decode GEMV) stays here for `dense_quant.py`.
 """
 
 from __future__ import annotations
@@ -49,7 +47,7 @@ from ft.runtime.gpu.kernels.pdl import pdl_args, pdl_wait
 
 from .nvfp4_gemv import rows_dot
 from .fp4_format import _gated, _row_bias, _row_scale
-from .nvfp4_triton import _to_bf16, _weight_tile
+from .nvfp4_triton import _to_bf16
 from ..record_layout import RecordLayout
 
 # Tiles: BLOCK_N_* weight rows per program (gate_up: BN gate + BN up rows), BLOCK_K_* K elements per unrolled chunk
@@ -135,20 +133,6 @@ def _down_kernel(
     w = tl.load(pair_weight + p, mask=live, other=0.0).to(tl.float32)
     res = tl.where(m2, v * w[None, :], 0.0)
     tl.store(out + g.to(tl.int64) * H + n, tl.sum(res, axis=1), mask=n < H)
-
-
-@triton.jit
-def _gemv_tile(rec, OFF_W, OFF_S, rows, w_mask, src, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # sum_i W[rows, i] * src[i] for one record, fp32 [BN] (value * 2^-22); src bf16 [K] (one activation row)
-    j = tl.arange(0, BLOCK_K // 2)
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        s_even = tl.load(src + k0 + 2 * j).to(tl.float32)
-        s_odd = tl.load(src + k0 + 2 * j + 1).to(tl.float32)
-        w_even, w_odd = _weight_tile(rec, OFF_W, OFF_S, rows, w_mask, K, k0, j)
-        prod = w_even.to(tl.float32) * s_even[None, :] + w_odd.to(tl.float32) * s_odd[None, :]
-        acc += tl.sum(prod, axis=1)
-    return acc
 
 
 def decode_blocks(blocks: dict[str, int] | None = None) -> dict[str, int]:

@@ -25,11 +25,10 @@ Dequantization happens in registers, from bits, with no lookup table in memory:
 * their product has at most 5 significant bits, so it is exact in bf16; the dot runs bf16 x bf16 -> fp32 and the
   per-row fp32 `scale_2` (times 2^22 to undo both shifts; 2^22 alone without one) is applied once to the fp32
   accumulator.
-So the kernel differs from the exact reference only by fp32 summation order. `_weight_tile` (also used by the decode
-kernels) gives a K tile as even / odd columns; the tile kernels use `_weight_tile_k`, the same values in natural K
-order: codes loaded as [BN, BK/2] bytes viewed as [BN, BK/16, 8], one block scale per 16 columns (MXFP4: two groups
-load the same byte) decoded once and broadcast, low / high nibbles joined back into [BN, BK]. So each K step is one
-dot over BK against a contiguous activation tile.
+So the kernel differs from the exact reference only by fp32 summation order. `_weight_tile_k` gives a K tile in
+natural K order: codes loaded as [BN, BK/2] bytes viewed as [BN, BK/16, 8], one block scale per 16 columns (MXFP4:
+two groups load the same byte) decoded once and broadcast, low / high nibbles joined back into [BN, BK]. So each K
+step is one dot over BK against a contiguous activation tile.
 
 Tiles (`TILE_CONFIGS`, picked by rows per expert in `pick_blocks`): every M block of an expert dequantizes its
 weight tiles again (~8-13 SASS instructions per weight element on sm_90), which at BLOCK_M = 128 issues longer than
@@ -47,24 +46,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp4_format import _e2m1_shifted, _e4m3_shifted, _gated, _row_bias, _row_scale, _scale_shifted
+from .fp4_format import _e2m1_shifted, _gated, _row_bias, _row_scale, _scale_shifted
 from ..record_layout import RecordLayout
 
 _UNSHIFT = 4194304.0  # 2^22 = 2^14 (E2M1 shift) * 2^8 (e4m3 shift)
-
-
-@triton.jit
-def _weight_tile(rec, off_codes, off_scale, rows, row_mask, K, k0, j):
-    # rows [BN] output rows; j [BK/2] byte index in the K tile -> (w_even, w_odd) bf16 [BN, BK/2], value * 2^-22
-    codes = tl.load(rec + off_codes + rows[:, None] * (K // 2) + (k0 // 2 + j)[None, :],
-                    mask=row_mask[:, None], other=0)
-    sc = tl.load(rec + off_scale + rows[:, None] * (K // 16) + ((k0 + 2 * j) // 16)[None, :],
-                 mask=row_mask[:, None], other=0)
-    c = codes.to(tl.uint16)
-    s = _e4m3_shifted(sc.to(tl.uint16))
-    w_even = (_e2m1_shifted(c & 15) * s).to(tl.bfloat16)
-    w_odd = (_e2m1_shifted(c >> 4) * s).to(tl.bfloat16)
-    return w_even, w_odd
 
 
 @triton.jit
@@ -90,7 +75,7 @@ def _to_bf16(v, DOT_F32: tl.constexpr):
 @triton.jit
 def _weight_tile_k(rec, OFF_W: tl.constexpr, OFF_S: tl.constexpr, rows, row_mask, K: tl.constexpr, k0,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GPS: tl.constexpr, E8M0: tl.constexpr):
-    # rows [BN] output rows -> bf16 [BN, BK] = W[rows, k0:k0+BK] * 2^-22, natural K order (values as _weight_tile's)
+    # rows [BN] output rows -> bf16 [BN, BK] = W[rows, k0:k0+BK] * 2^-22, natural K order
     # The codes are loaded as a 2-D [BN, BK/2] tile (contiguous along K, so lanes run along K) and only then split
     # into scale groups. A 3-D load puts the lanes along rows, and Triton 3.6 then fails to build a wgmma B operand
     # from the joined tile ("Illegal shared layout" in TritonGPUOptimizeDotOperands) or stores it with 2-byte writes.
