@@ -89,7 +89,7 @@ def pdl_ab(eng: Engine) -> dict:
 
 
 def _engine(ftw, *, vram_budget: int | None = None, offload=None, dense_weights: str = "auto") -> Engine:
-    return Engine(ftw, EngineSettings(device="cuda", kv_reserve_tokens=8192 + 256, max_prefill_length=4096,
+    return Engine(ftw, EngineSettings(device="cuda", kv_reserve_tokens=CONTEXT_LONG + 256, max_prefill_length=4096,
                                       max_running_requests=8, vram_budget=vram_budget, dense_weights=dense_weights),
                   offload=offload)
 
@@ -110,6 +110,7 @@ def prefill(model, tokens: int, repeat: int = 2) -> dict:
     return {"tokens": tokens, "chunk": CHUNK, "seconds": best, "tok_s": tokens / best}
 
 
+CONTEXT_LONG = 8192  # the issue's long-context decode row (the engines reserve KV for it)
 WARM_TOKENS = 256  # decoded before the steady-state window of a budget row
 TRACE = 200_000  # routing steps the budget engines keep for the Belady row
 
@@ -117,10 +118,11 @@ TRACE = 200_000  # routing steps the budget engines keep for the Belady row
 def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64, variant: dict | None = None,
                  traces: Path | None = None, preset: str = "model") -> dict:
     """The default scheduler (`ft serve --vram-budget`) at `gib` GiB: decode batch 1 at a 32-token context once the
-    banks are page-locked, prefill of 4096 tokens twice (the first in a process includes compiling the prefill
-    kernels: `prefill_first`), and the process's peak device memory against the budget: the
-    allocator's peak plus what the device held outside the allocator while the engine ran (what nvidia-smi shows;
-    meaningful for the first engine of a process only: later ones may find memory the earlier ones left).
+    banks are page-locked (and again after WARM_TOKENS of routing, then at a CONTEXT_LONG context), prefill of 4096
+    tokens twice (the first in a process includes compiling the prefill kernels: `prefill_first`), and the process's
+    peak device memory against the budget: the allocator's peak plus what the device held outside the allocator while
+    the engine ran (what nvidia-smi shows; meaningful for the first engine of a process only: later ones may find
+    memory the earlier ones left).
     `variant`: OffloadConfig fields that differ from the default scheduler's (e.g. {"cpu_lane": False}: the GPU
     copies every miss; "dense" is `--dense-weights`, e.g. {"dense": "dequantized"}). `traces`: where the engine's
     routing trace goes (`preset` names the file)."""
@@ -164,6 +166,7 @@ def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64, v
         res["bytes_per_token"] = {k: res["moe"][c] / tokens for k, c in
                                   (("gpu_mapped", "bytes_mapped"), ("cpu", "bytes_cpu"), ("uploads", "bytes_h2d"))}
         res["engine_profile"] = engine_profile(eng, 1, steps=16)
+        res["decode_8k"] = decode(eng, 1, CONTEXT_LONG, steps, warmup=16)  # attention over the KV the plan sized
         res["cuda_graphs"] = eng.stats().get("cuda_graphs")
         if lane and stats.get("cpu_lane") and not variant:
             res["lane_agreement"] = lane_agreement(model, ex.mapped.lane)
@@ -191,7 +194,8 @@ def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64, v
         res["peak_device_gib"] = res["peak_reserved_gib"] + res.get("outside_allocator_gib", res["context_gib"])
     bpt = {k: round(v / 1e6, 1) for k, v in res.get("bytes_per_token", {}).items()}
     log(f"budget {gib:g} GiB ({res['mode']}, {variant or 'default'}): decode {res['decode']['tok_s']:.1f} "
-        f"tok/s (after {WARM_TOKENS} tokens: {res['decode_warm']['tok_s']:.1f}), MB/token {bpt}, prefill 4096 "
+        f"tok/s (after {WARM_TOKENS} tokens: {res['decode_warm']['tok_s']:.1f}; at {CONTEXT_LONG}: "
+        f"{res['decode_8k']['tok_s']:.1f}), MB/token {bpt}, prefill 4096 "
         f"{res['prefill']['tok_s']:.0f} tok/s (first "
         f"{res['prefill_first']['tok_s']:.0f}; copies {res.get('prefill_overlap', {}).get('copy_ms')} ms, under "
         f"kernels {res.get('prefill_overlap', {}).get('both_ms')} ms), peak {res['peak_device_gib']:.2f} GiB incl. "
@@ -230,7 +234,7 @@ def bench_resident(ftw, preset: str, *, hbm_gbs: float, log, llama: dict | None,
                  "vram_gib": torch.cuda.memory_allocated() / (1 << 30)}
     log(f"{preset}: loaded in {res['load_s']:.1f} s (graphs {res['graphs']})")
     rows = []
-    for batch, context, steps in ((1, 32, 128), (1, 8192, 64), (4, 32, 64), (8, 32, 64)):
+    for batch, context, steps in ((1, 32, 128), (1, CONTEXT_LONG, 64), (4, 32, 64), (8, 32, 64)):
         if time.perf_counter() > deadline - 40:
             break
         try:
