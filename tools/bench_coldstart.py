@@ -13,8 +13,11 @@ its own empty TRITON_CACHE_DIR:
   prebuilt  FT_HOME as given (the kernels `ft kernels build` trusted): the FTW's kernels for this GPU are installed
   warm      the prebuilt run's cache again (launchers built, nothing to install): the floor
 Launchers built = launcher modules (`*.so`) that appeared in the run's Triton cache minus those the start installed
-(the engine's `kernels.launchers_installed`). --drop-caches empties the page cache before each run (root: writes
-/proc/sys/vm/drop_caches), so ready includes reading the weights from disk.
+(the engine's `kernels.launchers_installed`). --drop-caches empties the page cache before each run (as root: writes
+/proc/sys/vm/drop_caches; otherwise it evicts the FTW's own files with posix_fadvise(DONTNEED), which any reader may
+do for clean pages), so ready includes reading the weights from disk. Then the disk bound is reported beside ready:
+the bytes the serve process had read from storage when it became ready (`read_bytes` of /proc/PID/io) over the cold
+read bandwidth measured on the FTW's largest file, evicted first.
 Writes OUT/coldstart.json (every run: seconds to ready, to the first token, of the repeated request, the engine's
 "kernels" stats) and prints a table. Needs a CUDA GPU; the port is free on 127.0.0.1.
 """
@@ -84,6 +87,16 @@ def _from_log(log_path: Path) -> dict:
     return out
 
 
+def _read_bytes(pid: int) -> int | None:
+    """Bytes process `pid` has caused to be read from storage (page faults on its mmaps included), or None."""
+    try:
+        text = Path(f"/proc/{pid}/io").read_text()
+    except OSError:
+        return None
+    m = re.search(r"^read_bytes: (\d+)", text, re.M)
+    return int(m.group(1)) if m else None
+
+
 def serve_once(ftw: Path | str, serve_args: list[str], env: dict, log_path: Path, deadline_s: float) -> dict:
     """One `ft serve --ftw FTW *serve_args` process (an FTW directory or a Hub repo id): seconds to ready, to the
     first token of a PROMPT_TOKENS-token completion and of a second one on other tokens (the same work without
@@ -103,6 +116,7 @@ def serve_once(ftw: Path | str, serve_args: list[str], env: dict, log_path: Path
                 raise RuntimeError(f"ft serve did not become ready (exit {proc.poll()}); see {log_path}")
             time.sleep(0.05)
         ready = time.perf_counter() - t0
+        read_at_ready = _read_bytes(proc.pid)
         for i, start in enumerate((1000, 2000)):  # then the same work again, on other tokens: no prefix reuse
             body = json.dumps({"prompt": list(range(start, start + PROMPT_TOKENS)), "max_tokens": 1,
                                "temperature": 0}).encode()
@@ -121,18 +135,50 @@ def serve_once(ftw: Path | str, serve_args: list[str], env: dict, log_path: Path
             proc.kill()
     new = _launchers(cache) - before
     installed = (kernels or {}).get("launchers_installed") or 0
-    return {"ready_s": round(ready, 3), "first_token_s": round(first, 3),
+    return {"ready_s": round(ready, 3), "read_bytes_at_ready": read_at_ready, "first_token_s": round(first, 3),
             "first_request_s": round(first - ready, 3), "repeat_request_s": round(repeat, 3),
             "launchers_built": max(0, len(new) - installed), "launcher_files_new": len(new),
             "kernels": kernels, "log": _from_log(log_path)}
 
 
-def _drop_caches() -> None:
+def _evict(root: Path) -> int:
+    """Drop the page cache of every file under `root` (clean pages: no root needed); returns the bytes covered."""
+    total = 0
+    for path in root.rglob("*"):
+        if path.is_file() and not path.is_symlink():
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)  # dirty pages cannot be dropped
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+            total += path.stat().st_size
+    return total
+
+
+def drop_caches(ftw: Path) -> str:
+    """Empty the page cache for this FTW: the whole cache as root, else the FTW's files. Returns how."""
     subprocess.run(["sync"], check=True)
     try:
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
-    except OSError as e:
-        raise SystemExit(f"--drop-caches needs root (writing /proc/sys/vm/drop_caches: {e})") from None
+        return "drop_caches"
+    except OSError:
+        _evict(ftw)
+        return "posix_fadvise"
+
+
+def cold_read_gbs(ftw: Path, limit: int = 4 << 30) -> float:
+    """Sequential read speed of the FTW's largest file (up to `limit` bytes) with its pages evicted first: the disk's
+    cold bandwidth as the runtime sees it (through the page cache)."""
+    path = max((p for p in ftw.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+    _evict(path.parent)
+    done, t = 0, time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while done < limit and (chunk := f.read(16 << 20)):
+            done += len(chunk)
+    gbs = done / (time.perf_counter() - t) / 1e9
+    _evict(path.parent)
+    return gbs
 
 
 def main() -> None:
@@ -143,7 +189,7 @@ def main() -> None:
     ap.add_argument("--build", action="store_true", help="ft kernels build for this GPU first")
     ap.add_argument("--runs", type=int, default=1, help="repetitions of each run")
     ap.add_argument("--deadline", type=float, default=1800.0, help="seconds before a run is given up")
-    ap.add_argument("--drop-caches", action="store_true", help="empty the page cache before each run (root)")
+    ap.add_argument("--drop-caches", action="store_true", help="empty the FTW's page cache before each run")
     args = ap.parse_args()
     import torch
 
@@ -165,6 +211,9 @@ def main() -> None:
         result["build"] = [line for line in res.stdout.splitlines() if line.startswith("sm_")]
         result["build_warnings"] = [line for line in res.stderr.splitlines() if "warning" in line][:40]
         print(f"build {result['build_s']} s: {'; '.join(result['build'])}", flush=True)
+    if args.drop_caches:
+        result["cold_read_gbs"] = round(cold_read_gbs(args.ftw), 3)
+        print(f"cold read {result['cold_read_gbs']} GB/s", flush=True)
     with tempfile.TemporaryDirectory(prefix="ft-coldstart-") as tmp:
         for i in range(args.runs):
             for mode in ("jit", "prebuilt", "warm"):
@@ -176,17 +225,20 @@ def main() -> None:
                 if mode == "jit":
                     env["FT_HOME"] = str(Path(tmp) / "no-trust")  # nothing trusted: every kernel compiles
                 if args.drop_caches:
-                    _drop_caches()
+                    result["page_cache"] = f"dropped before each run ({drop_caches(args.ftw)})"
                 run = serve_once(args.ftw, ["--vram-budget", args.vram_budget], env,
                                  args.out / f"serve-{mode}-{i}.log", args.deadline)
                 run.update(mode=mode, rep=i)
+                if args.drop_caches and run["read_bytes_at_ready"] is not None:  # ready against the disk bound
+                    run["disk_bound_s"] = round(run["read_bytes_at_ready"] / 1e9 / result["cold_read_gbs"], 3)
                 result["runs"].append(run)
                 k = run["kernels"] or {}
                 compiled = k.get("compiled_since_start", run["log"]["compiled_since_start"])
                 print(f"{mode:9s} ready {run['ready_s']:7.2f} s  first token {run['first_token_s']:7.2f} s  "
                       f"(request {run['first_request_s']:.2f} s, repeated {run['repeat_request_s']:.2f} s)  "
                       f"prebuilt {k.get('prebuilt')} ({k.get('installed')} kernels, {k.get('launchers_installed')} "
-                      f"launchers)  compiled {compiled}  launchers built {run['launchers_built']}", flush=True)
+                      f"launchers)  compiled {compiled}  launchers built {run['launchers_built']}"
+                      + (f"  disk bound {run['disk_bound_s']:.2f} s" if "disk_bound_s" in run else ""), flush=True)
                 if k.get("compiled"):
                     print(f"          compiled: {', '.join(k['compiled'])}", flush=True)
     (args.out / "coldstart.json").write_text(json.dumps(result, indent=2) + "\n")
