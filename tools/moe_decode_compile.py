@@ -43,7 +43,7 @@ def sass_stats(fn, values: dict, consts: dict, warps: int, arch: int) -> dict:
 
 
 def compile_configs(gu: dict, dn: dict, *, hidden=2048, inter=512, top_k=8, arch=90, scheme="nvfp4",
-                    log=print) -> list[dict]:
+                    early=False, log=print) -> list[dict]:
     """Build each config's kernel for sm_<arch> with no GPU (`sass_stats`): regs, stack (spill) bytes, STS count and
     SASS instructions per weight. A CPU check of the kernels before a GPU run. scheme "mxfp4": gpt-oss's records
     (biases, the clamped SwiGLU)."""
@@ -56,7 +56,7 @@ def compile_configs(gu: dict, dn: dict, *, hidden=2048, inter=512, top_k=8, arch
     fmt = {kn: lay.kernel_args(kn) for kn in ("gate_up", "down")}  # offsets are arguments, the rest constexprs
     common = dict(pool="*u8", slot_stride=lay.stride, host_base=0, host_stride=0, topk_ids="*i32", slot_row="*i32",
                   H=hidden, I=inter)
-    specs = {"gate_up": (nd._gate_up_kernel, dict(common, x="*bf16", act="*bf16", topk=top_k,
+    specs = {"gate_up": (nd._gate_up_kernel, dict(common, x="*bf16", act="*bf16", copied="*i32", topk=top_k,
                                                   OFF_GU=lay.off_gate_up, OFF_GUS=lay.off_gate_up_scale)),
              "down": (nd._down_kernel, dict(common, act="*bf16", out="*fp32", pair_weight="*fp32", G=top_k,
                                             OFF_D=lay.off_down, OFF_DS=lay.off_down_scale))}
@@ -67,7 +67,8 @@ def compile_configs(gu: dict, dn: dict, *, hidden=2048, inter=512, top_k=8, arch
         for name, cfg in configs.items():
             b = nd.decode_blocks(cfg)
             if kname == "gate_up":
-                consts = dict(KB=hidden // 16, BN=b["BLOCK_N_GU"], BKB=nd._words(b["BLOCK_K_GU"], hidden))
+                consts = dict(KB=hidden // 16, BN=b["BLOCK_N_GU"], BKB=nd._words(b["BLOCK_K_GU"], hidden),
+                              EARLY=early)
                 warps, weights = b["WARPS_GU"], 2 * b["BLOCK_N_GU"] * hidden
             else:
                 consts = dict(KB=inter // 16, GP=triton.next_power_of_2(top_k), BN=b["BLOCK_N_D"],

@@ -6,6 +6,8 @@ start-up calibration gathers, resident prefill tiles and the host-planned tile k
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from .launches import ADDR, F32, MAX_DECODE, Geometry
@@ -54,10 +56,11 @@ def moe_launches(g: Geometry, lengths: list[int]) -> None:
         if P <= W:
             entry = torch.full((3, W), -1, dtype=torch.int32)  # `MappedPath.entry` / one layer's `graph_buf` row
             # mode mapped after its gather: pairs 0..P-1 (int32) read the rows the plan wrote into the entry; fp32
-            # (the first call's check, the lane's sum) or stored in the compute dtype
-            for out_dtype in (F32, g.dtype):
+            # (the first call's check, the lane's sum) or stored in the compute dtype; after the copy (`copied`, a
+            # mapped bank) or without one (the lane's CPU-only layers)
+            for out_dtype, copied in itertools.product((F32, g.dtype), (entry[2, :P], None)):
                 moe_nvfp4_device(pool, layout, x, torch.arange(P, dtype=torch.int32).view(T, k), entry[1, :P], w,
-                                 out_dtype=out_dtype)
+                                 out_dtype=out_dtype, copied=copied)
             pair = torch.zeros(P, dtype=torch.int32)
             for layer in g.moe_layers:  # layer and staging row are launch integers: each of their classes
                 for staging0 in staging:

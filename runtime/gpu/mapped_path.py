@@ -191,16 +191,19 @@ class MappedDecode:
         base = self.base.get(layer, 0)  # 0: lane-only, every staged miss goes to the CPU (`CpuLane.split_all`)
         post = None if lane is None else (lambda s, c: lane.post(layer, x, topk_ids, topk_weights, s, c, ex.num_slots,
                                                                  cpu_only=base == 0))
-        pair_slot, _ = gather_missing(ex.pool, ex.layout, topk_ids, self.table.tensor, layer, base, bank.stride,
-                                      ex.num_slots, between=post, entry=entry)
+        pair_slot, pair_copy = gather_missing(ex.pool, ex.layout, topk_ids, self.table.tensor, layer, base,
+                                              bank.stride, ex.num_slots, between=post, entry=entry)
         # the result in x's dtype on CUDA, rounded once on the kernel's store (the interpreter's bf16 store truncates:
         # fp32 there); with the lane, its wait adds the CPU's share to the fp32 sum first
         out_dtype = x.dtype if ex.device.type == "cuda" and self.checked else torch.float32
         pairs = self._pairs(P).view(topk_ids.shape)
+        copied = pair_copy if base else None  # the gate_up programs of pairs not copied run during the copy
         if lane is None:
-            y = moe_nvfp4_device(ex.pool, ex.layout, x, pairs, pair_slot, topk_weights, out_dtype=out_dtype)
+            y = moe_nvfp4_device(ex.pool, ex.layout, x, pairs, pair_slot, topk_weights, out_dtype=out_dtype,
+                                 copied=copied)
         else:
-            y = lane.finish(moe_nvfp4_device(ex.pool, ex.layout, x, pairs, pair_slot, topk_weights), out_dtype)
+            y = lane.finish(moe_nvfp4_device(ex.pool, ex.layout, x, pairs, pair_slot, topk_weights, copied=copied),
+                            out_dtype)
         return self._check(y, bank, x, topk_ids, topk_weights), entry
 
     def _check(self, got, bank, x, topk_ids, topk_weights) -> torch.Tensor:

@@ -13,7 +13,9 @@ One decode call of one MoE layer, P = T * k routed pairs (P <= 64), with no host
 
 Both launch with PDL (`pdl.py`), as the decode step's other kernels: without it each would wait for its predecessor
 to drain before launching, and hold its successor back the same way. Then the resident kernel runs over `pair_slot`
-(`moe_nvfp4_device` with topk_ids = arange(P)). Every miss crosses the bus once. `plan_reference` is the PyTorch
+(`moe_nvfp4_device` with topk_ids = arange(P) and `copied` = `pair_copy`): the copy lets it launch once everything
+before the copy has completed, and its gate_up programs of pairs not being copied (hits, the CPU's) run during the
+copy; only those of copied pairs wait for it. Every miss crosses the bus once. `plan_reference` is the PyTorch
 reference of step 1 (the CPU emulation runs it; tests compare the kernel with it).
 """
 
@@ -24,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ..record_layout import RecordLayout
-from .pdl import pdl_args, pdl_wait
+from .pdl import pdl_args, pdl_wait, pdl_wait_then_release
 
 COPY_CHUNK, COPY_BLOCK = 4096, 512  # 8-byte words per program (32 KiB) and per load (4 KiB)
 
@@ -45,7 +47,7 @@ def _plan_kernel(ids, table, entry, layer, E, P, W, staging0, BLOCK_P: tl.conste
 @triton.jit
 def _copy_kernel(pool, slot_stride, host_base, host_stride, ids, pair_slot, pair_copy, words,
                  CHUNK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_wait(PDL)
+    pdl_wait_then_release(PDL)  # the MoE kernel after it starts its resident pairs during the copy
     p = tl.program_id(0)
     c = tl.program_id(1)
     if tl.load(pair_copy + p) == 1:

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ft.runtime.gpu.kernels.pdl import pdl_args, pdl_wait
+from ft.runtime.gpu.kernels.pdl import pdl_args, pdl_release, pdl_wait, pdl_wait_only
 
 from .nvfp4_gemv import rows_dot
 from .fp4_format import _gated, _row_bias, _row_scale
@@ -77,16 +77,22 @@ def _records(pool, slot_stride, host_base, host_stride, topk_ids, slot_row, p, p
 
 @triton.jit
 def _gate_up_kernel(
-    pool, slot_stride, host_base, host_stride, x, act, topk_ids, slot_row, topk, H, I,
+    pool, slot_stride, host_base, host_stride, x, act, topk_ids, slot_row, copied, topk, H, I,
     OFF_GU, OFF_GUS, OFF_GUS2, OFF_GUB, KB: tl.constexpr,
     BN: tl.constexpr, BKB: tl.constexpr, INTERP: tl.constexpr, MAPPED: tl.constexpr, PDL: tl.constexpr,
-    GPS: tl.constexpr, E8M0: tl.constexpr, S2: tl.constexpr, BIAS: tl.constexpr, SWIGLU: tl.constexpr,
-    ALPHA: tl.constexpr, LIMIT: tl.constexpr,
+    EARLY: tl.constexpr, GPS: tl.constexpr, E8M0: tl.constexpr, S2: tl.constexpr, BIAS: tl.constexpr,
+    SWIGLU: tl.constexpr, ALPHA: tl.constexpr, LIMIT: tl.constexpr,
 ):
     # act[p, n] = bf16(act(g, u)), g = row n, u = row I + n of gate_up applied to x[p // topk] (+ their biases);
-    # 0 for a dead pair
-    pdl_wait(PDL)
+    # 0 for a dead pair. EARLY: the previous kernel (mode mapped's copy) released this one only after its own
+    # predecessors completed, and writes only the records of pairs with copied[p] == 1: the others start at once.
     p = tl.program_id(0)
+    if EARLY:
+        pdl_release(PDL)
+        if tl.load(copied + p) == 1:
+            pdl_wait_only(PDL)
+    else:
+        pdl_wait(PDL)
     n0 = tl.program_id(1) * BN
     r = tl.arange(0, 2 * BN)  # tile rows: gate rows n0 + r for r < BN, then up rows I + n0 + r - BN
     rows = (r % BN + (r // BN) * I + n0)[:, None]  # [2BN, 1]
@@ -168,6 +174,7 @@ def moe_nvfp4_device(
     host_base: int = 0,
     host_stride: int = 0,
     out_dtype: torch.dtype = torch.float32,
+    copied: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Expert mixture with device-side routing. Host work depends on shapes only (no sync).
 
@@ -179,6 +186,8 @@ def moe_nvfp4_device(
     Returns [T, H] = sum over pairs with a slot (all pairs when host_base != 0) of weight * expert(x), summed in fp32
     and stored as `out_dtype` (combine "tokens": the down kernel rounds its fp32 sum on the store, so a caller that
     wants the compute dtype needs no cast launch; "pairs" always sums in fp32 first).
+    copied: int32 [T * k] from mode mapped's gather, launched just before (`gather.py`): its copy writes the records
+    of the pairs marked 1, and the gate_up programs of the other pairs run without waiting for it (same result).
     """
     check_moe_args(pool, layout, x, topk_ids, slot_row, topk_weights)
     T, H = x.shape
@@ -199,23 +208,28 @@ def moe_nvfp4_device(
     if xb.data_ptr() % 16:  # activations are read as u64 words
         xb = xb.clone()
     ids, row = topk_ids.contiguous(), slot_row.contiguous()
-    act = launch_gate_up(pool, layout, xb, ids, row, host, b)
+    if copied is not None and (copied.dtype != torch.int32 or copied.numel() != T * k):
+        raise ValueError(f"copied must be int32 [{T * k}] (a flag per pair), got {copied.dtype} {tuple(copied.shape)}")
+    act = launch_gate_up(pool, layout, xb, ids, row, host, b, copied=copied)
     out = launch_down(pool, layout, act, topk_weights.reshape(-1).contiguous(), ids, row, host, b, combine,
                       out_dtype=out_dtype if combine == "tokens" else torch.float32)
     return out if combine == "tokens" else out.view(T, k, H).sum(1).to(out_dtype)
 
 
 def launch_gate_up(pool, layout: RecordLayout, xb: torch.Tensor, ids: torch.Tensor, row: torch.Tensor,
-                   host: tuple[int, int], b: dict[str, int], info: dict | None = None) -> torch.Tensor:
+                   host: tuple[int, int], b: dict[str, int], info: dict | None = None,
+                   copied: torch.Tensor | None = None) -> torch.Tensor:
     """The gate_up kernel alone (checked inputs: xb bf16 [T, H] 16-byte aligned, ids [T, k], host (base, stride),
-    b a full `decode_blocks` dict) -> act bf16 [T*k, I]. info: gets the compiled kernel under "gate_up"."""
+    b a full `decode_blocks` dict, copied as `moe_nvfp4_device`'s) -> act bf16 [T*k, I]. info: gets the compiled
+    kernel under "gate_up"."""
     (T, k), H, I = ids.shape, layout.hidden, layout.inter
     act = torch.empty(T * k, I, dtype=torch.bfloat16, device=xb.device)
     interp = xb.device.type != "cuda"  # only the interpreter runs kernels on CPU tensors
     kernel = _gate_up_kernel[(T * k, triton.cdiv(I, b["BLOCK_N_GU"]))](
-        pool, layout.stride, host[0], host[1], xb, act, ids, row, k, H, I,
+        pool, layout.stride, host[0], host[1], xb, act, ids, row, row if copied is None else copied, k, H, I,
         layout.off_gate_up, layout.off_gate_up_scale, KB=H // 16, BN=b["BLOCK_N_GU"],
-        BKB=_words(b["BLOCK_K_GU"], H), INTERP=interp, MAPPED=host[0] != 0, num_warps=b["WARPS_GU"],
+        BKB=_words(b["BLOCK_K_GU"], H), INTERP=interp, MAPPED=host[0] != 0, EARLY=copied is not None,
+        num_warps=b["WARPS_GU"],
         **layout.kernel_args("gate_up"), **pdl_args(xb.device),
     )
     if info is not None:

@@ -38,6 +38,28 @@ def pdl_wait(PDL: tl.constexpr):
         tl.extra.cuda.gdc_wait()
 
 
+@triton.jit
+def pdl_wait_then_release(PDL: tl.constexpr):
+    # pdl_wait in the other order: the successor launches only once everything before this kernel has completed, so
+    # its programs may skip their own wait for data this kernel does not write (`nvfp4_decode._gate_up_kernel`'s
+    # EARLY programs, whose records mode mapped's copy does not touch)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_release(PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait_only(PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
 def pdl_args(device: torch.device) -> dict:
     """The kernel arguments that turn PDL on for a launch on `device` (see the module docstring)."""
     return {"PDL": True, "launch_pdl": True} if ENABLED and device.type == "cuda" else {"PDL": False}

@@ -66,6 +66,14 @@ def test_plan_kernel_matches_reference_and_copies_records(ids):
     got = moe_nvfp4_device(pool_d, layout, x.to(DEV), torch.arange(P, dtype=torch.int32, device=DEV).view(T, k),
                            slot, w.to(DEV)).cpu()
     assert rel_err(got, moe_ref(recs, layout, x, ids, w)) < TOL
+    # again with the MoE kernel right behind the copy, told which pairs it copies (as mode mapped runs them: with
+    # PDL the programs of the other pairs start during the copy): the same result, bit for bit
+    pool_d[S:] = 0
+    slot, copy = gather_missing(pool_d, layout, ids.to(DEV), table_d, 1, bank.data_ptr(), bank.stride(0), S,
+                                entry=entry)
+    early = moe_nvfp4_device(pool_d, layout, x.to(DEV), torch.arange(P, dtype=torch.int32, device=DEV).view(T, k),
+                             slot, w.to(DEV), copied=copy).cpu()
+    assert torch.equal(early, got)
 
 
 def test_bad_arguments_are_refused():
@@ -75,6 +83,10 @@ def test_bad_arguments_are_refused():
         gather_missing(pool.to(DEV), layout, ids.to(DEV), table.to(DEV), 1, bank.data_ptr(), bank.stride(0), S + 7)
     with pytest.raises(ValueError, match="aligned"):
         gather_missing(pool.to(DEV), layout, ids.to(DEV), table.to(DEV), 1, bank.data_ptr() + 8, bank.stride(0), S)
+    with pytest.raises(ValueError, match="a flag per pair"):
+        moe_nvfp4_device(pool.to(DEV), layout, torch.zeros(1, H, dtype=torch.bfloat16, device=DEV), ids.to(DEV),
+                         torch.zeros(E, dtype=torch.int32, device=DEV), torch.ones(1, 2, device=DEV),
+                         copied=torch.zeros(3, dtype=torch.int32, device=DEV))
     with pytest.raises(ValueError, match="1..64 pairs"):
         gather_missing(pool.to(DEV), layout, torch.zeros(1, 65, dtype=torch.long).to(DEV), table.to(DEV), 1,
                        bank.data_ptr(), bank.stride(0), 0)
