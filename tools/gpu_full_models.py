@@ -213,7 +213,7 @@ def bench_model(ftw, preset: str, *, hbm_gbs: float, log, llama: dict | None, de
     res = bench_resident(ftw, preset, hbm_gbs=hbm_gbs, log=log, llama=llama, deadline=deadline,
                          traces=traces) if resident else {}
     res["budgets"] = []
-    for gib, variant in [(g, v) for g in budgets for v in ({}, *variants)]:
+    for gib, variant in [(g, v) for v in ({}, *variants) for g in budgets]:  # every default row first
         if time.perf_counter() > deadline - 90:
             break
         try:
