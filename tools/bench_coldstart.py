@@ -38,6 +38,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+from bench_compile_lib import drop_cache, read_speed
+
 FT = [sys.executable, "-c", "from ft.cli.main import main; main()"]
 PROMPT_TOKENS = 16  # prompt token ids of the timed requests
 
@@ -141,44 +143,16 @@ def serve_once(ftw: Path | str, serve_args: list[str], env: dict, log_path: Path
             "kernels": kernels, "log": _from_log(log_path)}
 
 
-def _evict(root: Path) -> int:
-    """Drop the page cache of every file under `root` (clean pages: no root needed); returns the bytes covered."""
-    total = 0
-    for path in root.rglob("*"):
-        if path.is_file() and not path.is_symlink():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)  # dirty pages cannot be dropped
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-            total += path.stat().st_size
-    return total
-
-
-def drop_caches(ftw: Path) -> str:
-    """Empty the page cache for this FTW: the whole cache as root, else the FTW's files. Returns how."""
-    subprocess.run(["sync"], check=True)
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return "drop_caches"
-    except OSError:
-        _evict(ftw)
-        return "posix_fadvise"
+def ftw_files(ftw: Path) -> list[Path]:
+    return sorted(p for p in ftw.rglob("*") if p.is_file() and not p.is_symlink())
 
 
 def cold_read_gbs(ftw: Path, limit: int = 4 << 30) -> float:
-    """Sequential read speed of the FTW's largest file (up to `limit` bytes) with its pages evicted first: the disk's
+    """Sequential read speed of the FTW's largest file (up to `limit` bytes) with its pages dropped first: the disk's
     cold bandwidth as the runtime sees it (through the page cache)."""
-    path = max((p for p in ftw.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
-    _evict(path.parent)
-    done, t = 0, time.perf_counter()
-    with open(path, "rb", buffering=0) as f:
-        while done < limit and (chunk := f.read(16 << 20)):
-            done += len(chunk)
-    gbs = done / (time.perf_counter() - t) / 1e9
-    _evict(path.parent)
-    return gbs
+    path = max(ftw_files(ftw), key=lambda p: p.stat().st_size)
+    bps, _ = read_speed([path], 0, min(limit, path.stat().st_size) // 4096 * 4096, "buffered")
+    return bps / 1e9
 
 
 def main() -> None:
@@ -225,7 +199,7 @@ def main() -> None:
                 if mode == "jit":
                     env["FT_HOME"] = str(Path(tmp) / "no-trust")  # nothing trusted: every kernel compiles
                 if args.drop_caches:
-                    result["page_cache"] = f"dropped before each run ({drop_caches(args.ftw)})"
+                    result["page_cache"] = f"dropped before each run ({drop_cache(ftw_files(args.ftw))})"
                 run = serve_once(args.ftw, ["--vram-budget", args.vram_budget], env,
                                  args.out / f"serve-{mode}-{i}.log", args.deadline)
                 run.update(mode=mode, rep=i)

@@ -17,6 +17,16 @@ G = 1e9
 METHODS = ("buffered", "direct")
 
 
+def evict(paths: list[Path]) -> None:
+    """Drop the given files' clean pages from the page cache (any reader may; sync first: dirty pages stay)."""
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
 def drop_cache(paths: list[Path]) -> str:
     """Empty the page cache so reads hit the disk: system-wide as root, else the given files' clean pages."""
     os.sync()
@@ -24,12 +34,7 @@ def drop_cache(paths: list[Path]) -> str:
         Path("/proc/sys/vm/drop_caches").write_text("3\n")
         return "drop_caches"
     except OSError:
-        for p in paths:
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+        evict(paths)
         return "fadvise"
 
 
