@@ -132,7 +132,7 @@ def compile_quantized(shapes, tokens, arch: int, *, sweep: bool, log=print) -> l
                 try:
                     st = sass_stats(fn, values, consts, warps, arch)
                     row.update(regs=st["regs"], stack=st["stack"],
-                               instr_per_weight=round(st["instructions"] * tile["num_warps"] * 32 / (tile["R"] * k), 2))
+                               instr_per_weight=round(st["instructions"] * warps * 32 / (consts["R"] * k), 2))
                 except Exception as e:  # noqa: BLE001 - report every config
                     row["error"] = f"{type(e).__name__}: {e}"[-400:]
                 rows.append(row)

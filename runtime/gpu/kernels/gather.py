@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from ..record_layout import RecordLayout
-from .pdl import pdl_args, pdl_wait, pdl_wait_then_release
+from .pdl import pdl_args, pdl_release, pdl_wait, pdl_wait_only
 
 COPY_CHUNK, COPY_BLOCK = 4096, 512  # 8-byte words per program (32 KiB) and per load (4 KiB)
 
@@ -47,7 +47,10 @@ def _plan_kernel(ids, table, entry, layer, E, P, W, staging0, BLOCK_P: tl.conste
 @triton.jit
 def _copy_kernel(pool, slot_stride, host_base, host_stride, ids, pair_slot, pair_copy, words,
                  CHUNK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl_wait_then_release(PDL)  # the MoE kernel after it starts its resident pairs during the copy
+    # pdl_wait in the other order: the MoE kernel after it launches only once everything before the copy has
+    # completed, so its programs of pairs the copy does not write may skip their wait (`_gate_up_kernel`'s EARLY)
+    pdl_wait_only(PDL)
+    pdl_release(PDL)
     p = tl.program_id(0)
     c = tl.program_id(1)
     if tl.load(pair_copy + p) == 1:

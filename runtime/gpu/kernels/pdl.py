@@ -32,32 +32,23 @@ ENABLED = _supported()
 
 
 @triton.jit
-def pdl_wait(PDL: tl.constexpr):
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def pdl_wait_then_release(PDL: tl.constexpr):
-    # pdl_wait in the other order: the successor launches only once everything before this kernel has completed, so
-    # its programs may skip their own wait for data this kernel does not write (`nvfp4_decode._gate_up_kernel`'s
-    # EARLY programs, whose records mode mapped's copy does not touch)
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
 def pdl_release(PDL: tl.constexpr):
+    # let the successor launch (its programs still wait for this kernel where they call pdl_wait / pdl_wait_only)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
 def pdl_wait_only(PDL: tl.constexpr):
+    # wait for the predecessor to finish, with its memory visible
     if PDL:
         tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    pdl_release(PDL)
+    pdl_wait_only(PDL)
 
 
 def pdl_args(device: torch.device) -> dict:
