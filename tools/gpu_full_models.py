@@ -222,6 +222,10 @@ def bench_model(ftw, preset: str, *, hbm_gbs: float, log, llama: dict | None, de
         except Exception:  # noqa: BLE001
             res["budgets"].append({"budget_gib": gib, "error": traceback.format_exc()[-2000:]})
             log(f"budget {gib} GiB failed:\n{res['budgets'][-1]['error']}")
+        # the failed row's traceback held its engine's tensors until here: give the allocator's blocks back, or the
+        # next engine's plan counts them as memory in use outside it
+        gc.collect()
+        torch.cuda.empty_cache()
     return res
 
 

@@ -107,8 +107,9 @@ def activation_reserve(cfg: ModelConfig, chunk: int, elem: int) -> int:
     """Bytes a prefill forward of `chunk` tokens allocates beyond its weights, KV and state (the activation reserve of
     the VRAM split), from the model's widths; `elem`: bytes per compute-dtype element. Per token: the residual stream
     (h, residual, normed input, mixer output) plus the widest layer's temporaries: the routed experts' per-pair fp32
-    outputs and activations (`prefill_pipeline._Runs`) with the router and shared expert, attention's projections, a
-    DeltaNet layer's projections plus its fp32 conv / rule temporaries, which it bounds to `deltanet.PIECE` tokens."""
+    outputs and activations (`prefill_pipeline._Runs`) with the router and shared expert, attention's projections and
+    chunked-prefill temporaries, a DeltaNet layer's projections plus its fp32 conv / rule temporaries, which it bounds
+    to `deltanet.PIECE` tokens."""
     from ft.runtime.layers.deltanet import PIECE
 
     h, k = cfg.hidden_size, cfg.num_experts_per_tok
@@ -116,7 +117,10 @@ def activation_reserve(cfg: ModelConfig, chunk: int, elem: int) -> int:
     moe = k * (4 * h + elem * cfg.moe_intermediate_size) + (4 + elem) * h + 8 * cfg.num_experts \
         + 3 * elem * cfg.shared_expert_intermediate_size
     dense = 3 * elem * cfg.intermediate_size if "dense" in cfg.mlp_types else 0
-    attn = 3 * elem * (cfg.num_heads + 2 * cfg.num_kv_heads) * max(cfg.head_dim, cfg.v_head_dim)
+    # projections and their normed / rotated copies; a chunk after the first (`attention._flash_split`) adds six
+    # [T, nq, hd] tensors: folded queries, both parts' outputs (one unfolded), expanded own keys and values
+    width = max(cfg.head_dim, cfg.v_head_dim)
+    attn = elem * (3 * (cfg.num_heads + 2 * cfg.num_kv_heads) + 6 * cfg.num_heads) * width
     widest = chunk * max(moe, dense, attn)
     if "linear_attention" in cfg.layer_types:
         key, value, hv = (cfg.linear_num_key_heads * cfg.linear_key_head_dim,

@@ -158,15 +158,27 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch
     return o[0].transpose(0, 1)
 
 
-def merge_attention(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
+MERGE_BLOCK_BYTES = 16 << 20  # fp32 bytes per temporary of `merge_attention` (it runs over o's rows in blocks)
+
+
+def merge_attention(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor, *,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """Combine attention over two disjoint key sets: o [..., hd] with its log-sum-exp lse [...] (natural log of
-    sum(exp(scale·q·k)) over that part's keys) -> attention over the union, in fp32, cast to o1's dtype.
+    sum(exp(scale·q·k)) over that part's keys) -> attention over the union, computed in fp32, written into `out`
+    (default: a new tensor like o1; `out` may be o1 itself).
 
     o = (o1·e^(lse1-m) + o2·e^(lse2-m)) / (e^(lse1-m) + e^(lse2-m)), m = max(lse1, lse2); the weights are written
     as sigmoid(±(lse1 - lse2)), the same quantity, stable for any gap. Each part must have at least one key per row
-    (finite lse)."""
-    d = (lse1.float() - lse2.float()).unsqueeze(-1)
-    return (o1.float() * torch.sigmoid(d) + o2.float() * torch.sigmoid(-d)).to(o1.dtype)
+    (finite lse). Blocks of o's first dimension keep the fp32 temporaries under MERGE_BLOCK_BYTES each: a 4096-token
+    prefill chunk's [T, nq, hd] in fp32 is 64 MiB at 32 x 128, more than the activation reserve allows for it."""
+    out = torch.empty_like(o1) if out is None else out
+    rows = max(1, MERGE_BLOCK_BYTES // (4 * max(1, o1[:1].numel())))
+    for a in range(0, o1.shape[0], rows):
+        b = slice(a, a + rows)
+        d = (lse1[b].float() - lse2[b].float()).unsqueeze(-1)
+        acc = o1[b] * torch.sigmoid(d)                  # fp32 (type promotion); a new tensor even when o1 is fp32
+        out[b] = acc.add_(o2[b] * torch.sigmoid(-d))
+    return out
 
 
 # (device index, dtype, head_dim) -> False once flash attention refused it; then the masked SDPA path is used.
@@ -211,10 +223,12 @@ def _flash_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, f
     qp = q.reshape(t, nkv, r, hd).permute(1, 2, 0, 3).reshape(1, nkv, r * t, hd)
     kp, vp = (a[:past].transpose(0, 1).unsqueeze(0) for a in (k, v))
     o1, lse1 = flash(qp, kp, vp, False, scale)                           # [1, nkv, r·T, hd], [1, nkv, r·T]
+    del qp  # each [T, nq, hd] copy freed once used: the activation reserve (`sizing.activation_reserve`) counts 6
     o1 = o1[0].reshape(nkv, r, t, hd).permute(2, 0, 1, 3).reshape(t, nq, hd)
     lse1 = lse1[0, :, :r * t].reshape(nkv, r, t).permute(2, 0, 1).reshape(t, nq)
     # Own part, causal (T x T, so top-left = bottom-right alignment): kv heads expanded to nq (T rows only).
     qc = q.transpose(0, 1).unsqueeze(0)                                   # [1, nq, T, hd]
     kc, vc = (a[past:past + t].repeat_interleave(r, dim=1).transpose(0, 1).unsqueeze(0) for a in (k, v))
     o2, lse2 = flash(qc, kc, vc, True, scale)                            # [1, nq, T, hd], [1, nq, T]
-    return merge_attention(o1, lse1, o2[0].transpose(0, 1), lse2[0, :, :t].transpose(0, 1))
+    del kc, vc
+    return merge_attention(o1, lse1, o2[0].transpose(0, 1), lse2[0, :, :t].transpose(0, 1), out=o1)

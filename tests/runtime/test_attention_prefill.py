@@ -146,3 +146,23 @@ def test_cuda_fp32_falls_back_to_masked_sdpa():
     q, k, v = (a.cuda() for a in _qkv(t, past, nq, nkv, hd))
     out = causal_attention(q, k, v, past)
     torch.testing.assert_close(out.cpu(), full_reference(*(a.cpu() for a in (q, k, v)), past), atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.skipif(not CUDA, reason="measures CUDA allocations")
+def test_cuda_chunked_flash_stays_within_its_activation_reserve():
+    """A 4096-token chunk after 4096 tokens of past at qwen3moe-35b's attention (32 x 128 query heads, 4 kv heads):
+    what the call allocates at its peak, beyond its inputs, is within the six [T, nq, hd] tensors that
+    `sizing.activation_reserve` counts for it (an fp32 merge of the whole chunk needed twice that, and ran out of
+    memory at an 8 GiB budget)."""
+    t, past, nq, nkv, hd = 4096, 4096, 32, 4, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(t, nq, hd, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(past + t, nkv, hd, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    causal_attention(q[:64], k[:past + 64], v[:past + 64], past)       # flash's first call: library set-up
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = causal_attention(q, k, v, past)
+    peak = torch.cuda.max_memory_allocated() - base
+    assert peak <= 6 * q.numel() * q.element_size(), f"{peak >> 20} MiB"
+    assert out.shape == q.shape and torch.isfinite(out).all()
