@@ -57,7 +57,7 @@ QUANT_SHAPES = [("qkv_proj geom", "nvfp4", 5120, 2048), ("o_proj geom", "nvfp4",
                 ("shared gate_up", "nvfp4", 1024, 2048), ("shared down", "nvfp4", 2048, 512),
                 ("lm_head 3.6", "nvfp4", 248320, 2048)]
 QUANT_SWEEP = [{"R": r, "BKW": b, "num_warps": w}
-               for r, b, w in itertools.product((2, 4, 8, 16), (16, 32, 64), (2, 4, 8))]
+               for r, b, w in itertools.product((2, 4, 8, 16), (32, 64, 128, 256, 512), (4, 8))]
 
 
 def quantized_weights(scheme: str, n: int, k: int, copies: int, device) -> list[tuple]:

@@ -80,10 +80,12 @@ def run_script(name: str, out: Path, timeout: float, quick: bool = False, tests:
 
 
 # tools that run on a model's FTW after its rows (the FTW is deleted before the next model: one full size at a time)
-AFTER = {"coldstart": ["tools/bench_coldstart.py", "--build", "--drop-caches"],  # kernels built, page cache dropped
+# coldstart: kernels built, page cache dropped
+AFTER = {"coldstart": ["tools/bench_coldstart.py", "--build", "--drop-caches", "--vram-budget", "8GiB"],
          "agent_replay": ["tools/bench_agent_replay.py", "--device", "cuda", "--vram-budget", "8GiB", "--skip-off"],
          "prefix_host": ["tools/bench_prefix_host.py", "--device", "cuda", "--vram-budget", "8GiB"],
-         "soak": ["tools/campaign_soak.py", "--device", "cuda", "--vram-budget", "8GiB"]}
+         "soak": ["tools/campaign_soak.py", "--device", "cuda", "--vram-budget", "8GiB"],
+         "startup": ["tools/profile_startup.py", "--device", "cuda", "--vram-budget", "8GiB"]}
 
 
 def run_after(tool: str, ftw: Path, out: Path, left: float) -> dict:

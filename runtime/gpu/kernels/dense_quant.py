@@ -6,9 +6,9 @@ The weight is read in its stored form and decoded in registers, so a decode step
 9/16 B (`nvfp4`, scales included) instead of the 2 B of a bf16 copy, and nothing is dequantized into memory. Grid
 cdiv(N, R): a program takes R weight rows for every row of x (the token axis is the record axis A of
 `nvfp4_gemv.rows_dot`, padded to a power of two), so the weight crosses from HBM once whatever T. Each program
-issues its rows' whole K as wide independent u64 loads (unrolled chunks of BKW words, one word per thread along K)
-before its first FMA, as the expert decode kernels do; bf16 activations come as u64 words of four and are reused
-for the R rows (fp16 / fp32 ones, e.g. test models, are loaded one at a time: correct, not tuned).
+reads its rows in chunks of BKW u64 words across K (one word per thread along K), each chunk's loads issued together
+before its FMAs; TILES makes one chunk span the models' whole K. bf16 activations come as u64 words of four and are
+reused for the R rows (fp16 / fp32 ones, e.g. test models, are loaded one at a time: correct, not tuned).
 
 * `nvfp4`: codes u8 [N, K/2] and e4m3 scales [N, K/16], passed as one base pointer and the byte offset of the scales
   from it (`Linear` keeps them in one buffer): `rows_dot` itself, the expert kernels' decode (E2M1 x e4m3 exact, value
@@ -37,10 +37,13 @@ from .pdl import pdl_args, pdl_wait
 
 MAX_TOKENS = 8  # rows of x one call takes (Linear.GEMV_MAX_TOKENS)
 # per scheme, by the most rows of x they serve: R weight rows per program, BKW u64 words per unrolled K chunk (16
-# weights a word for nvfp4, 8 for fp8_row: 512 weights a chunk either way), warps (sm_90 builds without register
-# spills at every K of the target models: `tools/bench_dense.py --compile-only`)
-TILES = {"nvfp4": ((4, {"R": 8, "BKW": 32, "num_warps": 4}), (MAX_TOKENS, {"R": 8, "BKW": 32, "num_warps": 8})),
-         "fp8_row": ((MAX_TOKENS, {"R": 4, "BKW": 64, "num_warps": 4}),)}
+# weights a word for nvfp4, 8 for fp8_row), warps. A program's loads of one chunk are issued together and its first
+# FMA waits for them, so every further chunk costs one more round trip to memory: at decode the call is latency-bound
+# (run 51's profile: R 8 / BKW 32 took 12.4 us for qwen3moe's o_proj, K 4096, 9 % of HBM). One chunk spans K up to
+# 4096 (8 warps along K), and R 4 gives 512-1,280 programs on the models' shapes. sm_90 builds without register spills
+# (`tools/bench_dense.py --compile-only`).
+TILES = {"nvfp4": ((MAX_TOKENS, {"R": 4, "BKW": 256, "num_warps": 8}),),
+         "fp8_row": ((MAX_TOKENS, {"R": 4, "BKW": 512, "num_warps": 8}),)}
 
 
 def tiles_for(scheme: str, T: int) -> dict:
@@ -67,15 +70,15 @@ def _store(out, v, rows, N, T, A: tl.constexpr):
 def _nvfp4_gemv_kernel(w, OFF_S, s2, x, out, N, T, KB: tl.constexpr, S2_PER_ROW: tl.constexpr,
                        R: tl.constexpr, A: tl.constexpr, BKW: tl.constexpr, ASM: tl.constexpr, XBF16: tl.constexpr,
                        PDL: tl.constexpr):
-    pdl_wait(PDL)
     rows = tl.program_id(0) * R + tl.arange(0, R)
-    xrow, x_mask = _tokens(x, 16 * KB, T, A)
-    v = rows_dot(w, 0, OFF_S, rows[:, None, None], (rows < N)[:, None, None], xrow, x_mask, KB, R, A, BKW,
-                 ASM, XBF16=XBF16)  # [R, A], value * 2^-22
-    if S2_PER_ROW:
+    if S2_PER_ROW:  # weights are not written by earlier kernels: loaded before the wait, with the codes' round trip
         scale = tl.load(s2 + rows, mask=rows < N, other=0.0)[:, None]
     else:
         scale = tl.load(s2)
+    pdl_wait(PDL)
+    xrow, x_mask = _tokens(x, 16 * KB, T, A)
+    v = rows_dot(w, 0, OFF_S, rows[:, None, None], (rows < N)[:, None, None], xrow, x_mask, KB, R, A, BKW,
+                 ASM, XBF16=XBF16)  # [R, A], value * 2^-22
     _store(out, v * (scale * 4194304.0), rows, N, T, A)
 
 
@@ -89,8 +92,9 @@ def _e4m3_pair(w, J: tl.constexpr, ASM: tl.constexpr):
 @triton.jit
 def _fp8_rows_gemv_kernel(w, scale, x, out, N, T, KW: tl.constexpr, R: tl.constexpr, A: tl.constexpr,
                      BKW: tl.constexpr, ASM: tl.constexpr, XBF16: tl.constexpr, PDL: tl.constexpr):
-    pdl_wait(PDL)
     rows = tl.program_id(0) * R + tl.arange(0, R)
+    s = tl.load(scale + rows, mask=rows < N, other=0.0) * 256.0  # a weight: read before the wait
+    pdl_wait(PDL)
     xrow, x_mask = _tokens(x, 8 * KW, T, A)
     kw = tl.max_contiguous(tl.arange(0, BKW), 1)[None, None, :]  # one word per thread along K (rows_dot's layout)
     wp = w.to(tl.pointer_type(tl.uint64)) + rows[:, None, None].to(tl.int64) * KW  # row: KW words of 8 weights
@@ -121,7 +125,6 @@ def _fp8_rows_gemv_kernel(w, scale, x, out, N, T, KW: tl.constexpr, R: tl.conste
                 acc += b * tl.load(xe + j + 2, mask=xm, other=0).to(tl.float32)
                 acc += c * tl.load(xe + j + 4, mask=xm, other=0).to(tl.float32)
                 acc += d * tl.load(xe + j + 6, mask=xm, other=0).to(tl.float32)
-    s = tl.load(scale + rows, mask=rows < N, other=0.0) * 256.0
     _store(out, tl.sum(acc, axis=2) * s[:, None], rows, N, T, A)
 
 
@@ -136,11 +139,17 @@ def supported(scheme: str, k: int, dtype: torch.dtype = torch.bfloat16) -> bool:
 
 def launch_consts(scheme: str, K: int, T: int, tiles: dict | None = None) -> dict:
     """The constexprs of a call with in_features K and T rows of x: the tile (`tiles_for`, updated by `tiles`), the
-    token axis A, the words per row (KB for nvfp4, KW for fp8_row) and per unrolled chunk (BKW), and num_warps."""
+    token axis A, the words per row (KB for nvfp4, KW for fp8_row) and per unrolled chunk (BKW), and num_warps: the
+    tile's, or, unless `tiles` names it, fewer where a chunk is narrow (about four words of a chunk per thread, so a
+    short K does not leave threads holding copies)."""
     tile = {**tiles_for(scheme, T), **(tiles or {})}
     words = K // 16 if scheme == "nvfp4" else K // 8
-    return {"R": tile["R"], "A": triton.next_power_of_2(T), "BKW": min(tile["BKW"], triton.next_power_of_2(words)),
-            "KB" if scheme == "nvfp4" else "KW": words, "num_warps": tile["num_warps"]}
+    bkw = min(tile["BKW"], triton.next_power_of_2(words))
+    warps = tile["num_warps"]
+    if "num_warps" not in (tiles or {}):
+        warps = min(warps, max(1, tile["R"] * bkw // 128))
+    return {"R": tile["R"], "A": triton.next_power_of_2(T), "BKW": bkw, "KB" if scheme == "nvfp4" else "KW": words,
+            "num_warps": warps}
 
 
 def quantized_gemv(scheme: str, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

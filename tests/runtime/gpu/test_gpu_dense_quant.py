@@ -25,10 +25,11 @@ def _nvfp4(n: int, k: int, g: torch.Generator, scales_first: bool, per_row: bool
     return codes, scales, s2.to(DEVICE)
 
 
-@pytest.mark.parametrize("n,k,t", [(40, 64, 1), (33, 96, 3), (64, 256, 2), (17, 1024, 8), (9, 48, 5)])
+@pytest.mark.parametrize("n,k,t", [(40, 64, 1), (33, 96, 3), (64, 256, 2), (17, 1024, 8), (9, 48, 5), (6, 4112, 2)])
 @pytest.mark.parametrize("layout", ["codes_first_per_row", "scales_first_scalar"])
 def test_nvfp4_gemv_matches_the_reference(n, k, t, layout):
-    # k 96, 48: whole rows are not a power of two of words (masked K chunk); 1024: several unrolled chunks
+    # k 96, 48: whole rows are not a power of two of words (masked K chunk); 4112: 257 words, a second (masked)
+    # chunk past TILES' 256 words
     g = torch.Generator().manual_seed(n * k + t)
     codes, scales, s2 = _nvfp4(n, k, g, layout.startswith("scales_first"), layout.endswith("per_row"))
     x = torch.randn(t, k, generator=g).to(torch.bfloat16).to(DEVICE)
@@ -38,9 +39,9 @@ def test_nvfp4_gemv_matches_the_reference(n, k, t, layout):
     torch.testing.assert_close(got.float().cpu(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("n,k,t", [(40, 64, 1), (33, 208, 4), (70, 1024, 8), (5, 16, 3)])
+@pytest.mark.parametrize("n,k,t", [(40, 64, 1), (33, 208, 4), (70, 1024, 8), (5, 16, 3), (6, 4160, 2)])
 def test_fp8_rows_gemv_matches_the_reference(n, k, t):
-    # 208: 26 words a row (a masked chunk); 1024: two unrolled chunks; 16: two words
+    # 208: 26 words a row (a masked chunk); 16: two words; 4160: 520 words, a second (masked) chunk past TILES' 512
     g = torch.Generator().manual_seed(n + k)
     w = (torch.randn(n, k, generator=g) * 16).to(torch.float8_e4m3fn)
     w[0, :8] = torch.tensor([0.0, -0.0, 2 ** -9, -(2 ** -7), 448.0, -448.0, 1.125, -3.5]).to(torch.float8_e4m3fn)
