@@ -67,11 +67,16 @@ class Engine(Scheduling, DecodeInFlight):
     def __init__(self, ftw_dir: str | Path | FtwReader, settings: EngineSettings | None = None, *,
                  experts: Any = None, offload: Any = None) -> None:
         s = self.settings = settings or EngineSettings()
+        t0 = time.perf_counter()
         reader = ftw_dir if isinstance(ftw_dir, FtwReader) else FtwReader(Path(ftw_dir))
         self.model, experts, self.kernels = load_for_engine(reader, s, experts=experts, offload=offload)
         self._experts = experts  # None = the model's CPU experts
         self.config = self.model.config
+        t1 = time.perf_counter()
         self.tokenizer = Tokenizer.from_reader(reader)
+        # seconds of each start-up phase (stats()["startup"]; the server logs them): model and experts, tokenizer,
+        # then `warm_up`'s steps
+        self.startup: dict = {"load_s": round(t1 - t0, 3), "tokenizer_s": round(time.perf_counter() - t1, 3)}
         self.generation_config: dict = dict(reader.generation)  # generation_config.json defaults
         self.model_name = Path(reader.path).name.removesuffix(".ftw")  # the directory the user named
         self._reader = reader  # its data files are mapped: `check_storage` before a forward reads them
@@ -149,8 +154,11 @@ class Engine(Scheduling, DecodeInFlight):
         try:
             ids = [(31 * i + 7) % self.config.vocab_size for i in range(n)]
             self.add_request("ft-warm-up", ids, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+            steps = self.startup["warm_up_steps_s"] = []  # the prefill, then the decode steps (graph capture)
             while self.has_unfinished():
+                t = time.perf_counter()
                 self.step()
+                steps.append(round(time.perf_counter() - t, 3))
         finally:
             self.prefix = prefix
         self._counters = EngineCounters()
@@ -283,7 +291,8 @@ class Engine(Scheduling, DecodeInFlight):
     def stats(self) -> dict:
         """Counters since start (`EngineCounters`), the queue and the KV budget. "moe" holds the experts
         implementation's own counters when it has any, "cuda_graphs" the decode graphs', "kernels" (CUDA) the
-        prebuilt kernels' decision and the kernels compiled since start (`ft.runtime.gpu.prebuilt`)."""
+        prebuilt kernels' decision and the kernels compiled since start (`ft.runtime.gpu.prebuilt`), "startup" the
+        seconds of the start-up phases."""
         cached = self.prefix.held() if self.prefix is not None else 0  # kept prefixes: theirs, not the requests'
         out = self._counters.snapshot() | {"running": len(self._running), "waiting": len(self._waiting),
                                            "kv_tokens_used": self.kv.used - cached, "kv_tokens_cached": cached,
@@ -298,4 +307,5 @@ class Engine(Scheduling, DecodeInFlight):
             out["kernels"] = self.kernels.stats()
         if self.placement is not None:
             out["plan"] = self.placement.stats()
+        out["startup"] = dict(self.startup)
         return out

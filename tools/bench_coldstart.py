@@ -19,7 +19,8 @@ do for clean pages), so ready includes reading the weights from disk. Then the d
 the bytes the serve process had read from storage when it became ready (`read_bytes` of /proc/PID/io) over the cold
 read bandwidth measured on the FTW's largest file, evicted first.
 Writes OUT/coldstart.json (every run: seconds to ready, to the first token, of the repeated request, the engine's
-"kernels" stats) and prints a table. Needs a CUDA GPU; the port is free on 127.0.0.1.
+"kernels" stats, its start-up phases and the page-locking's) and prints a table. Needs a CUDA GPU; the port is free
+on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -67,14 +68,16 @@ def _launchers(cache: Path | None) -> set[str]:
     return {str(p.relative_to(cache)) for p in cache.rglob("*.so")}
 
 
-def _kernel_stats(base: str) -> dict | None:
-    """The engine's kernels stats from /v1/stats (its snapshot follows the engine loop: polled briefly)."""
+def _engine_stats(base: str) -> dict:
+    """From /v1/stats (its snapshot follows the engine loop: polled briefly): the engine's kernels stats, its
+    start-up phases and the background page-locking's ({} where absent)."""
     for _ in range(50):
-        k = ((_get(f"{base}/v1/stats")[1].get("engine") or {}).get("kernels"))
-        if k:
-            return k
+        engine = _get(f"{base}/v1/stats")[1].get("engine") or {}
+        if engine.get("kernels"):
+            return {"kernels": engine["kernels"], "startup": engine.get("startup"),
+                    "pin": (engine.get("moe") or {}).get("pin")}
         time.sleep(0.1)
-    return None
+    return {}
 
 
 def _from_log(log_path: Path) -> dict:
@@ -128,7 +131,7 @@ def serve_once(ftw: Path | str, serve_args: list[str], env: dict, log_path: Path
             if i == 0:
                 first = time.perf_counter() - t0
         repeat = time.perf_counter() - t0 - first
-        kernels = _kernel_stats(base)
+        stats = _engine_stats(base)
     finally:
         proc.terminate()
         try:
@@ -136,11 +139,12 @@ def serve_once(ftw: Path | str, serve_args: list[str], env: dict, log_path: Path
         except subprocess.TimeoutExpired:
             proc.kill()
     new = _launchers(cache) - before
+    kernels = stats.get("kernels")
     installed = (kernels or {}).get("launchers_installed") or 0
     return {"ready_s": round(ready, 3), "read_bytes_at_ready": read_at_ready, "first_token_s": round(first, 3),
             "first_request_s": round(first - ready, 3), "repeat_request_s": round(repeat, 3),
             "launchers_built": max(0, len(new) - installed), "launcher_files_new": len(new),
-            "kernels": kernels, "log": _from_log(log_path)}
+            "kernels": kernels, "startup": stats.get("startup"), "pin": stats.get("pin"), "log": _from_log(log_path)}
 
 
 def ftw_files(ftw: Path) -> list[Path]:
@@ -213,6 +217,7 @@ def main() -> None:
                       f"prebuilt {k.get('prebuilt')} ({k.get('installed')} kernels, {k.get('launchers_installed')} "
                       f"launchers)  compiled {compiled}  launchers built {run['launchers_built']}"
                       + (f"  disk bound {run['disk_bound_s']:.2f} s" if "disk_bound_s" in run else ""), flush=True)
+                print(f"          start-up {run['startup']}, page-locking {run['pin']}", flush=True)
                 if k.get("compiled"):
                     print(f"          compiled: {', '.join(k['compiled'])}", flush=True)
     (args.out / "coldstart.json").write_text(json.dumps(result, indent=2) + "\n")

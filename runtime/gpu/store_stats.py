@@ -25,6 +25,8 @@ def experts_stats(ex) -> dict:
         c["cpu_lane"] = lane.stats()
     if ex.pin_info:
         c["pin_refused"] = ex.pin_info.get("pin_refused")
+        c["pin"] = {k: ex.pin_info[k] for k in ("pinned_bytes", "read_s", "register_s", "verify_s", "seconds")
+                    if k in ex.pin_info}  # the background page-locking's phases (start-up reports)
     if ex.vram_plan is not None:
         c["vram"] = ex.vram_plan.as_dict()
     rows = ex.moe_layers

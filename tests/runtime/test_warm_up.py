@@ -1,7 +1,10 @@
 """Engine.warm_up, which `ft serve` runs before it says ready: afterwards the engine is as a fresh one (no counters,
-no KV held, nothing kept for prefix reuse) and serves the same tokens; attention-only and hybrid families."""
+no KV held, nothing kept for prefix reuse; its start-up phases reported) and serves the same tokens; attention-only
+and hybrid families."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 
@@ -16,10 +19,18 @@ def test_warm_up_leaves_no_trace(ftw_for, arch):
     ftw = ftw_for(arch, "none")
     settings = EngineSettings(kv_reserve_tokens=256, max_prefill_length=8)
     want = generate(Engine(ftw, settings), PROMPT, GREEDY).token_ids
+    t = time.perf_counter()
     eng = Engine(ftw, settings)
+    loaded = time.perf_counter()
     eng.warm_up()
+    warm = time.perf_counter() - loaded
     s = eng.stats()
     assert s["requests_total"] == 0 and s["prompt_tokens_total"] == 0 and s["steps"] == 0
+    # ... but its start-up is reported: the load phases, and a step time per warm-up step (16 prompt tokens in
+    # chunks of 8, then decode steps to its 2 output tokens)
+    up = s["startup"]
+    assert 0 <= up["load_s"] + up["tokenizer_s"] <= loaded - t + 1e-3
+    assert len(up["warm_up_steps_s"]) >= 3 and 0 <= sum(up["warm_up_steps_s"]) <= warm + 1e-3
     assert s["kv_tokens_used"] == 0 and s["kv_tokens_cached"] == 0 and eng.kv.used == 0
     assert s["prefix_cache"]["entries"] == 0 and not eng.has_unfinished()
     assert generate(eng, PROMPT, GREEDY).token_ids == want

@@ -70,7 +70,10 @@ def test_background_pinner_registers_the_banks_off_the_calling_thread(reader):
     rec = _Where(True)
     pinner = BackgroundPinner(rec, banks, allowance=None)
     info = pinner.wait(timeout=30)
-    assert info == pin_banks(_Recorder(True), banks, allowance=info["pin_allowance"])
+    times = ("read_s", "register_s", "verify_s", "seconds")  # where the pinning's time went, for start-up reports
+    same = pin_banks(_Recorder(True), banks, allowance=info["pin_allowance"])
+    assert {k: v for k, v in info.items() if k not in times} == {k: v for k, v in same.items() if k not in times}
+    assert 0 <= info["read_s"] + info["register_s"] + info["verify_s"] <= info["seconds"]
     assert info["pinned_banks"] == 3 and len(rec.ranges) == 3 and set(threads) == {"ft-pin"}
     pinner.stop()  # after it finished: a no-op
 
