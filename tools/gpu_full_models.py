@@ -168,6 +168,10 @@ def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64, v
         res["engine_profile"] = engine_profile(eng, 1, steps=16)
         res["decode_8k"] = decode(eng, 1, CONTEXT_LONG, steps, warmup=16)  # attention over the KV the plan sized
         res["cuda_graphs"] = eng.stats().get("cuda_graphs")
+        placement = eng.stats().get("plan")  # the placement it started from (FTW's or planned at start): its prediction
+        if placement and placement.get("predicted_decode_tok_s"):
+            res["placement"] = {**placement, "warm_over_predicted":
+                                res["decode_warm"]["tok_s"] / placement["predicted_decode_tok_s"]}
         if lane and stats.get("cpu_lane") and not variant:
             res["lane_agreement"] = lane_agreement(model, ex.mapped.lane)
         res["prefill_first"] = prefill(model, 4096, repeat=1)  # the process's first: Triton compiles its kernels
