@@ -57,7 +57,8 @@ def profile_once(args: argparse.Namespace, out: Path) -> dict:
     (out / "profile.txt").write_text("".join(f"===== {name}: {by} =====\n{_top(p, by, args.top)}"
                                              for name, p in (("engine", load), ("warm_up", warm))
                                              for by in ("cumulative", "tottime")))
-    return {**{k: round(v, 3) for k, v in phases.items()}, "kernels": stats.get("kernels"),
+    return {**{k: round(v, 3) for k, v in phases.items()}, "startup": stats.get("startup"),
+            "kernels": stats.get("kernels"),
             "cuda_graphs": stats.get("cuda_graphs"),
             "pin": {k: v for k, v in (pin or {}).items() if isinstance(v, (int, float, str, bool))}}
 
