@@ -119,9 +119,9 @@ def compile_quantized(shapes, tokens, arch: int, *, sweep: bool, log=print) -> l
     for scheme, k in dict.fromkeys((sc, k) for _, sc, _, k in shapes):
         for T in tokens:
             for cfg in [None] + (QUANT_SWEEP if sweep else []):
-                tile = {**dq.tiles_for(scheme, T), **(cfg or {})}
                 consts = dict(dq.launch_consts(scheme, k, T, cfg), ASM=True, XBF16=True, PDL=True)
                 warps = consts.pop("num_warps")
+                tile = {"R": consts["R"], "BKW": consts["BKW"], "num_warps": warps}  # as launched
                 if scheme == "nvfp4":
                     fn, consts = dq._nvfp4_gemv_kernel, dict(consts, S2_PER_ROW=False)
                     values = dict(w="*u8", OFF_S=16, s2="*fp32", x="*bf16", out="*bf16", N=4096, T=T)

@@ -167,8 +167,9 @@ def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64, v
                                   (("gpu_mapped", "bytes_mapped"), ("cpu", "bytes_cpu"), ("uploads", "bytes_h2d"))}
         res["engine_profile"] = engine_profile(eng, 1, steps=16)
         res["decode_8k"] = decode(eng, 1, CONTEXT_LONG, steps, warmup=16)  # attention over the KV the plan sized
-        res["cuda_graphs"] = eng.stats().get("cuda_graphs")
-        placement = eng.stats().get("plan")  # the placement it started from (FTW's or planned at start): its prediction
+        engine_stats = eng.stats()
+        res["cuda_graphs"] = engine_stats.get("cuda_graphs")
+        placement = engine_stats.get("plan")  # the placement it started from (the FTW's or planned at start)
         if placement and placement.get("predicted_decode_tok_s"):
             res["placement"] = {**placement, "warm_over_predicted":
                                 res["decode_warm"]["tok_s"] / placement["predicted_decode_tok_s"]}
