@@ -4,10 +4,12 @@ Fused projection rows `[q (nq·hd) | k (nkv·hd) | v (nkv·hd) | gate (nq·hd), 
 Per head: optional RMSNorm of q and k over head_dim (before RoPE), then (partial) RoPE. Each segment writes its k/v
 rows into its cache at positions `[past, past + T)` and its queries attend to cache rows `[0, past + T)`, query i
 seeing keys up to `past + i`. Gated attention multiplies the attention output by `sigmoid(gate)` before `o_proj`.
-gpt_oss adds two things (`sink_attention`): per-head sinks (`sinks [nq]`, one more logit in each softmax row whose
+gpt_oss adds two things (`sink_attention.py`): per-head sinks (`sinks [nq]`, one more logit in each softmax row whose
 probability is dropped) and, on `sliding_attention` layers, a window: query i sees keys `(past + i - window, past + i]`.
-The cache still keeps every row (the window only masks). Their prefill takes `sink_attention` below (on CUDA too);
-their decode batches take the fused kernel like any other layer (it handles sinks and the window).
+The cache still keeps every row (the window only masks). Their prefill takes one flash-attention call on CUDA
+(`sink_attention.py`: the window is flash's local mask, the sink rescales the output by its log-sum-exp), the
+blocked PyTorch reference elsewhere; their decode batches take the fused kernel like any other layer (it handles sinks
+and the window).
 
 Decode batches (`batch.decode`, one token per segment, `past` taken from `batch.positions`): with `_fused` set, one
 Triton kernel (`gpu.kernels.decode_attention`) does norm + RoPE + the KV write and split-K attention over each
@@ -27,6 +29,7 @@ from ft.runtime.layers.batch import ForwardBatch
 from ft.runtime.layers.linear import Linear
 from ft.runtime.layers.norm import RMSNorm
 from ft.runtime.layers.rope import apply_rotary
+from ft.runtime.layers.sink_attention import windowed_attention
 
 
 class Attention(Op):
@@ -75,8 +78,8 @@ class Attention(Op):
             k_cache[past:end] = k[seg.rows]
             v_cache[past:end] = v[seg.rows]
             if self._eager:
-                out[seg.rows] = sink_attention(q[seg.rows], k_cache[:end], v_cache[:end], past,
-                                               getattr(self, "sinks", None), self._window)
+                out[seg.rows] = windowed_attention(q[seg.rows], k_cache[:end], v_cache[:end], past,
+                                                   getattr(self, "sinks", None), self._window)
             else:
                 out[seg.rows] = causal_attention(q[seg.rows], k_cache[:end], v_cache[:end], past)
         out = out.reshape(n, self._nq * self._hd)
@@ -110,37 +113,6 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: in
         with sdpa_kernel(_BACKENDS):
             return _sdpa(q, k, v, past)
     return _sdpa(q, k, v, past)
-
-
-SINK_QUERY_BLOCK = 256  # query rows per block of `sink_attention` at most ...
-SINK_SCORE_ELEMENTS = 1 << 24  # ... and fewer (not under 16) where its [nq, rows, keys] scores would pass this size
-
-
-def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int, sinks: torch.Tensor | None,
-                   window: int) -> torch.Tensor:
-    """q [T, nq, hd]; k, v [past + T, nkv, hd]; sinks [nq] or None; window 0 (none) or w -> [T, nq, hd].
-    Query i (position p = past + i) attends keys j with p - w < j <= p; with sinks, each head's softmax row gets the
-    extra logit `sinks[h]`, whose probability is dropped (transformers' eager_attention_forward for gpt_oss)."""
-    t, nq, hd = q.shape
-    r = nq // k.shape[1]
-    out = torch.empty_like(q)
-    keys = min(past + t, window + SINK_QUERY_BLOCK) if window else past + t   # a block's keys at most
-    block = min(SINK_QUERY_BLOCK, max(16, SINK_SCORE_ELEMENTS // (nq * keys)))
-    for a in range(0, t, block):
-        b = min(t, a + block)
-        lo = max(0, past + a - window + 1) if window else 0          # first key any query of the block sees
-        kb, vb = (x[lo:past + b].repeat_interleave(r, dim=1).transpose(0, 1) for x in (k, v))  # [nq, S, hd]
-        scores = torch.matmul(q[a:b].transpose(0, 1), kb.transpose(1, 2)) * hd ** -0.5        # [nq, rows, S]
-        qpos = torch.arange(past + a, past + b, device=q.device)[:, None]
-        kpos = torch.arange(lo, past + b, device=q.device)[None, :]
-        visible = (kpos <= qpos) & ((kpos > qpos - window) if window else True)
-        scores = scores.masked_fill(~visible, float("-inf"))
-        if sinks is not None:
-            scores = torch.cat([scores, sinks.to(scores.dtype).view(nq, 1, 1).expand(nq, b - a, 1)], dim=-1)
-        scores = scores - scores.amax(-1, keepdim=True)
-        probs = torch.softmax(scores, dim=-1)[..., :kb.shape[1]]       # the sink's column dropped
-        out[a:b] = torch.matmul(probs.to(vb.dtype), vb).transpose(0, 1)
-    return out
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int) -> torch.Tensor:

@@ -112,32 +112,6 @@ def test_chunked_prefill_across_the_window_matches_one_shot(pair, chunks):
     assert (run_all(model, ids, chunks) - run_all(model, ids)).abs().max() < SELF_TOL
 
 
-def test_sink_attention_blocks_match_one_block(monkeypatch):
-    """Query blocking (bounded score matrices) does not change the result; the window masks what it should."""
-    from ft.runtime.layers import attention
-
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(n, h, 8, generator=gen) for n, h in ((13, 4), (20, 2), (20, 2)))
-    sinks = torch.randn(4, generator=gen)
-    whole = attention.sink_attention(q, k, v, 7, sinks, 5)
-    monkeypatch.setattr(attention, "SINK_QUERY_BLOCK", 3)
-    assert torch.allclose(attention.sink_attention(q, k, v, 7, sinks, 5), whole, atol=1e-6)
-    # long contexts: the score cap takes blocks down to 16 rows (33 queries over 40 keys, 4 heads: 16 + 16 + 1)
-    q3, k3, v3 = (torch.randn(n, h, 8, generator=gen) for n, h in ((33, 4), (40, 2), (40, 2)))
-    monkeypatch.setattr(attention, "SINK_QUERY_BLOCK", 256)
-    full = attention.sink_attention(q3, k3, v3, 7, sinks, 0)
-    calls = []
-    monkeypatch.setattr(attention.torch, "softmax", lambda x, dim: calls.append(x.shape[1]) or x.softmax(dim))
-    monkeypatch.setattr(attention, "SINK_SCORE_ELEMENTS", 1)
-    assert torch.allclose(attention.sink_attention(q3, k3, v3, 7, sinks, 0), full, atol=1e-6) and calls == [16, 16, 1]
-    # the last query (position 19) with window 5 sees keys 15..19 only: changing key 14 changes nothing
-    k2 = k.clone()
-    k2[14] += 10
-    assert torch.allclose(attention.sink_attention(q[-1:], k2, v, 19, sinks, 5), whole[-1:], atol=1e-6)
-    assert not torch.allclose(attention.sink_attention(q[-1:], k2, v, 19, sinks, 0),
-                              attention.sink_attention(q[-1:], k, v, 19, sinks, 0), atol=1e-3)
-
-
 def test_bf16_checkpoint_compiles_and_tracks_fp32(ftw_for):
     """A BF16 gpt_oss (plain experts) computes in BF16 and stays close to the fp32 model of the same weights."""
     m16 = load_model(ftw_for("gpt_oss", "none", synth_dtype="bf16"))

@@ -32,7 +32,7 @@ Splits s >= n_live = cdiv(n - lo, c) are empty: they do nothing but, when n_live
    lo, so M is finite), loading [CB, r, hd] partials per step. It then sets counter[b, g] back to 0, so the
    module-level zeroed counter buffer (`_counters`) is ready for the next call, graph replays included.
    Sinks (gpt_oss): head h's sink logit joins the softmax denominator only, as 2^(sink_h log2 e - m) (or - M in the
-   merge), so its probability is dropped as in `layers.attention.sink_attention`.
+   merge), so its probability is dropped as in `layers.sink_attention.sink_attention`.
    Work per step: O(p_b - lo) KV rows per sequence, plus O(B nq S hd) fp32 partials; never O(capacity).
 S (splits) comes from the SM count so that B * nkv * S programs fill the GPU (`CONFIG`), a function of shapes only.
 
