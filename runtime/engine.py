@@ -152,10 +152,7 @@ class Engine(Scheduling, DecodeInFlight):
             return
         prefix, self.prefix = self.prefix, None
         try:
-            # one token repeated: identical positions stay (nearly) identical through every layer, so they route to
-            # about k experts a layer instead of most of them: the warm-up reads ~10x fewer records (on a cold page
-            # cache, from the disk the banks' page-locking is reading) and still launches every kernel at its size
-            ids = [7 % self.config.vocab_size] * n
+            ids = [(31 * i + 7) % self.config.vocab_size for i in range(n)]
             self.add_request("ft-warm-up", ids, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
             steps = self.startup["warm_up_steps_s"] = []  # the prefill, then the decode steps (graph capture)
             while self.has_unfinished():

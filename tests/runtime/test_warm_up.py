@@ -46,24 +46,3 @@ def test_the_server_warms_the_engine_up_before_it_is_ready(ftw_for, monkeypatch)
     engine = server_app.load_engine(ServeSettings(ftw=ftw_for("qwen3_moe", "none"), engine=EngineSettings()))
     assert calls == [engine]
     engine.close()
-
-
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])
-def test_warm_up_routes_to_few_experts(ftw_for, arch, monkeypatch):
-    """Its prompt is one token repeated, so its positions route alike: about k experts a layer are read (on a cold
-    page cache the warm-up would otherwise read most of every bank's records while the page-locking reads them too)."""
-    from ft.runtime.layers import moe
-
-    seen: dict[int, set] = {}
-    call = moe.BoundExperts.__call__
-
-    def spy(self, x, topk_ids, topk_weights):
-        seen.setdefault(self.layer, set()).update(topk_ids.reshape(-1).tolist())
-        return call(self, x, topk_ids, topk_weights)
-
-    monkeypatch.setattr(moe.BoundExperts, "__call__", spy)
-    eng = Engine(ftw_for(arch, "none"), EngineSettings(kv_reserve_tokens=256))
-    eng.warm_up()
-    k, E = eng.config.num_experts_per_tok, eng.config.num_experts
-    assert seen and sum(len(v) for v in seen.values()) / len(seen) <= min(2 * k, E // 2)
-    eng.close()
