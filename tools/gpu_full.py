@@ -40,7 +40,7 @@ ARCH = {"qwen3moe-35b-geom": "qwen3_moe", "qwen3.6-35b-a3b": "qwen3_5_moe", "gpt
 # the experts' format of each synthetic checkpoint: NVFP4 (ModelOpt), or the release's MXFP4 for gpt-oss
 QUANT = {"gpt_oss": "mxfp4"}
 # llama.cpp on the same H200, same geometry (qwen3moe, Q4_0 experts), all experts on the GPU:
-# tg128, pp512, pp4096 (-ub 4096); ../shared reference table "llama.cpp on our GPU test machine"
+# tg128, pp512, pp4096 (-ub 4096); the project's peer reference, table "llama.cpp on our GPU test machine"
 LLAMA_CPP = {"decode_b1": 360.0, "prefill_512": 7443.0, "prefill_4096": 11924.0,
              "decode_8gib": 84.5, "decode_12gib": 123.0}  # -ncmoe 24 / 14: the experts that fit 8 / 12 GiB
 KERNEL_BENCHES = ("bench_attention", "bench_router", "bench_dense", "bench_moe_decode", "bench_fused_ops",

@@ -7,7 +7,8 @@ A row is (model, placement, routing): every expert resident, or a VRAM budget (t
 measured it, with that run's date. The peer is llama.cpp on the same machine and geometry (what `vs_llama_cpp`
 divides by), or for qwen3.6 at 8 GiB FreeToken's own 8 GB-laptop figure (`PEERS`). Resident rows also show the
 physical bound the run measured (bytes a step reads at the HBM rate: `bound_ms`); the budget rows' bounds are in
-benchmarks/gpu_full.md. Variant rows (`--variants`) are left out.
+benchmarks/gpu_full.md. Variant rows (`--variants`) are left out, and so are runs on another GPU than `--gpu` (the
+peer's numbers are the H200's).
 """
 
 from __future__ import annotations
@@ -38,11 +39,11 @@ class Row:
         return f"{SHORT.get(self.model, self.model)}, {self.placement}, {self.routing}"
 
 
-def rows(runs: list[dict]) -> list[Row]:
-    """The latest measurement of each (model, placement, routing) over the runs, in first-seen order; a run marked
-    "superseded" (it measured code removed since) is left out."""
+def rows(runs: list[dict], gpu: str = "NVIDIA H200") -> list[Row]:
+    """The latest measurement of each (model, placement, routing) over the runs on `gpu`, in first-seen order; a run
+    marked "superseded" (it measured code removed since) is left out."""
     latest: dict[tuple, Row] = {}
-    for run in (r for r in runs if not r.get("superseded")):
+    for run in (r for r in runs if not r.get("superseded") and r.get("gpu", gpu) == gpu):
         routing = "skewed" if "--routing skewed" in run.get("command", "") else "uniform"
         date = run.get("date", "")[:10]
         for model, v in run.get("models", {}).items():
@@ -109,8 +110,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", type=Path, default=Path("benchmarks/gpu_full.json"))
     ap.add_argument("--out", type=Path, default=Path("benchmarks/gpu_full.svg"))
+    ap.add_argument("--gpu", default="NVIDIA H200", help="the runs drawn: this GPU's (torch's device name)")
     args = ap.parse_args()
-    found = rows(json.loads(args.json.read_text()))
+    found = rows(json.loads(args.json.read_text()), args.gpu)
     if not found:
         raise SystemExit(f"{args.json}: no decode rows to draw")
     args.out.write_text(svg(found))

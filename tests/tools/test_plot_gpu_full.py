@@ -35,6 +35,8 @@ def test_each_row_shows_its_latest_default_run_beside_its_peer():
             "qwen3moe-35b-geom": {"budgets": [_budget(8, 170.0, ratio=2.0)]}}),
         {**_run("2026-12-04 10:00 UTC", "gpu_run.sh --routing skewed --budgets 8", {  # measured removed code
             "qwen3moe-35b-geom": {"budgets": [_budget(8, 130.0, ratio=1.5)]}}), "superseded": "removed since"},
+        {**_run("2026-12-05 10:00 UTC", "gpu_run.sh --routing skewed --budgets 8", {  # another GPU than the peer's
+            "qwen3moe-35b-geom": {"budgets": [_budget(8, 140.0, ratio=1.6)]}}), "gpu": "NVIDIA H100 80GB HBM3"},
     ]
     got = {(r.model, r.placement, r.routing): r for r in plot.rows(runs)}
     assert set(got) == {("qwen3moe-35b-geom", "resident", "uniform"), ("qwen3moe-35b-geom", "8 GiB", "uniform"),
@@ -44,7 +46,8 @@ def test_each_row_shows_its_latest_default_run_beside_its_peer():
     uniform = got[("qwen3moe-35b-geom", "8 GiB", "uniform")]  # the later run; its variant row left out
     assert uniform.tok_s == 120.0 and uniform.date == "2026-12-02" and uniform.peer[1] == 84.5
     skewed = got[("qwen3moe-35b-geom", "8 GiB", "skewed")]  # not the superseded run's
-    assert skewed.peer == ("llama.cpp", 85.0) and skewed.tok_s == 170.0
+    assert skewed.peer == ("llama.cpp", 85.0) and skewed.tok_s == 170.0  # nor the H100's
+    assert plot.rows(runs, gpu="NVIDIA H100 80GB HBM3")[-1].tok_s == 140.0
     assert got[("qwen3.6-35b-a3b", "8 GiB", "uniform")].peer == ("FreeToken", 39.3)  # the peer the JSON lacks
     page = ET.fromstring(plot.svg(list(got.values())))
     texts = " ".join(t.text or "" for t in page.iter() if t.tag.endswith("text"))
