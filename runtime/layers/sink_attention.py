@@ -35,24 +35,30 @@ def sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: int,
     Query i (position p = past + i) attends keys j with p - w < j <= p; with sinks, each head's softmax row gets the
     extra logit `sinks[h]`, whose probability is dropped (transformers' eager_attention_forward for gpt_oss)."""
     t, nq, hd = q.shape
-    r = nq // k.shape[1]
+    nkv = k.shape[1]
+    r = nq // nkv
     out = torch.empty_like(q)
     keys = min(past + t, window + SINK_QUERY_BLOCK) if window else past + t   # a block's keys at most
     block = min(SINK_QUERY_BLOCK, max(16, SINK_SCORE_ELEMENTS // (nq * keys)))
+    sink = None if sinks is None else sinks.view(nkv, r, 1, 1)                # head g * r + j -> [g, j]
     for a in range(0, t, block):
         b = min(t, a + block)
+        n = b - a
         lo = max(0, past + a - window + 1) if window else 0          # first key any query of the block sees
-        kb, vb = (x[lo:past + b].repeat_interleave(r, dim=1).transpose(0, 1) for x in (k, v))  # [nq, S, hd]
-        scores = torch.matmul(q[a:b].transpose(0, 1), kb.transpose(1, 2)) * hd ** -0.5        # [nq, rows, S]
+        kb, vb = (x[lo:past + b].transpose(0, 1) for x in (k, v))    # [nkv, S, hd]: cache views, not expanded
+        # the r query heads of a kv head folded into rows: [nkv, r * n, hd], row j * n + i = head g * r + j, token i
+        qb = q[a:b].reshape(n, nkv, r, hd).permute(1, 2, 0, 3).reshape(nkv, r * n, hd)
+        scores = (torch.matmul(qb, kb.transpose(1, 2)) * hd ** -0.5).view(nkv, r, n, -1)  # [nkv, r, n, S]
         qpos = torch.arange(past + a, past + b, device=q.device)[:, None]
         kpos = torch.arange(lo, past + b, device=q.device)[None, :]
-        visible = (kpos <= qpos) & ((kpos > qpos - window) if window else True)
+        visible = (kpos <= qpos) & ((kpos > qpos - window) if window else True)              # [n, S]
         scores = scores.masked_fill(~visible, float("-inf"))
-        if sinks is not None:
-            scores = torch.cat([scores, sinks.to(scores.dtype).view(nq, 1, 1).expand(nq, b - a, 1)], dim=-1)
+        if sink is not None:
+            scores = torch.cat([scores, sink.to(scores.dtype).expand(nkv, r, n, 1)], dim=-1)
         scores = scores - scores.amax(-1, keepdim=True)
         probs = torch.softmax(scores, dim=-1)[..., :kb.shape[1]]       # the sink's column dropped
-        out[a:b] = torch.matmul(probs.to(vb.dtype), vb).transpose(0, 1)
+        o = torch.matmul(probs.reshape(nkv, r * n, -1).to(vb.dtype), vb)                    # [nkv, r * n, hd]
+        out[a:b] = o.view(nkv, r, n, hd).permute(2, 0, 1, 3).reshape(n, nq, hd)
     return out
 
 

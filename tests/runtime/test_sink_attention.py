@@ -51,7 +51,7 @@ def test_sink_attention_blocks_match_one_block(monkeypatch):
     monkeypatch.setattr(sa, "SINK_QUERY_BLOCK", 256)
     full = sa.sink_attention(q3, k3, v3, 7, sinks, 0)
     calls = []
-    monkeypatch.setattr(sa.torch, "softmax", lambda x, dim: calls.append(x.shape[1]) or x.softmax(dim))
+    monkeypatch.setattr(sa.torch, "softmax", lambda x, dim: calls.append(x.shape[-2]) or x.softmax(dim))
     monkeypatch.setattr(sa, "SINK_SCORE_ELEMENTS", 1)
     assert torch.allclose(sa.sink_attention(q3, k3, v3, 7, sinks, 0), full, atol=1e-6) and calls == [16, 16, 1]
     # the last query (position 19) with window 5 sees keys 15..19 only: changing key 14 changes nothing
