@@ -32,7 +32,7 @@ import traceback
 from pathlib import Path
 
 import torch
-from gpu_timing import hbm_read_gbs
+from gpu_timing import hbm_read_gbs, host_cpu
 
 GIB = 1 << 30
 ARCH = {"qwen3moe-35b-geom": "qwen3_moe", "qwen3.6-35b-a3b": "qwen3_5_moe", "gpt-oss-20b": "gpt_oss",
@@ -182,12 +182,12 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     stages = args.stages.split(",")
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
-                 "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
+                 "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "host": host_cpu()}
     import triton
 
     res["triton"] = triton.__version__
     res["hbm_read_gbs"] = hbm_read_gbs()
-    log(f"HBM read {res['hbm_read_gbs']:.0f} GB/s")
+    log(f"HBM read {res['hbm_read_gbs']:.0f} GB/s; host {res['host']}")
 
     def flush() -> None:
         (args.out / "gpu_full.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
