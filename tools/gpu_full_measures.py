@@ -112,6 +112,55 @@ def prefill_overlap(model, tokens: int) -> dict:
     return {"tokens": tokens, **overlap(events), "top_kernels": _top(prof, 1, n=12)}
 
 
+def prefill_host(model, tokens: int, top: int = 12) -> dict:
+    """The host's side of one prefill forward of `tokens` tokens: ms until the host has queued it all (`queued_ms`)
+    against ms until the GPU finishes (`wall_ms`); the Python functions taking most host time (cProfile tottime);
+    and every point where the host waited for the GPU (torch's sync debug mode), by the innermost frame of ours. A
+    host that queues slower than the GPU runs, or waits on it mid-forward, leaves the GPU idle (`prefill_overlap`'s
+    `idle_ms`)."""
+    import cProfile
+    import pstats
+    import traceback
+    import warnings
+    from collections import Counter
+    from time import perf_counter
+
+    from gpu_full_checks import ids, prefill
+
+    st = model.new_state(tokens + 1)
+    toks = ids(tokens, model.config.vocab_size)
+    sites: Counter = Counter()
+
+    def on_sync(message, category, filename, lineno, file=None, line=None):
+        ours = [f for f in traceback.extract_stack() if "/runtime/" in f.filename or "/ft/" in f.filename]
+        f = ours[-1] if ours else None
+        sites[f"{Path(f.filename).name}:{f.lineno}" if f else f"{Path(filename).name}:{lineno}"] += 1
+
+    prof = cProfile.Profile()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = on_sync
+        torch.cuda.set_sync_debug_mode("warn")
+        t0 = perf_counter()
+        prof.enable()
+        try:
+            prefill(model, st, toks)
+        finally:
+            prof.disable()
+            torch.cuda.set_sync_debug_mode("default")
+        queued = perf_counter() - t0
+    torch.cuda.synchronize()
+    wall = perf_counter() - t0
+    st.free()
+    stats = pstats.Stats(prof).stats  # (file, line, fn) -> (calls, primitive calls, tottime, cumtime, callers)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return {"tokens": tokens, "queued_ms": round(queued * 1e3, 2), "wall_ms": round(wall * 1e3, 2),
+            "syncs": dict(sites.most_common()),
+            "host_tottime_ms": [{"fn": f"{Path(k[0]).name}:{k[1]}({k[2]})", "calls": v[0], "ms": round(v[2] * 1e3, 2)}
+                                for k, v in rows]}
+
+
 def overlap(events: list[dict]) -> dict:
     """`prefill_overlap`'s figures from chrome-trace events (ts / dur in us; copies' args.bytes)."""
     from gpu_full_checks import _busy

@@ -22,7 +22,7 @@ from ft.runtime.gpu.offload_config import OffloadConfig
 from gpu_full_checks import CHUNK, agreement, engine_profile, finish, lane_agreement, profile
 from gpu_full_checks import ids as _ids
 from gpu_full_checks import prefill as _prefill
-from gpu_full_measures import belady_row, prefill_overlap, replay_ms, step_bytes, timed_replays
+from gpu_full_measures import belady_row, prefill_host, prefill_overlap, replay_ms, step_bytes, timed_replays
 
 
 def decode(eng: Engine, batch: int, context: int, steps: int, warmup: int = 3) -> dict:
@@ -178,6 +178,7 @@ def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64, v
         res["prefill_first"] = prefill(model, 4096, repeat=1)  # the process's first: Triton compiles its kernels
         res["prefill"] = prefill(model, 4096, repeat=1)
         res["prefill_overlap"] = prefill_overlap(model, 4096)
+        res["prefill_host"] = prefill_host(model, 4096)
         if llama and f"decode_{gib:g}gib" in llama:
             for row in ("decode", "decode_warm"):
                 res[row]["vs_llama_cpp"] = res[row]["tok_s"] / llama[f"decode_{gib:g}gib"]
