@@ -147,8 +147,8 @@ class PrefillPipeline:
             self.copied[i] = STAGED
         else:
             starts = np.flatnonzero(np.r_[True, np.diff(experts) != 1])  # runs of consecutive experts: one DMA each
-            for s, e in zip(starts.tolist(), np.r_[starts[1:], len(experts)].tolist()):
-                ex.uploader.upload_range(row + s, base + int(experts[s]) * bank.stride, (e - s) * bank.stride)
+            ex.uploader.upload_ranges([(row + s, base + int(experts[s]) * bank.stride, (e - s) * bank.stride)
+                                       for s, e in zip(starts.tolist(), np.r_[starts[1:], len(experts)].tolist())])
             self.copied[i] = ex.uploader.fence()
         ex.counters["prefill_streamed"] += len(experts)
         ex.counters["bytes_h2d"] += len(experts) * bank.stride

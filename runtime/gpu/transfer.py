@@ -52,12 +52,13 @@ class HostUploader:
         self.bytes += record.numel()
         self.copies += 1
 
-    def upload_range(self, slot: int, ptr: int, nbytes: int) -> None:
-        n = nbytes // self.pool.shape[1]
-        src = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8)
-        self.pool[slot:slot + n].view(-1).copy_(src)
-        self.bytes += nbytes
-        self.copies += n
+    def upload_ranges(self, ranges: list[tuple[int, int, int]]) -> None:
+        for slot, ptr, nbytes in ranges:
+            n = nbytes // self.pool.shape[1]
+            src = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8)
+            self.pool[slot:slot + n].view(-1).copy_(src)
+            self.bytes += nbytes
+            self.copies += n
 
     def fence(self):
         return None
@@ -148,22 +149,29 @@ class CudaUploader:
         self.bytes += self.stride
         self.copies += 1
 
-    def upload_range(self, slot: int, ptr: int, nbytes: int) -> None:
-        """One DMA of [ptr, ptr + nbytes) (whole records inside a registered range) into pool rows slot, slot + 1, ..
-        (pool rows are contiguous and as long as bank records), after everything queued before it."""
-        n, rest = divmod(nbytes, self.stride)
-        if rest or slot < 0 or slot + n > self.pool.shape[0]:
-            raise ValueError(f"upload_range: {nbytes} bytes into rows {slot}.. of {self.pool.shape[0]}")
-        src = self._pinned(ptr, nbytes)
-        if src is None:
-            raise ValueError("upload_range reads page-locked banks only")
+    def upload_ranges(self, ranges: list[tuple[int, int, int]]) -> None:
+        """One DMA per (slot, ptr, nbytes): [ptr, ptr + nbytes) (whole records inside a registered range) into pool
+        rows slot, slot + 1, .. (pool rows are contiguous and as long as bank records), after everything queued
+        before them. All are checked before any is issued; one stream switch for all (a prefill group issues ~16:
+        host time per DMA is what the copy engine waits for)."""
+        srcs = []
+        for slot, ptr, nbytes in ranges:
+            n, rest = divmod(nbytes, self.stride)
+            if rest or slot < 0 or slot + n > self.pool.shape[0]:
+                raise ValueError(f"upload_ranges: {nbytes} bytes into rows {slot}.. of {self.pool.shape[0]}")
+            src = self._pinned(ptr, nbytes)
+            if src is None:
+                raise ValueError("upload_ranges reads page-locked banks only")
+            srcs.append((self.pool[slot:slot + n].view(-1), src))
         self._q.join()  # copies still queued go first: the order of uploads into one row holds
         self._raise()
         with torch.cuda.stream(self.stream):
-            self.pool[slot:slot + n].view(-1).copy_(src, non_blocking=True)
+            for dst, src in srcs:
+                dst.copy_(src, non_blocking=True)
+        nbytes = sum(src.numel() for _, src in srcs)
         self.bytes += nbytes
-        self.copies += n
-        self.direct_copies += n
+        self.copies += nbytes // self.stride
+        self.direct_copies += nbytes // self.stride
 
     def after_compute(self, event: torch.cuda.Event) -> None:
         if self._q.unfinished_tasks == 0:

@@ -261,3 +261,31 @@ def test_cuda_uploads_into_one_slot_keep_their_order(reader):
     want1 = other.record(last) if last % 2 else bank.record(last)
     assert torch.equal(pool[0].cpu(), want0) and torch.equal(pool[1].cpu(), want1)
     up.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_upload_ranges_land_runs_of_records_and_refuse_before_issuing(reader):
+    """One call, several runs of consecutive records (a prefill group's DMAs): each lands in its rows; a call with a
+    range outside the page-locked banks or the pool is refused whole, nothing of it issued."""
+    from ft.runtime.gpu.transfer import CudaUploader
+
+    bank = reader.bank("layers.0.mlp.experts")
+    pool = torch.zeros(bank.num_experts, bank.stride, dtype=torch.uint8, device="cuda")
+    up = CudaUploader(pool, num_staging=2, copy_threads=2)
+    base, nbytes = bank_range(bank)
+    if not up.register(base, nbytes):
+        pytest.skip("the driver refused to page-lock the bank")
+    s = bank.stride
+    up.upload_ranges([(0, base + 1 * s, 2 * s), (3, base + 4 * s, s)])  # records 1, 2 -> rows 0, 1; 4 -> row 3
+    torch.cuda.current_stream().wait_event(up.fence())
+    for row, e in ((0, 1), (1, 2), (3, 4)):
+        assert torch.equal(pool[row].cpu(), bank.record(e))
+    assert not pool[2].any() and up.direct_copies == 3
+    outside = torch.zeros(s, dtype=torch.uint8)  # pageable memory: not inside any registered range
+    for bad in ([(2, base, s), (5, outside.data_ptr(), s)], [(2, base, s), (bank.num_experts, base, s)],
+                [(2, base, s // 2)]):
+        with pytest.raises(ValueError, match="upload_ranges"):
+            up.upload_ranges(bad)
+    torch.cuda.synchronize()
+    assert not pool[2].any() and up.direct_copies == 3
+    up.close()
