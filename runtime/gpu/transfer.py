@@ -47,6 +47,9 @@ class HostUploader:
     def mapped_address(self, ptr: int, nbytes: int) -> int | None:
         return ptr  # a CPU "device" reads host memory as it is (kernels under the Triton interpreter)
 
+    def locked_address(self, ptr: int, nbytes: int) -> int | None:
+        return None
+
     def upload(self, slot: int, record: torch.Tensor) -> None:
         self.pool[slot].copy_(record)
         self.bytes += record.numel()
@@ -127,6 +130,14 @@ class CudaUploader:
             if dptr is not None and a <= ptr and ptr + nbytes <= b:
                 return dptr + (ptr - a)
         return None
+
+    def locked_address(self, ptr: int, nbytes: int) -> int | None:
+        """Host address of the page-locked view holding the same bytes as [ptr, ptr + nbytes), else None. Its pages
+        stay mapped (registering faulted them in and locks them): the CPU reads records there without a page fault,
+        where a first read through the reader's own mapping faults each 4 KiB page in (~2.6 ms a record on run 56's
+        host)."""
+        view = self._pinned(ptr, nbytes)
+        return None if view is None else view.data_ptr()
 
     def _dma_source(self, record: torch.Tensor) -> torch.Tensor | None:
         """The page-locked bytes of `record` if a registered range holds it, else None."""

@@ -283,7 +283,10 @@ def lane_for(md) -> CpuLane | None:
     gbs = ex.profile.get("gbs") or {}
     b_gpu = ex.opts.b_pcie or copy_rate(md) or (gbs.get("h2d_expert_pinned") or 0) * 1e9 or DEFAULT_B_PCIE
     b_cpu = ex.opts.b_cpu or (gbs.get("cpu_expert") or 0) * 1e9 or DEFAULT_B_CPU
-    banks = {i: (bank_range(ex.banks[i])[0], ex.banks[i].stride, ex.E) for i in sorted({*md.base, *md.lane_only})}
+    banks = {}
+    for i in sorted({*md.base, *md.lane_only}):  # a page-locked bank read through its locked view (no page faults)
+        base, nbytes = bank_range(ex.banks[i])
+        banks[i] = (ex.uploader.locked_address(base, nbytes) or base, ex.banks[i].stride, ex.E)
     try:
         return CpuLane(ex.layout, banks, ex.L, ex.k, ex.device, b_gpu=b_gpu, b_cpu=b_cpu,
                        threads=ex.opts.cpu_threads)

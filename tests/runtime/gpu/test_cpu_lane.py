@@ -237,3 +237,31 @@ def test_jobs_after_an_idle_stretch_are_left_out_of_the_fit(bank):
         assert c["jobs"] >= 1 and c["fit_jobs"] < c["jobs"]
     finally:
         lane.close()
+
+
+def test_the_lane_reads_page_locked_banks_through_their_locked_view(monkeypatch):
+    """`lane_for` hands the lane the uploader's page-locked view of a registered bank (pages already mapped: no page
+    fault per 4 KiB on first read), and the reader's own mapping for a bank left unregistered."""
+    import types
+
+    from ft.runtime.gpu.cpu import lane as lane_mod
+
+    got = {}
+
+    class Recorder:
+        def __init__(self, layout, banks, *args, **kwargs):
+            got.update(banks)
+
+    layout = RecordLayout.packed(H, I)
+    own = {0: (1000, 10 * layout.stride), 1: (5000, 10 * layout.stride)}  # the reader's mapping of each bank
+    bank_of = {0: "b0", 1: "b1"}
+    ex = types.SimpleNamespace(
+        opts=types.SimpleNamespace(cpu_lane=True, b_pcie=1e9, b_cpu=1e9, cpu_threads=2), device=torch.device("cpu"),
+        interpret=True, profile={}, layout=layout, L=L, k=2, E=10,
+        banks={i: types.SimpleNamespace(name=n, stride=layout.stride) for i, n in bank_of.items()},
+        uploader=types.SimpleNamespace(locked_address=lambda ptr, n: 777_000 if ptr == 1000 else None))
+    monkeypatch.setattr(lane_mod, "CpuLane", Recorder)
+    monkeypatch.setattr(lane_mod, "bank_range", lambda bank: own[int(bank.name[1])])
+    md = types.SimpleNamespace(ex=ex, base={0: 123}, lane_only={1})
+    lane_mod.lane_for(md)
+    assert got == {0: (777_000, layout.stride, 10), 1: (5000, layout.stride, 10)}

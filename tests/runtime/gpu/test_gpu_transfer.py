@@ -289,3 +289,24 @@ def test_cuda_upload_ranges_land_runs_of_records_and_refuse_before_issuing(reade
     torch.cuda.synchronize()
     assert not pool[2].any() and up.direct_copies == 3
     up.close()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_locked_address_is_the_page_locked_view_of_the_same_bytes(reader):
+    """After `pin_banks` (a shared read-only view registered), a record's locked address holds the record's bytes in
+    the view, not the reader's mapping; an unregistered range has none."""
+    from ft.runtime.gpu.transfer import CudaUploader
+
+    bank, other = reader.bank("layers.0.mlp.experts"), reader.bank("layers.2.mlp.experts")
+    pool = torch.zeros(1, bank.stride, dtype=torch.uint8, device="cuda")
+    up = CudaUploader(pool, num_staging=2, copy_threads=2)
+    if not pin_banks(up, [bank], allowance=None)["pinned_banks"]:
+        pytest.skip("the driver refused to page-lock the bank")
+    base, _ = bank_range(bank)
+    e = bank.num_experts - 1
+    addr = up.locked_address(base + e * bank.stride, bank.stride)
+    assert addr is not None and addr != base + e * bank.stride  # the view's own pages
+    got = torch.frombuffer((ctypes.c_uint8 * bank.stride).from_address(addr), dtype=torch.uint8).clone()
+    assert torch.equal(got, bank.record(e))
+    assert up.locked_address(bank_range(other)[0], other.stride) is None
+    up.close()
