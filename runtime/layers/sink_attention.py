@@ -106,9 +106,10 @@ def _sink_flash_ok(q: torch.Tensor, k: torch.Tensor, sinks: torch.Tensor | None,
         pq = torch.randn(t, nq, hd, device=q.device, generator=g).to(q.dtype)
         pk, pv = (torch.randn(past + t, nkv, hd, device=q.device, generator=g).to(q.dtype) for _ in range(2))
         ps = None if sinks is None else torch.randn(nq, device=q.device, generator=g).to(sinks.dtype)
+        ref = [a.float() if a is not None else None for a in (pq, pk, pv, ps)]  # the reference in fp32
         try:
             ok = all(torch.allclose(sink_flash(pq, pk, pv, ps, w, flash).float(),
-                                    sink_attention(pq, pk, pv, past, ps, w).float(), atol=3e-2, rtol=3e-2)
+                                    sink_attention(ref[0], ref[1], ref[2], past, ref[3], w), atol=2e-2, rtol=2e-2)
                      for w in (window, 0))
             why = "it disagreed with the reference on a probe"
         except (RuntimeError, TypeError) as e:  # flash refused (dtype, head size, arch) or has no window arguments
