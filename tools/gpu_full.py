@@ -242,6 +242,36 @@ def main() -> None:
         flush()
     flush()
     log("done")
+    packed = pack_for_return(args.out)
+    if packed:
+        log(f"packed {packed} files into {args.out / PACKED} (more than {RETURN_FILES} files would not all come back)")
+
+
+RETURN_FILES = 8  # the GPU machine hands back at most this many files of the output folder
+PACKED = "more.tar.gz"
+
+
+def pack_for_return(out: Path, keep: tuple[str, ...] = ("gpu_full.json", "logs.txt")) -> int:
+    """When `out` holds more than RETURN_FILES files, every file but the top-level `keep` ones goes into one
+    PACKED archive (then removed, with the folders left empty), so that the whole run comes back. Returns how many
+    files were packed (0: nothing to do)."""
+    import tarfile
+
+    files = sorted(p for p in out.rglob("*") if p.is_file())
+    if len(files) <= RETURN_FILES:
+        return 0
+    rest = [p for p in files if not (p.parent == out and p.name in (*keep, PACKED))]
+    tmp = out / (PACKED + ".partial")
+    with tarfile.open(tmp, "w:gz") as tar:
+        for p in rest:
+            tar.add(p, arcname=str(p.relative_to(out)))
+    tmp.replace(out / PACKED)
+    for p in rest:
+        p.unlink()
+    for d in sorted((d for d in out.rglob("*") if d.is_dir()), key=lambda d: -len(d.parts)):
+        if not any(d.iterdir()):
+            d.rmdir()
+    return len(rest)
 
 
 if __name__ == "__main__":
