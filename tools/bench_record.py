@@ -8,16 +8,36 @@ import platform
 from pathlib import Path
 
 
-def machine(extra: str = "") -> str:
-    """CPU model, cores, Python and the 1-minute load average (the cores may be shared), plus `extra`."""
-    cpu, load = platform.processor() or platform.machine(), "?"
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what `platform` knows."""
+    cpu = platform.processor() or platform.machine()
     if Path("/proc/cpuinfo").exists():
         cpu = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                     if ln.startswith("model name")), cpu)
-    if Path("/proc/loadavg").exists():
-        load = Path("/proc/loadavg").read_text().split()[0]
-    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, {extra + ', ' if extra else ''}" \
-           f"1-min load {load}"
+    return cpu
+
+
+def machine(extra: str = "") -> str:
+    """CPU model, cores, Python and the 1-minute load average (the cores may be shared), plus `extra`."""
+    load = Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").exists() else "?"
+    return f"{cpu_model()}, {os.cpu_count()} cores, Python {platform.python_version()}, " \
+           f"{extra + ', ' if extra else ''}1-min load {load}"
+
+
+def host_cpu() -> dict:
+    """The host as the GPU path's CPU lane sees it: CPU model, the CPUs this process may run on, how many distinct
+    physical cores they are (fewer: SMT siblings, which share a core's load ports) and NUMA nodes. The lane runs all
+    CPUs but two."""
+    cpus = sorted(os.sched_getaffinity(0))
+    cores = set()
+    for cpu in cpus:
+        topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            cores.add(((topo / "physical_package_id").read_text().strip(), (topo / "core_id").read_text().strip()))
+        except OSError:
+            cores.add(("?", str(cpu)))
+    nodes = len(list(Path("/sys/devices/system/node").glob("node[0-9]*")))
+    return {"model": cpu_model(), "cpus": len(cpus), "physical_cores": len(cores), "numa_nodes": nodes}
 
 
 def append_run(out: Path, stem: str, run: dict) -> list[dict]:

@@ -32,7 +32,8 @@ import traceback
 from pathlib import Path
 
 import torch
-from gpu_timing import hbm_read_gbs, host_cpu
+from bench_record import host_cpu
+from gpu_timing import hbm_read_gbs
 
 GIB = 1 << 30
 ARCH = {"qwen3moe-35b-geom": "qwen3_moe", "qwen3.6-35b-a3b": "qwen3_5_moe", "gpt-oss-20b": "gpt_oss",

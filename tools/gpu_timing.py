@@ -1,30 +1,9 @@
-"""Timing helpers shared by the GPU benchmark scripts: the HBM read rate they compare against, kernel time from
-CUDA-graph replays (so launch overhead is the replay's, as in a decode step, not Python's), and the host CPU they ran
-beside."""
+"""Timing helpers shared by the GPU benchmark scripts: the HBM read rate they compare against, and kernel time
+from CUDA-graph replays (so launch overhead is the replay's, as in a decode step, not Python's)."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import torch
-
-
-def host_cpu() -> dict:
-    """The host as the CPU lane sees it: CPU model, the CPUs this process may run on, how many distinct physical cores
-    they are (fewer: SMT siblings, which share a core's load ports) and NUMA nodes. The lane runs all CPUs but two."""
-    cpus = sorted(os.sched_getaffinity(0))
-    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                  if line.startswith("model name")), "") if Path("/proc/cpuinfo").exists() else ""
-    cores = set()
-    for cpu in cpus:
-        topo = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
-        try:
-            cores.add(((topo / "physical_package_id").read_text().strip(), (topo / "core_id").read_text().strip()))
-        except OSError:
-            cores.add(("?", str(cpu)))
-    nodes = len(list(Path("/sys/devices/system/node").glob("node[0-9]*")))
-    return {"model": model, "cpus": len(cpus), "physical_cores": len(cores), "numa_nodes": nodes}
 
 
 def hbm_read_gbs(nbytes: int = 4 << 30) -> float:
