@@ -192,6 +192,13 @@ def _top(prof, per: int, n: int = 25) -> dict:
                                            for k, us, c in rows[:n]]}
 
 
+def python_top(prof_py: cProfile.Profile, per: int, n: int = 25) -> list[dict]:
+    """The `n` Python functions with the most own time (cProfile tottime) per `per` (steps, or 1), in us."""
+    rows = sorted(((f"{fn[0].rsplit('/', 1)[-1]}:{fn[1]}({fn[2]})", v[2] / per * 1e6, v[0] / per)
+                   for fn, v in pstats.Stats(prof_py).stats.items()), key=lambda r: -r[1])
+    return [{"fn": k[:80], "us": round(us, 1), "calls": round(c, 1)} for k, us, c in rows[:n]]
+
+
 def engine_profile(eng, batch: int, *, steps: int = 24, trace: Path | None = None) -> dict:
     """Where a decode step's time goes with `batch` greedy requests through the engine, as `ft serve` runs them
     (steps in flight): wall ms per step; the GPU's busy ms per step (the union of kernel and copy intervals of a
@@ -232,16 +239,12 @@ def engine_profile(eng, batch: int, *, steps: int = 24, trace: Path | None = Non
     busy, gaps = _busy([(e["ts"], e["ts"] + e.get("dur", 0)) for e in gpu])
     prof_py = cProfile.Profile()
     prof_py.runcall(run)
-    stats = pstats.Stats(prof_py)
-    py = sorted(((f"{fn[0].rsplit('/', 1)[-1]}:{fn[1]}({fn[2]})", v[2] / steps * 1e6, v[0] / steps)
-                 for fn, v in stats.stats.items()), key=lambda r: -r[1])
     finish(eng, names)
     return {"batch": batch, "wall_us_per_step": round(wall * 1e6, 1), "traced_us_per_step": round(traced * 1e6, 1),
             "gpu_busy_us_per_step": round(busy / steps, 1), "gpu_gaps_over_5us_per_step": len(gaps) / steps,
             "gpu_gaps_us_per_step": round(sum(gaps) / steps, 1), "largest_gaps_us": sorted(gaps)[-8:],
             "kernels_marginal": _marginals(gpu, steps),
-            "python_tottime_us_per_step": [{"fn": k[:80], "us": round(us, 1), "calls": round(c, 1)}
-                                           for k, us, c in py[:25]]}
+            "python_tottime_us_per_step": python_top(prof_py, steps)}
 
 
 def finish(eng, names: list[str]) -> None:

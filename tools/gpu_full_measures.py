@@ -119,13 +119,12 @@ def prefill_host(model, tokens: int, top: int = 12) -> dict:
     host that queues slower than the GPU runs, or waits on it mid-forward, leaves the GPU idle (`prefill_overlap`'s
     `idle_ms`)."""
     import cProfile
-    import pstats
     import traceback
     import warnings
     from collections import Counter
     from time import perf_counter
 
-    from gpu_full_checks import ids, prefill
+    from gpu_full_checks import ids, prefill, python_top
 
     st = model.new_state(tokens + 1)
     toks = ids(tokens, model.config.vocab_size)
@@ -153,12 +152,8 @@ def prefill_host(model, tokens: int, top: int = 12) -> dict:
     torch.cuda.synchronize()
     wall = perf_counter() - t0
     st.free()
-    stats = pstats.Stats(prof).stats  # (file, line, fn) -> (calls, primitive calls, tottime, cumtime, callers)
-    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
     return {"tokens": tokens, "queued_ms": round(queued * 1e3, 2), "wall_ms": round(wall * 1e3, 2),
-            "syncs": dict(sites.most_common()),
-            "host_tottime_ms": [{"fn": f"{Path(k[0]).name}:{k[1]}({k[2]})", "calls": v[0], "ms": round(v[2] * 1e3, 2)}
-                                for k, v in rows]}
+            "syncs": dict(sites.most_common()), "host_tottime_us": python_top(prof, 1, top)}
 
 
 def overlap(events: list[dict]) -> dict:

@@ -38,7 +38,7 @@ def test_prefill_host_reports_each_sync_site_and_the_host_time(monkeypatch):
     (site, n), = res["syncs"].items()
     assert n == 3 and site.startswith("test_gpu_full_measures.py:")
     assert 0 < res["queued_ms"] <= res["wall_ms"]
-    assert any("<genexpr>" in r["fn"] for r in res["host_tottime_ms"])
+    assert any("<genexpr>" in r["fn"] for r in res["host_tottime_us"])
 
 
 def test_prefill_host_switches_the_debug_mode_off_when_the_forward_fails(monkeypatch):
