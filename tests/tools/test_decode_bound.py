@@ -1,0 +1,34 @@
+"""tools/decode_bound.py: the bound of a budget row from its own Belady replay and the run's HBM rate."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+
+import decode_bound  # noqa: E402
+
+
+def _row(hit_rate: float, tok_s: float | None = 100.0) -> dict:
+    # 2 MoE layers, top-4: 8 records a token of 1 MB; 1 GB of dense weights
+    return {"budget_gib": 8.0, "plan": {"dense": 1e9}, "trace": {"moe_layers": [0, 1]},
+            "moe": {"pairs": 400, "tokens": 100, "record_bytes": 1e6}, "belady": {"hit_rate": hit_rate},
+            "decode_warm": {"tok_s": tok_s}}
+
+
+def test_bound_reads_the_resident_part_at_hbm_rate_and_the_misses_over_the_link():
+    # 6 hits: 1.006 GB at 1,000 GB/s = 1.006 ms; 2 misses: 2 MB at 10 GB/s = 0.2 ms
+    assert decode_bound.bound_tok_s(_row(0.75), hbm_gbs=1000.0, miss_gbs=10.0) == pytest.approx(1 / 1.206e-3)
+    # every record a hit: HBM only; none: the link carries all 8 MB
+    assert decode_bound.bound_tok_s(_row(1.0), 1000.0, 10.0) == pytest.approx(1 / 1.008e-3)
+    assert decode_bound.bound_tok_s(_row(0.0), 1000.0, 10.0) == pytest.approx(1 / 1.8e-3)
+
+
+def test_rows_give_the_ratio_and_leave_rows_without_a_replay_unbounded():
+    run = {"hbm_read_gbs": 1000.0, "models": {"m": {"budgets": [_row(0.75), {"budget_gib": 12.0, "error": "OOM"}]}}}
+    measured, failed = decode_bound.rows(run, miss_gbs=10.0)
+    assert measured["of_bound"] == pytest.approx(100.0 * 1.206e-3)
+    assert failed["bound_tok_s"] is None and failed["of_bound"] is None and failed["tok_s"] is None

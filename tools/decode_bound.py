@@ -1,0 +1,61 @@
+"""The physical bound of each VRAM-budget decode row of a gpu_full run, beside what the row measured.
+
+    python tools/decode_bound.py [--json benchmarks/gpu_full.json] [--run -1] [--miss-gbs 86]
+
+Per token, batch 1 (no time of ours in it): the dense weights plus the routed records Belady's optimum keeps resident,
+read at the run's measured HBM rate, plus Belady's miss bytes over `--miss-gbs`, what the GPU's copies and the CPU
+lane move together (86 GB/s: runs 42-43 on the H200 host). The records a token routes are (MoE layers x top-k); the
+hit rate is Belady's with bypass over the row's own routing trace (`belady` in the row).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+MISS_GBS = 86.0
+
+
+def bound_tok_s(row: dict, hbm_gbs: float, miss_gbs: float = MISS_GBS) -> float | None:
+    """Tokens/s a decode step of `row` (one budget row of gpu_full.json) cannot beat; None without a Belady replay."""
+    belady, moe, plan = row.get("belady"), row.get("moe"), row.get("plan")
+    if not (belady and moe and plan and moe.get("tokens")):
+        return None
+    records = len(row["trace"]["moe_layers"]) * moe["pairs"] / moe["tokens"]  # routed records a token
+    hit = belady["hit_rate"]
+    resident = plan["dense"] + records * hit * moe["record_bytes"]
+    missed = records * (1 - hit) * moe["record_bytes"]
+    return 1 / (resident / (hbm_gbs * 1e9) + missed / (miss_gbs * 1e9))
+
+
+def rows(run: dict, miss_gbs: float = MISS_GBS) -> list[dict]:
+    """One dict per budget row of `run`: model, budget, decode after 256 tokens, its bound and the ratio."""
+    out = []
+    for model, v in run.get("models", {}).items():
+        for row in v.get("budgets", []):
+            bound = bound_tok_s(row, run["hbm_read_gbs"], miss_gbs)
+            tok_s = (row.get("decode_warm") or {}).get("tok_s")
+            out.append({"model": model, "budget_gib": row["budget_gib"], "variant": row.get("variant") or {},
+                        "tok_s": tok_s, "bound_tok_s": bound,
+                        "of_bound": tok_s / bound if tok_s and bound else None})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", type=Path, default=Path(__file__).resolve().parents[1] / "benchmarks/gpu_full.json")
+    ap.add_argument("--run", type=int, default=-1, help="index into the JSON's runs (default: the latest)")
+    ap.add_argument("--miss-gbs", type=float, default=MISS_GBS)
+    args = ap.parse_args()
+    run = json.loads(args.json.read_text())[args.run]
+    print(f"{run['date']} {run.get('gpu', '?')}, HBM {run['hbm_read_gbs']:.0f} GB/s, misses at {args.miss_gbs:g} GB/s")
+    def fmt(x: float | None, spec: str = ",.1f") -> str:
+        return "-" if x is None else format(x, spec)
+
+    for r in rows(run, args.miss_gbs):
+        print(f"  {r['model']} {r['budget_gib']:g} GiB {r['variant'] or ''}: {fmt(r['tok_s'])} tok/s, bound "
+              f"{fmt(r['bound_tok_s'])}, {fmt(r['of_bound'], '.2f')} of it")
+
+if __name__ == "__main__":
+    main()
