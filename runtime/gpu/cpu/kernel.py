@@ -79,6 +79,8 @@ def load_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         lib.ft_lane_free.restype = None
         lib.ft_lane_stats.argtypes = [p, p]
         lib.ft_lane_stats.restype = None
+        lib.ft_lane_set_fit_cap.argtypes = [p, ctypes.c_int64, ctypes.c_int64]
+        lib.ft_lane_set_fit_cap.restype = None
         _LIBS[extra_flags] = lib
     return _LIBS[extra_flags]
 

@@ -56,7 +56,8 @@ struct ft_lane {
     float pair_w[MB_PAIRS];
     float *act, *part;
     in_t *xin, *actin; /* bf16 copies of x and act where the kernel reads bf16 (else x and act themselves) */
-    _Atomic int64_t stats[10]; /* see ft_lane_stats */
+    _Atomic int64_t stats[11]; /* see ft_lane_stats */
+    _Atomic int64_t cap_fixed_ns, cap_per_ns; /* a job slower than fixed + per * experts stays out of the fit (0: none) */
 };
 
 static int64_t now_ns(void) {
@@ -175,7 +176,10 @@ static void lead(ft_lane *l) {
             atomic_fetch_add(&l->stats[1], l->grp_start[g]);
             atomic_fetch_add(&l->stats[2], g);
             atomic_fetch_add(&l->stats[3], ns);
-            if (!napped) {
+            int64_t per = atomic_load_explicit(&l->cap_per_ns, memory_order_relaxed);
+            if (per > 0 && ns > atomic_load_explicit(&l->cap_fixed_ns, memory_order_relaxed) + per * g) {
+                atomic_fetch_add(&l->stats[10], 1); /* preempted, or slowed by something else: not the lane's cost */
+            } else if (!napped) {
                 atomic_fetch_add(&l->stats[5], 1);
                 atomic_fetch_add(&l->stats[6], g);
                 atomic_fetch_add(&l->stats[7], ns);
@@ -261,9 +265,16 @@ void ft_lane_free(ft_lane *l) {
     free(l);
 }
 
-/* out[10] = jobs, pairs, experts, busy nanoseconds (post seen -> answer written), refused posts; then over the jobs that
- * found the team spinning (the others' time includes waking threads up) their number and the sums of experts, ns,
- * experts^2 and experts * ns (a least-squares line of job time against experts); all cumulative. */
+/* out[11] = jobs, pairs, experts, busy nanoseconds (post seen -> answer written), refused posts; then over the jobs that
+ * found the team spinning (the others' time includes waking threads up) and stayed within the cap their number and the
+ * sums of experts, ns, experts^2 and experts * ns (a least-squares line of job time against experts); then the jobs over
+ * the cap; all cumulative. */
 void ft_lane_stats(ft_lane *l, int64_t *out) {
-    for (int i = 0; i < 10; i++) out[i] = atomic_load(&l->stats[i]);
+    for (int i = 0; i < 11; i++) out[i] = atomic_load(&l->stats[i]);
+}
+
+/* Jobs slower than fixed_ns + per_ns * experts are counted as outliers, not fitted; per_ns 0 lifts the cap. */
+void ft_lane_set_fit_cap(ft_lane *l, int64_t fixed_ns, int64_t per_ns) {
+    atomic_store(&l->cap_fixed_ns, fixed_ns);
+    atomic_store(&l->cap_per_ns, per_ns);
 }

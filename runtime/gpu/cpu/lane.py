@@ -54,8 +54,9 @@ WAIT_LIMIT = 5_000_000  # polls of MB_DONE (about a microsecond each over PCIe) 
 CPU_FIXED_S = 15e-6  # starting guess of the lane's cost per call beyond its experts (signal, barriers, y back)
 SIGNAL_S = 5e-6  # the post reaching the lane and its answer reaching the GPU (PCIe round trips), outside its job time
 STATS = ("jobs", "pairs", "experts", "busy_ns", "refused", "fit_jobs", "fit_experts", "fit_ns", "fit_experts_sq",
-         "fit_experts_ns")
+         "fit_experts_ns", "outliers")
 STARVED_S = 2.0  # no job fitted for this long: the split goes back to its starting costs (`refit`)
+OUTLIER = 4.0  # a job slower than this many times the fitted line's time stays out of the next fits (`refit`)
 
 
 @triton.jit
@@ -234,12 +235,16 @@ class CpuLane:
         by the lane itself: their time includes waking threads up. A split that prices the CPU out gives it no jobs,
         so nothing could correct it: after STARVED_S with too few jobs for a fit it goes back to its starting costs,
         the few jobs dropped (a share near zero still trickles a handful of jobs: run 49's qwen3.6 at 12 GiB sat at
-        617 us per expert with 135 jobs in 256 tokens)."""
+        617 us per expert with 135 jobs in 256 tokens). Least squares follows a few very slow jobs (a preempted
+        thread): after each fit, a job slower than OUTLIER times the fitted line is counted (`outliers`) and left out
+        of the next fits, until a starved reset lifts the cap (run 63: one window priced the CPU at 324 us an expert
+        while its jobs averaged 65)."""
         now = np.array(list(self.counters().values()), np.float64)
-        w, sn, sy, snn, sny = (now - self._seen)[5:]
+        w, sn, sy, snn, sny = (now - self._seen)[5:10]
         if w < min_jobs or sn <= 0:
             if monotonic() - self._last_fit > STARVED_S and (self.t_cpu, self.t_fixed) != self._start:
                 self.t_cpu, self.t_fixed = self._start
+                self.lib.ft_lane_set_fit_cap(self.handle, 0, 0)  # whatever the jobs now take is fitted again
                 self._seen = now
                 self._last_fit = monotonic()
                 self._upload_split()
@@ -254,6 +259,7 @@ class CpuLane:
         if per <= 0 or fixed < 0:
             per, fixed = sy / sn, 0.0
         t_cpu, t_fixed = max(per, 1e-7), fixed + SIGNAL_S
+        self.lib.ft_lane_set_fit_cap(self.handle, int(OUTLIER * fixed * 1e9), max(1, int(OUTLIER * per * 1e9)))
         if abs(t_cpu - self.t_cpu) > 0.05 * min(t_cpu, self.t_cpu) or abs(t_fixed - self.t_fixed) > 0.05 * t_fixed:
             self.t_cpu, self.t_fixed = t_cpu, t_fixed
             self._upload_split()

@@ -4,6 +4,7 @@ CUDA the post / wait kernels run under Triton's interpreter on CPU tensors while
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -192,7 +193,44 @@ def _totals(fitted, napped=()):
     return {"jobs": len(both), "pairs": sum(e for e, _ in both), "experts": sum(e for e, _ in both),
             "busy_ns": sum(ns for _, ns in both), "refused": 0, "fit_jobs": len(fitted),
             "fit_experts": sum(e for e, _ in fitted), "fit_ns": sum(ns for _, ns in fitted),
-            "fit_experts_sq": sum(e * e for e, _ in fitted), "fit_experts_ns": sum(e * ns for e, ns in fitted)}
+            "fit_experts_sq": sum(e * e for e, _ in fitted), "fit_experts_ns": sum(e * ns for e, ns in fitted),
+            "outliers": 0}
+
+
+def test_jobs_slower_than_the_fitted_line_stay_out_of_the_next_fit(bank, monkeypatch):
+    """After a fit, the lane leaves out of its sums any job slower than OUTLIER times the fitted line (a preempted
+    thread would otherwise drag least squares: run 63 priced the CPU at 324 us an expert while its jobs averaged 65);
+    a starved reset lifts the cap, so a host that really got slower is fitted again."""
+    from ft.runtime.gpu.cpu import lane as mod
+
+    layout, recs, host = bank
+    lane = _lane(layout, host, 4)
+    g = torch.Generator().manual_seed(5)
+    ids, w, x = torch.randperm(E, generator=g)[:4].view(1, 4), torch.rand(1, 4, generator=g), torch.randn(1, H)
+
+    def jobs(n):
+        before = lane.counters()
+        for _ in range(n):
+            _call(lane, layout, host, ids, w, x.to(torch.bfloat16))
+        return {k: v - before[k] for k, v in lane.counters().items()}
+
+    clock = [1000.0]
+    monkeypatch.setattr(mod, "monotonic", lambda: clock[0])
+    try:
+        assert jobs(3)["outliers"] == 0  # no fit yet: no cap
+        real = lane.counters
+        lane.counters = lambda: _totals([(1, 200)] * 40 + [(3, 400)] * 40)  # a fit of 100 ns an expert, 100 fixed
+        lane.refit()
+        assert lane.t_cpu == pytest.approx(100e-9)
+        lane.counters = real
+        lane._seen[:] = np.array(list(real().values()), np.float64)
+        got = jobs(3)  # real jobs take microseconds: over 4 x (100 + 100 n) ns
+        assert got["outliers"] == got["jobs"] == 3 and got["fit_jobs"] == 0
+        clock[0] += mod.STARVED_S + 1
+        lane.refit()  # too few fitted jobs for STARVED_S: starting costs, cap lifted
+        assert jobs(3)["outliers"] == 0
+    finally:
+        lane.close()
 
 
 def test_a_split_that_starves_the_lane_goes_back_to_its_starting_costs(bank, monkeypatch):
