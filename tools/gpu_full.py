@@ -37,7 +37,7 @@ from gpu_timing import hbm_read_gbs
 
 GIB = 1 << 30
 ARCH = {"qwen3moe-35b-geom": "qwen3_moe", "qwen3.6-35b-a3b": "qwen3_5_moe", "gpt-oss-20b": "gpt_oss",
-        "glm-4.5-air": "glm4_moe"}  # glm-4.5-air: ~62 GB synthesized + ~62 GB compiled, more disk than one GPU's host
+        "glm-4.5-air": "glm4_moe"}  # glm-4.5-air: ~62 GB synthesized + ~62 GB compiled: --synth-dir /dev/shm/ft
 # the experts' format of each synthetic checkpoint: NVFP4 (ModelOpt), or the release's MXFP4 for gpt-oss
 QUANT = {"gpt_oss": "mxfp4"}
 # llama.cpp on the same H200, same geometry (qwen3moe, Q4_0 experts), all experts on the GPU:
@@ -138,11 +138,14 @@ def parse_variants(text: str) -> tuple[dict, ...]:
                  for part in text.split(";") if part.strip())
 
 
-def build(work: Path, preset: str, routing: str) -> Path:
+def build(work: Path, preset: str, routing: str, synth_dir: Path | None = None) -> Path:
+    """The FTW of `preset` in `work`, synthesized into `synth_dir` (default: `work`) and compiled; the synthesized
+    checkpoint is deleted after (glm-4.5-air's ~62 GB twice do not fit one GPU host's disk: synthesize into
+    /dev/shm)."""
     from ft.compiler import compile_checkpoint
     from ft.compiler.synth import synth
 
-    ftw, hf = work / f"{preset}-{routing}.ftw", work / f"{preset}-{routing}-hf"
+    ftw, hf = work / f"{preset}-{routing}.ftw", (synth_dir or work) / f"{preset}-{routing}-hf"
     if ftw.is_dir() and any(ftw.iterdir()):
         return ftw
     t = time.perf_counter()
@@ -161,6 +164,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--work", type=Path, default=Path("/tmp/ft-full"))
+    ap.add_argument("--synth-dir", type=Path, default=None,
+                    help="where synthesized checkpoints go before compiling (default: --work), e.g. /dev/shm/ft")
     ap.add_argument("--models", default="qwen3moe-35b-geom,qwen3.6-35b-a3b")
     ap.add_argument("--routing", default="uniform")
     ap.add_argument("--stages", default="tests,models,kernels")
@@ -181,6 +186,8 @@ def main() -> None:
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
+    if args.synth_dir is not None:
+        args.synth_dir.mkdir(parents=True, exist_ok=True)
     stages = args.stages.split(",")
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
                  "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "host": host_cpu()}
@@ -217,7 +224,7 @@ def main() -> None:
                     continue
                 ftw = None
                 try:
-                    ftw = build(args.work, preset, args.routing)
+                    ftw = build(args.work, preset, args.routing, args.synth_dir)
                     res["models"][preset] = bench_model(ftw, preset, hbm_gbs=res["hbm_read_gbs"], log=log,
                                                         llama=LLAMA_CPP if preset == "qwen3moe-35b-geom" else None,
                                                         deadline=T0 + args.deadline_s,

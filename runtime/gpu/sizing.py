@@ -110,9 +110,9 @@ def activation_reserve(cfg: ModelConfig, chunk: int, elem: int) -> int:
     """Bytes a prefill forward of `chunk` tokens allocates beyond its weights, KV and state (the activation reserve of
     the VRAM split), from the model's widths; `elem`: bytes per compute-dtype element. Per token: the residual stream
     (h, residual, normed input, mixer output) plus the widest layer's temporaries: the routed experts' per-pair fp32
-    outputs and activations (`prefill_pipeline._Runs`) with the router and shared expert, attention's projections and
-    chunked-prefill temporaries, a DeltaNet layer's projections plus its fp32 conv / rule temporaries, which it bounds
-    to `deltanet.PIECE` tokens."""
+    outputs and activations (`prefill_pipeline._Runs`, its rows padded per expert) with the router and shared expert,
+    attention's projections and chunked-prefill temporaries, a DeltaNet layer's projections plus its fp32 conv / rule
+    temporaries, which it bounds to `deltanet.PIECE` tokens."""
     from ft.runtime.layers.deltanet import PIECE
 
     h, k = cfg.hidden_size, cfg.num_experts_per_tok
@@ -124,7 +124,9 @@ def activation_reserve(cfg: ModelConfig, chunk: int, elem: int) -> int:
     # [T, nq, hd] tensors: folded queries, both parts' outputs (one unfolded), expanded own keys and values
     width = max(cfg.head_dim, cfg.v_head_dim)
     attn = elem * (3 * (cfg.num_heads + 2 * cfg.num_kv_heads) + 6 * cfg.num_heads) * width
-    widest = chunk * max(moe, dense, attn)
+    # the MoE activation buffer's rows are padded to whole BLOCK_M (<= 128) blocks per expert (`moe_blocks`)
+    moe_padding = cfg.num_experts * 127 * elem * cfg.moe_intermediate_size
+    widest = max(chunk * moe + moe_padding, chunk * max(dense, attn))
     if "linear_attention" in cfg.layer_types:
         key, value, hv = (cfg.linear_num_key_heads * cfg.linear_key_head_dim,
                           cfg.linear_num_value_heads * cfg.linear_value_head_dim, cfg.linear_num_value_heads)
