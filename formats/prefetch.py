@@ -1,0 +1,114 @@
+"""Warming the page cache with what an engine start reads first, while the process is still importing.
+
+    start_prefetch(ftw_dir)   # returns at once; a daemon thread asks the kernel to read ahead
+
+`ft serve` / `ft generate` call it before their heavy imports (torch, Triton, the server: seconds on a GPU host), so
+a cold disk is already reading while they run: first the dense tensors (which the model load reads whole), then the
+expert records the FTW's plans preload into the slot pool, in file order, at most MAX_BYTES. It only asks the kernel
+to read ahead (posix_fadvise WILLNEED): nothing it reads is trusted or used, the reader verifies everything when the
+engine opens the FTW. It parses the index with the standard library (no torch), reads files named by the manifest
+only when they are plain names of regular files inside the directory, and gives up silently on anything else, as a
+hint should. Without posix_fadvise (not Linux) it does nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import struct
+import threading
+from pathlib import Path
+
+from .layout import HEADER_SIZE, INDEX_NAME, MAGIC, Header
+
+log = logging.getLogger("ft.formats")
+
+MAX_BYTES = 16 << 30  # read ahead no more than this: a start reads the rest in its own order
+WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
+_LAYER = re.compile(r"layers\.(\d+)\.")  # a bank's layer, as plans number them
+_BROKEN = (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, struct.error)
+
+
+def plan_ranges(ftw: Path, gap: int = 1 << 20) -> list[tuple[Path, int, int]]:
+    """(file, offset, nbytes) to read first: the dense tensors, then the records the plans list as resident (a layer's
+    bank found by its name, `layers.<i>.`), each group in file order, ranges less than `gap` apart merged (the
+    alignment padding between tensors costs less to read than another request); [] if the index does not parse."""
+    try:
+        with open(ftw / INDEX_NAME, "rb") as f:
+            magic, h = Header.unpack(f.read(HEADER_SIZE))
+            if magic != MAGIC:
+                return []
+            m = json.loads(f.read(h.manifest_nbytes))
+        files = [_inside(ftw, e["name"]) for e in m["files"]]
+        dense = [(files[t["file"]], int(t["offset"]), int(t["nbytes"])) for t in m["tensors"]]
+        banks = {int(g[1]): b for b in m["expert_banks"] if (g := _LAYER.match(b["name"]))}
+    except _BROKEN:
+        return []
+    wanted = []
+    for entry in m.get("plans", []) if isinstance(m.get("plans"), list) else []:
+        try:  # `plans/<name>.json` entries only (specs/plan.md); one that does not parse adds nothing
+            if not str(entry["name"]).endswith(".json"):
+                continue
+            for layer, expert in json.loads(_inside(ftw, entry["name"]).read_bytes())["resident"]:
+                b = banks.get(int(layer))
+                if b is not None and 0 <= int(expert) < int(b["num_experts"]):
+                    wanted.append((files[b["file"]], int(b["offset"]) + int(expert) * int(b["stride"]),
+                                   int(b["stride"])))
+        except _BROKEN:
+            continue
+    return _merged(dense, gap) + _merged(wanted, gap)
+
+
+def start_prefetch(ftw: str | Path) -> threading.Thread | None:
+    """Start the read-ahead of `plan_ranges(ftw)` on a daemon thread (module docstring); None where there is nothing
+    to do (no posix_fadvise, no such directory)."""
+    ftw = Path(ftw)
+    if WILLNEED is None or not ftw.is_dir():
+        return None
+    t = threading.Thread(target=_read_ahead, args=(ftw,), name="ft-prefetch", daemon=True)
+    t.start()
+    return t
+
+
+def _read_ahead(ftw: Path) -> None:
+    left = MAX_BYTES
+    fds: dict[Path, int] = {}
+    try:
+        for path, offset, nbytes in plan_ranges(ftw):
+            if left <= 0:
+                break
+            if path not in fds:
+                fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            n = min(nbytes, left)
+            os.posix_fadvise(fds[path], offset, n, WILLNEED)
+            left -= n
+    except OSError as e:
+        log.debug("prefetch of %s stopped: %s", ftw, e)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _inside(ftw: Path, name: str) -> Path:
+    """ftw / name for a relative name of plain components naming a regular file (no link) inside ftw."""
+    parts = Path(name).parts
+    if not parts or Path(name).is_absolute() or any(p in ("..", ".") for p in parts):
+        raise ValueError(f"not a plain name: {name!r}")
+    path = ftw.joinpath(*parts)
+    if path.is_symlink() or not path.is_file():
+        raise ValueError(f"not a regular file: {name!r}")
+    return path
+
+
+def _merged(ranges: list[tuple[Path, int, int]], gap: int) -> list[tuple[Path, int, int]]:
+    """Sorted by (file, offset), ranges of one file at most `gap` apart joined."""
+    out: list[tuple[Path, int, int]] = []
+    for path, offset, nbytes in sorted(ranges, key=lambda r: (str(r[0]), r[1])):
+        if out and out[-1][0] == path and offset <= out[-1][1] + out[-1][2] + gap:
+            p, o, n = out[-1]
+            out[-1] = (p, o, max(n, offset + nbytes - o))
+        else:
+            out.append((path, offset, nbytes))
+    return out

@@ -1,0 +1,80 @@
+"""ft.formats.prefetch: what a start asks the kernel to read ahead (dense tensors, then the plans' resident records),
+that it stays inside the FTW, and that the commands that call it import no torch before it runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from ftw_testlib import small_ftw
+
+from ft.formats import FtwReader, slots
+from ft.formats import prefetch as pf
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return small_ftw(tmp_path_factory.mktemp("base") / "m")
+
+
+@pytest.fixture()
+def ftw(base: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(base, tmp_path / "m"))
+
+
+def _covers(ranges, path: Path, offset: int, nbytes: int) -> bool:
+    return any(p == path and o <= offset and offset + nbytes <= o + n for p, o, n in ranges)
+
+
+def test_dense_tensors_first_then_the_plans_resident_records(ftw_for, tmp_path: Path) -> None:
+    ftw = Path(shutil.copytree(ftw_for("qwen3_moe", "nvfp4"), tmp_path / "m"))
+    r = FtwReader(ftw)
+    bank = r.records.banks["layers.1.mlp.experts"]
+    # a plan's `resident` list (the rest of a plan does not matter here); a plans/ entry that is not a plan adds none
+    slots.put_entry(ftw, "plans", "gpu.json", json.dumps({"resident": [[1, 3], [1, 1], [9, 0]]}).encode())
+    slots.put_entry(ftw, "plans", "notes.txt", b"[1, 2]")
+    got = pf.plan_ranges(ftw, gap=0)
+    data = lambda i: ftw / r.records.files[i].name  # noqa: E731
+    assert all(_covers(got, data(t.file), t.offset, t.nbytes) for t in r.records.tensors.values())
+    records = [(data(bank.file), bank.offset + e * bank.stride, bank.stride) for e in (1, 3)]
+    assert got[-2:] == records  # after the dense ranges, in file order, each alone (not adjacent)
+    assert pf.plan_ranges(ftw)[-1] == (records[0][0], records[0][1], records[1][1] + bank.stride - records[0][1])
+    assert not _covers(got, data(bank.file), bank.offset + 2 * bank.stride, bank.stride)  # in no plan
+
+
+def test_read_ahead_asks_the_kernel_for_those_ranges_and_nothing_outside(ftw: Path, monkeypatch) -> None:
+    if pf.WILLNEED is None:
+        pytest.skip("no posix_fadvise here")
+    asked = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: asked.append((os.readlink(
+        f"/proc/self/fd/{fd}"), off, n, advice)))
+    pf.start_prefetch(ftw).join()
+    want = [(str(p.resolve()), o, n, pf.WILLNEED) for p, o, n in pf.plan_ranges(ftw)]
+    assert asked == want and asked
+    monkeypatch.setattr(pf, "MAX_BYTES", 100)  # the cap holds
+    asked.clear()
+    pf.start_prefetch(ftw).join()
+    assert sum(n for _, _, n, _ in asked) == 100
+
+
+def test_a_hostile_or_broken_ftw_is_not_read_ahead(ftw: Path, tmp_path: Path) -> None:
+    data = next(ftw.glob("data-*.ftd"))
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(data.read_bytes())
+    data.unlink()
+    data.symlink_to(outside)  # a data file that is a link out of the FTW
+    assert pf.plan_ranges(ftw) == []
+    (ftw / "model.ftw").write_bytes(b"not an index")
+    assert pf.plan_ranges(ftw) == []
+    assert pf.start_prefetch(tmp_path / "missing") is None
+
+
+def test_the_commands_start_it_before_importing_torch() -> None:
+    code = "import sys, ft.cli.main, ft.formats.prefetch; print(sorted(m for m in sys.modules if m == 'torch'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
