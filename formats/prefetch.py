@@ -3,12 +3,12 @@
     start_prefetch(ftw_dir)   # returns at once; a daemon thread asks the kernel to read ahead
 
 `ft serve` / `ft generate` call it before their heavy imports (torch, Triton, the server: seconds on a GPU host), so
-a cold disk is already reading while they run: first the dense tensors (which the model load reads whole), then the
-expert records the FTW's plans preload into the slot pool, in file order, at most MAX_BYTES. It only asks the kernel
-to read ahead (posix_fadvise WILLNEED): nothing it reads is trusted or used, the reader verifies everything when the
-engine opens the FTW. It parses the index with the standard library (no torch), reads files named by the manifest
-only when they are plain names of regular files inside the directory, and gives up silently on anything else, as a
-hint should. Without posix_fadvise (not Linux) it does nothing.
+a cold disk is already reading while they run: the dense tensors, which a GPU load copies whole, in file order, at
+most MAX_BYTES. Expert records are left to the start's own order (which plan it uses, if any, depends on the machine).
+It only asks the kernel to read ahead (posix_fadvise WILLNEED): nothing it reads is trusted or used, the reader
+verifies everything when the engine opens the FTW. It parses the index with the standard library (no torch), reads
+files named by the manifest only when they are plain names of regular files inside the directory, and gives up
+silently on anything else, as a hint should. Without posix_fadvise (not Linux) it does nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import struct
 import threading
 from pathlib import Path
@@ -25,16 +24,13 @@ from .layout import HEADER_SIZE, INDEX_NAME, MAGIC, Header
 
 log = logging.getLogger("ft.formats")
 
-MAX_BYTES = 16 << 30  # read ahead no more than this: a start reads the rest in its own order
+MAX_BYTES = 8 << 30  # read ahead no more than this
 WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
-_LAYER = re.compile(r"layers\.(\d+)\.")  # a bank's layer, as plans number them
-_BROKEN = (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, struct.error)
 
 
-def plan_ranges(ftw: Path, gap: int = 1 << 20) -> list[tuple[Path, int, int]]:
-    """(file, offset, nbytes) to read first: the dense tensors, then the records the plans list as resident (a layer's
-    bank found by its name, `layers.<i>.`), each group in file order, ranges less than `gap` apart merged (the
-    alignment padding between tensors costs less to read than another request); [] if the index does not parse."""
+def dense_ranges(ftw: Path, gap: int = 1 << 20) -> list[tuple[Path, int, int]]:
+    """(file, offset, nbytes) of the dense tensors in file order, ranges less than `gap` apart merged (the alignment
+    padding between tensors costs less to read than another request); [] if the index does not parse."""
     try:
         with open(ftw / INDEX_NAME, "rb") as f:
             magic, h = Header.unpack(f.read(HEADER_SIZE))
@@ -42,27 +38,13 @@ def plan_ranges(ftw: Path, gap: int = 1 << 20) -> list[tuple[Path, int, int]]:
                 return []
             m = json.loads(f.read(h.manifest_nbytes))
         files = [_inside(ftw, e["name"]) for e in m["files"]]
-        dense = [(files[t["file"]], int(t["offset"]), int(t["nbytes"])) for t in m["tensors"]]
-        banks = {int(g[1]): b for b in m["expert_banks"] if (g := _LAYER.match(b["name"]))}
-    except _BROKEN:
+        return _merged([(files[t["file"]], int(t["offset"]), int(t["nbytes"])) for t in m["tensors"]], gap)
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, struct.error):
         return []
-    wanted = []
-    for entry in m.get("plans", []) if isinstance(m.get("plans"), list) else []:
-        try:  # `plans/<name>.json` entries only (specs/plan.md); one that does not parse adds nothing
-            if not str(entry["name"]).endswith(".json"):
-                continue
-            for layer, expert in json.loads(_inside(ftw, entry["name"]).read_bytes())["resident"]:
-                b = banks.get(int(layer))
-                if b is not None and 0 <= int(expert) < int(b["num_experts"]):
-                    wanted.append((files[b["file"]], int(b["offset"]) + int(expert) * int(b["stride"]),
-                                   int(b["stride"])))
-        except _BROKEN:
-            continue
-    return _merged(dense, gap) + _merged(wanted, gap)
 
 
 def start_prefetch(ftw: str | Path) -> threading.Thread | None:
-    """Start the read-ahead of `plan_ranges(ftw)` on a daemon thread (module docstring); None where there is nothing
+    """Start the read-ahead of `dense_ranges(ftw)` on a daemon thread (module docstring); None where there is nothing
     to do (no posix_fadvise, no such directory)."""
     ftw = Path(ftw)
     if WILLNEED is None or not ftw.is_dir():
@@ -76,7 +58,7 @@ def _read_ahead(ftw: Path) -> None:
     left = MAX_BYTES
     fds: dict[Path, int] = {}
     try:
-        for path, offset, nbytes in plan_ranges(ftw):
+        for path, offset, nbytes in dense_ranges(ftw):
             if left <= 0:
                 break
             if path not in fds:

@@ -1,6 +1,6 @@
 """Bundle benchmark: `ft bundle pack` and `unpack` of a compiled FTW against the disk bound.
 
-    python tools/bench_bundle.py [--ftw DIR | --layers 40] [--work DIR] [--keep] [--serve]
+    python tools/bench_bundle.py [--ftw DIR | --layers 40] [--work DIR] [--keep] [--serve] [--extras]
 
 Without --ftw, synthesizes qwen3.6-35b-a3b NVFP4 (all 40 layers, or cut to --layers) and compiles it. Then, each
 with the page cache dropped first: pack (reads the FTW, writes the bundle), unpack (reads the bundle, writes a new
@@ -19,6 +19,7 @@ import datetime
 import json
 import os
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -73,6 +74,9 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true")
     ap.add_argument("--threads", type=int)
     ap.add_argument("--serve", action="store_true", help="then serve the unpacked FTW from a local Hub cache")
+    ap.add_argument("--extras", action="store_true",
+                    help="first add what a compiled bundle ships besides weights: a placement plan (`ft plan "
+                         "--vram-budget 8GiB`, for this machine) and sm_90 kernels (`ft kernels build --arch 90`)")
     args = ap.parse_args()
     from ft.formats import bundle
 
@@ -87,6 +91,10 @@ def main() -> None:
             synth("qwen3_5_moe", "qwen3.6-35b-a3b", hf, quant="nvfp4", num_layers=args.layers, force=True, twin=False)
             compile_checkpoint(hf, ftw, force=True, progress=False, verify="sample")
             shutil.rmtree(hf)  # room for the bundle and its unpacked copy
+    if args.extras:
+        for cmd in (["plan", "--ftw", str(ftw), "--vram-budget", "8GiB"], ["kernels", "build", "--ftw", str(ftw),
+                                                                         "--arch", "90"]):
+            subprocess.run([sys.executable, "-c", "from ft.cli.main import main; main()", *cmd], check=True)
     files = sorted(p for p in ftw.rglob("*") if p.is_file())
     plain = sum(p.stat().st_size for p in files)
     out, dest = args.work / "model.ftb", args.work / "unpacked.ftw"

@@ -101,7 +101,7 @@ OFFLOADED_PREFILL_CHUNK = 4096  # ... at a VRAM budget: a forward streams every 
 
 # last-token logits and library workspaces (~96 MiB), and what the caching allocator keeps reserved beyond what is
 # allocated at the prefill peak, which the cap counts: 170 MiB (qwen3moe-35b-geom) and 119 MiB (gpt-oss-20b, where a
-# 114 MiB request then failed 10 MiB short of the cap) at 8 GiB budgets (benchmarks/gpu_full.md, runs 61-62)
+# 114 MiB request then failed 10 MiB short of the cap) at 8 GiB budgets (benchmarks/gpu_full.md, runs 63 and 61)
 RESERVE_SLACK = 256 << 20
 RESERVE_MARGIN = 1.1  # on the estimate below, which counts only the largest temporaries
 
