@@ -138,6 +138,19 @@ def parse_variants(text: str) -> tuple[dict, ...]:
                  for part in text.split(";") if part.strip())
 
 
+def ensure_bw_profile() -> dict:
+    """This GPU's `ft bench bw` profile, measured now if there is none (a fresh GPU host has none): the engine's CPU
+    lane starts from its rates and the rows' plan predictions use them."""
+    from ft.runtime.gpu.benchbw import load_profile, run_bench, save_profile
+
+    if load_profile(0) is not None:
+        return {"measured": False}
+    t = time.perf_counter()
+    path = save_profile(run_bench(progress=log))
+    log(f"`ft bench bw` profile measured in {time.perf_counter() - t:.0f} s: {path}")
+    return {"measured": True, "seconds": time.perf_counter() - t, "profile": load_profile(0)}
+
+
 def build(work: Path, preset: str, routing: str, synth_dir: Path | None = None) -> Path:
     """The FTW of `preset` in `work`, synthesized into `synth_dir` (default: `work`) and compiled; the synthesized
     checkpoint is deleted after (glm-4.5-air's ~62 GB twice do not fit one GPU host's disk: synthesize into
@@ -215,6 +228,8 @@ def main() -> None:
         elif stage == "models":
             from gpu_full_models import bench_model
 
+            if args.budgets:
+                res["bench_bw"] = ensure_bw_profile()
             res["models"] = {}
             for preset in args.models.split(","):
                 left = args.deadline_s - (time.perf_counter() - T0)

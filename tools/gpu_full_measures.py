@@ -1,6 +1,6 @@
 """What tools/gpu_full_models.py measures besides tok/s: GPU time of CUDA graph replays, the bytes a decode step
-moves (for the HBM bound), Belady's hit rate on the engine's own routing trace, and how a prefill at a budget overlaps
-its copies with its kernels."""
+moves (for the HBM bound), Belady's hit rate on the engine's own routing trace, how a prefill at a budget overlaps
+its copies with its kernels, and what `ft plan` predicts for the row."""
 
 from __future__ import annotations
 
@@ -72,6 +72,26 @@ def step_bytes(model, ex, batch: int, context: int) -> dict:
         cfg.linear_value_head_dim
     return {"dense": dense[0], "experts": experts, "kv": kv, "deltanet_state": state,
             "total": dense[0] + experts + kv + state}
+
+
+def plan_prediction(eng) -> dict | None:
+    """`ft plan`'s prediction for this engine's VRAM split (`make_plan` with the split the engine measured), from the
+    routing its cache has counted so far (what `--save-routing` keeps; the uniform prior before any) and this
+    machine's `ft bench bw` rates (defaults without a profile): to set beside the row's measured decode."""
+    from ft.runtime.plan.build import make_plan
+    from ft.runtime.plan.routing import RoutingProfile
+
+    ex = eng._experts
+    if ex is None or ex.vram_plan is None:
+        return None
+    counts, tokens = ex.cache.observed()
+    moe = list(ex.moe_layers)
+    routing = RoutingProfile("trace", "routing counted before the measured window", int(tokens[moe].max()),
+                             counts[moe].astype("int64")) if counts[moe].sum() else RoutingProfile.uniform("none yet")
+    plan = make_plan(eng._reader, eng.settings, routing, measured=ex.vram_plan)
+    p = plan.prediction
+    return {"decode_tok_s": p.decode_tok_s, "prefill_tok_s": p.prefill_tok_s, "hit_rate": p.hit_rate,
+            "rates": plan.machine.rates.source, "routing_tokens": routing.tokens}
 
 
 def belady_row(ex, window: int) -> dict:

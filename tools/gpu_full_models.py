@@ -22,7 +22,8 @@ from ft.runtime.gpu.offload_config import OffloadConfig
 from gpu_full_checks import CHUNK, agreement, engine_profile, finish, lane_agreement, profile
 from gpu_full_checks import ids as _ids
 from gpu_full_checks import prefill as _prefill
-from gpu_full_measures import belady_row, prefill_host, prefill_overlap, replay_ms, step_bytes, timed_replays
+from gpu_full_measures import (belady_row, plan_prediction, prefill_host, prefill_overlap, replay_ms, step_bytes,
+                               timed_replays)
 
 
 def decode(eng: Engine, batch: int, context: int, steps: int, warmup: int = 3) -> dict:
@@ -141,6 +142,7 @@ def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64, v
     try:
         r = decode(eng, 1, 32, steps, warmup=16)
         res["decode"] = r  # with its first tokens: lane on and off must agree
+        predicted = plan_prediction(eng)  # from the routing seen so far, before the measured window
         # steady state: the cache has seen WARM_TOKENS of routing (a server's cache outlives its requests); the
         # counters cover this window only
         ex.settle()
@@ -173,6 +175,9 @@ def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64, v
         if placement and placement.get("predicted_decode_tok_s"):
             res["placement"] = {**placement, "warm_over_predicted":
                                 res["decode_warm"]["tok_s"] / placement["predicted_decode_tok_s"]}
+        if predicted is not None:  # `ft plan`'s model for this split, whatever the engine started from
+            res["plan_prediction"] = {**predicted, "warm_over_predicted":
+                                      res["decode_warm"]["tok_s"] / predicted["decode_tok_s"]}
         if lane and stats.get("cpu_lane") and not variant:
             res["lane_agreement"] = lane_agreement(model, ex.mapped.lane)
         res["prefill_first"] = prefill(model, 4096, repeat=1)  # the process's first: Triton compiles its kernels

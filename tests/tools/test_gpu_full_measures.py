@@ -51,3 +51,29 @@ def test_prefill_host_switches_the_debug_mode_off_when_the_forward_fails(monkeyp
     with pytest.raises(RuntimeError, match="oom"):
         measures.prefill_host(model, 8)
     assert modes == ["warn", "default"] and sys.getprofile() is None  # nor is the profiler left on
+
+
+def test_plan_prediction_is_ft_plans_model_of_the_engines_split_from_the_routing_seen(ftw_for):
+    """On the GPU scheduler's CPU emulation: before any routing the uniform prior, after a request the trace's counts;
+    the numbers are `make_plan`'s for the split the engine measured (an engine without one predicts nothing)."""
+    from ft.formats import FtwReader
+    from ft.runtime.engine import Engine, EngineSettings, SamplingParams, generate
+    from ft.runtime.gpu.offload_config import OffloadConfig
+    from ft.runtime.plan.build import make_plan
+    from ft.runtime.plan.routing import RoutingProfile
+
+    src = ftw_for("qwen3_5_moe", "nvfp4")
+    settings = EngineSettings(device="cpu", vram_budget=400 << 20, max_prefill_length=8, kv_reserve_tokens=512)
+    eng = Engine(src, settings, offload=OffloadConfig(num_slots=12))  # of 32: misses, so the cache counts routing
+    try:
+        before = measures.plan_prediction(eng)
+        want = make_plan(FtwReader(src), settings, RoutingProfile.uniform("-"), measured=eng._experts.vram_plan)
+        assert before["routing_tokens"] == 0 and before["decode_tok_s"] == want.prediction.decode_tok_s
+        generate(eng, [5, 17, 3, 99, 42, 7, 11, 2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        eng._experts.settle()
+        after = measures.plan_prediction(eng)
+        assert after["routing_tokens"] > 0 and after["rates"] == want.machine.rates.source
+        assert 0 < after["hit_rate"] <= 1 and after["decode_tok_s"] > 0
+    finally:
+        eng.close()
+    assert measures.plan_prediction(types.SimpleNamespace(_experts=None)) is None
