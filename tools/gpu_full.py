@@ -4,6 +4,7 @@ bound. One command on the GPU machine (tools/gpu_run.sh runs it there):
     python tools/gpu_full.py --out DIR [--models qwen3moe-35b-geom,qwen3.6-35b-a3b,gpt-oss-20b,glm-4.5-air]
                              [--routing uniform]
                              [--stages tests,models,kernels] [--deadline-s 560] [--quick] [--budgets 8,12]
+                             [--synth-dir /dev/shm/ft]
 
 Stages (run in the order given):
   kernels  the kernel benchmarks (tools/bench_*.py): each kernel's us per call and GB/s or TFLOP/s vs the peak
@@ -13,7 +14,8 @@ Stages (run in the order given):
            aggregate, prefill of 512 / 4k / 16k tokens (4k chunks); graphed vs eager greedy tokens, fused kernels
            vs the PyTorch reference ops (max |dlogit|, also with the reference's routing forced on the fused path);
            where an engine step's time goes; with --budgets, the default scheduler at each VRAM budget (decode,
-           prefill 4k, peak device memory)
+           prefill 4k, peak device memory, `ft plan`'s prediction for the row; a `ft bench bw` profile is measured
+           first where the host has none)
 Each decode row carries its bound: bytes read per token (dense weights, routed experts' records, KV or DeltaNet state)
 over the HBM read rate measured in the same run, and the ratio to llama.cpp's number for the same placement
 (qwen3moe-35b-geom only: same geometry as llama.cpp's table).
