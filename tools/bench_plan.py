@@ -45,7 +45,7 @@ def settings(gib: float, plan: str | None = None) -> EngineSettings:
 
 
 def measure(ftw: Path, gib: float, plan: str | None, steps: int) -> dict:
-    from gpu_full_models import decode, prefill
+    from gpu_full_decode import decode, prefill
 
     eng = Engine(ftw, settings(gib, plan))
     ex = eng._experts

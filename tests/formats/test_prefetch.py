@@ -11,28 +11,21 @@ import sys
 from pathlib import Path
 
 import pytest
-from ftw_testlib import small_ftw
 
 from ft.formats import FtwReader, slots
 from ft.formats import prefetch as pf
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return small_ftw(tmp_path_factory.mktemp("base") / "m")
-
-
 @pytest.fixture()
-def ftw(base: Path, tmp_path: Path) -> Path:
-    return Path(shutil.copytree(base, tmp_path / "m"))
+def ftw(ftw_for, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(ftw_for("qwen3_moe", "nvfp4"), tmp_path / "m"))
 
 
 def _covers(ranges, path: Path, offset: int, nbytes: int) -> bool:
     return any(p == path and o <= offset and offset + nbytes <= o + n for p, o, n in ranges)
 
 
-def test_the_dense_tensors_are_read_ahead_and_no_expert_record(ftw_for, tmp_path: Path) -> None:
-    ftw = Path(shutil.copytree(ftw_for("qwen3_moe", "nvfp4"), tmp_path / "m"))
+def test_the_dense_tensors_are_read_ahead_and_no_expert_record(ftw: Path) -> None:
     slots.put_entry(ftw, "plans", "gpu.json", json.dumps({"resident": [[1, 3]]}).encode())  # a plan changes nothing
     r = FtwReader(ftw)
     got = pf.dense_ranges(ftw, gap=0)
