@@ -7,8 +7,8 @@ a cold disk is already reading while they run: the dense tensors, which a GPU lo
 most MAX_BYTES. Expert records are left to the start's own order (which plan it uses, if any, depends on the machine).
 It only asks the kernel to read ahead (posix_fadvise WILLNEED): nothing it reads is trusted or used, the reader
 verifies everything when the engine opens the FTW. It parses the index with the standard library (no torch), reads
-files named by the manifest only when they are plain names of regular files inside the directory, and gives up
-silently on anything else, as a hint should. Without posix_fadvise (not Linux) it does nothing.
+only the directory's own data files (data-NNNNN.ftd, regular files, no links), and gives up silently on anything
+else, as a hint should. Without posix_fadvise (not Linux) it does nothing.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import struct
 import threading
 from pathlib import Path
 
-from .layout import HEADER_SIZE, INDEX_NAME, MAGIC, Header
+from .layout import HEADER_SIZE, INDEX_NAME, MAGIC, Header, data_file_name
 
 log = logging.getLogger("ft.formats")
 
@@ -37,7 +37,9 @@ def dense_ranges(ftw: Path, gap: int = 1 << 20) -> list[tuple[Path, int, int]]:
             if magic != MAGIC:
                 return []
             m = json.loads(f.read(h.manifest_nbytes))
-        files = [_inside(ftw, e["name"]) for e in m["files"]]
+        files = [ftw / data_file_name(i) for i in range(len(m["files"]))]  # the names the spec gives them
+        if any(p.is_symlink() or not p.is_file() for p in files):
+            return []
         return _merged([(files[t["file"]], int(t["offset"]), int(t["nbytes"])) for t in m["tensors"]], gap)
     except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, struct.error):
         return []
@@ -71,17 +73,6 @@ def _read_ahead(ftw: Path) -> None:
     finally:
         for fd in fds.values():
             os.close(fd)
-
-
-def _inside(ftw: Path, name: str) -> Path:
-    """ftw / name for a relative name of plain components naming a regular file (no link) inside ftw."""
-    parts = Path(name).parts
-    if not parts or Path(name).is_absolute() or any(p in ("..", ".") for p in parts):
-        raise ValueError(f"not a plain name: {name!r}")
-    path = ftw.joinpath(*parts)
-    if path.is_symlink() or not path.is_file():
-        raise ValueError(f"not a regular file: {name!r}")
-    return path
 
 
 def _merged(ranges: list[tuple[Path, int, int]], gap: int) -> list[tuple[Path, int, int]]:

@@ -134,8 +134,7 @@ class CudaUploader:
     def locked_address(self, ptr: int, nbytes: int) -> int | None:
         """Host address of the page-locked view holding the same bytes as [ptr, ptr + nbytes), else None. Its pages
         stay mapped (registering faulted them in and locks them): the CPU reads records there without a page fault,
-        where a first read through the reader's own mapping faults each 4 KiB page in (435 faults a geom record; the
-        likely cause of run 56's host taking ~2.6 ms a CPU-lane job, not yet confirmed)."""
+        where a first read through the reader's own mapping faults each 4 KiB page in (435 faults a geom record)."""
         view = self._pinned(ptr, nbytes)
         return None if view is None else view.data_ptr()
 
