@@ -3,12 +3,14 @@
     start_prefetch(ftw_dir)   # returns at once; a daemon thread asks the kernel to read ahead
 
 `ft serve` / `ft generate` call it before their heavy imports (torch, Triton, the server: seconds on a GPU host), so
-a cold disk is already reading while they run: the dense tensors, which a GPU load copies whole, in file order, at
-most MAX_BYTES. Expert records are left to the start's own order (which plan it uses, if any, depends on the machine).
-It only asks the kernel to read ahead (posix_fadvise WILLNEED): nothing it reads is trusted or used, the reader
-verifies everything when the engine opens the FTW. It parses the index with the standard library (no torch), reads
-only the directory's own data files (data-NNNNN.ftd, regular files, no links), and gives up silently on anything
-else, as a hint should. Without posix_fadvise (not Linux) it does nothing.
+a cold disk is already reading while they run: first the dense tensors, which a load copies whole, in file order (at
+most MAX_BYTES), then the expert banks in the manifest's (layer) order, the order a GPU start page-locks them in, up
+to half of the available memory, the page-locking's own default allowance (a cold start reads all of those before it
+is ready anyway; starting seconds earlier is what it gains). It only asks the kernel to read ahead (posix_fadvise
+WILLNEED): nothing it reads is trusted or used, the reader verifies everything when the engine opens the FTW. It
+parses the index with the standard library (no torch), reads only the directory's own data files (data-NNNNN.ftd,
+regular files, no links), and gives up silently on anything else, as a hint should. Without posix_fadvise (not
+Linux) it does nothing.
 """
 
 from __future__ import annotations
@@ -28,26 +30,44 @@ MAX_BYTES = 8 << 30  # read ahead no more than this
 WILLNEED = getattr(os, "POSIX_FADV_WILLNEED", None)
 
 
-def dense_ranges(ftw: Path, gap: int = 1 << 20) -> list[tuple[Path, int, int]]:
-    """(file, offset, nbytes) of the dense tensors in file order, ranges less than `gap` apart merged (the alignment
-    padding between tensors costs less to read than another request); [] if the index does not parse."""
+Ranges = list[tuple[Path, int, int]]  # (data file, offset, nbytes)
+
+
+def read_ahead_ranges(ftw: Path, gap: int = 1 << 20) -> tuple[Ranges, Ranges]:
+    """(dense, banks): the dense tensors in file order, ranges less than `gap` apart merged (the alignment padding
+    between tensors costs less to read than another request), and the expert banks in manifest order (a bank is one
+    contiguous range); ([], []) if the index does not parse."""
     try:
         with open(ftw / INDEX_NAME, "rb") as f:
             magic, h = Header.unpack(f.read(HEADER_SIZE))
             if magic != MAGIC:
-                return []
+                return [], []
             m = json.loads(f.read(h.manifest_nbytes))
         files = [ftw / data_file_name(i) for i in range(len(m["files"]))]  # the names the spec gives them
         if any(p.is_symlink() or not p.is_file() for p in files):
-            return []
-        return _merged([(files[t["file"]], int(t["offset"]), int(t["nbytes"])) for t in m["tensors"]], gap)
+            return [], []
+        dense = _merged([(files[t["file"]], int(t["offset"]), int(t["nbytes"])) for t in m["tensors"]], gap)
+        banks = [(files[b["file"]], int(b["offset"]), int(b["num_experts"]) * int(b["stride"]))
+                 for b in m["expert_banks"]]
+        return dense, banks
     except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError, struct.error):
-        return []
+        return [], []
+
+
+def bank_allowance() -> int:
+    """Half of MemAvailable (the page-locking's default allowance); 0 where /proc/meminfo says nothing."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024 // 2
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
 def start_prefetch(ftw: str | Path) -> threading.Thread | None:
-    """Start the read-ahead of `dense_ranges(ftw)` on a daemon thread (module docstring); None where there is nothing
-    to do (no posix_fadvise, no such directory)."""
+    """Start the read-ahead of `read_ahead_ranges(ftw)` on a daemon thread (module docstring); None where there is
+    nothing to do (no posix_fadvise, no such directory)."""
     ftw = Path(ftw)
     if WILLNEED is None or not ftw.is_dir():
         return None
@@ -57,17 +77,18 @@ def start_prefetch(ftw: str | Path) -> threading.Thread | None:
 
 
 def _read_ahead(ftw: Path) -> None:
-    left = MAX_BYTES
     fds: dict[Path, int] = {}
+    dense, banks = read_ahead_ranges(ftw)
     try:
-        for path, offset, nbytes in dense_ranges(ftw):
-            if left <= 0:
-                break
-            if path not in fds:
-                fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-            n = min(nbytes, left)
-            os.posix_fadvise(fds[path], offset, n, WILLNEED)
-            left -= n
+        for ranges, cap in ((dense, MAX_BYTES), (banks, bank_allowance())):
+            for path, offset, nbytes in ranges:
+                if cap <= 0:
+                    break
+                if path not in fds:
+                    fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+                n = min(nbytes, cap)
+                os.posix_fadvise(fds[path], offset, n, WILLNEED)  # queues the reads; blocks only while they queue
+                cap -= n
     except OSError as e:
         log.debug("prefetch of %s stopped: %s", ftw, e)
     finally:
@@ -75,9 +96,9 @@ def _read_ahead(ftw: Path) -> None:
             os.close(fd)
 
 
-def _merged(ranges: list[tuple[Path, int, int]], gap: int) -> list[tuple[Path, int, int]]:
+def _merged(ranges: Ranges, gap: int) -> Ranges:
     """Sorted by (file, offset), ranges of one file at most `gap` apart joined."""
-    out: list[tuple[Path, int, int]] = []
+    out: Ranges = []
     for path, offset, nbytes in sorted(ranges, key=lambda r: (str(r[0]), r[1])):
         if out and out[-1][0] == path and offset <= out[-1][1] + out[-1][2] + gap:
             p, o, n = out[-1]

@@ -11,9 +11,9 @@ after a few chunks and non-streaming requests cancelled mid-flight (random disco
 JSON, wrong types, an unknown model, a lone surrogate, a body over --max-request-bytes, a prompt past the context)
 that must get a 4xx, extra unknown fields (accepted by design), and the operations routes. A server error is a 5xx,
 an error event or a missing end inside a 200 stream, a connection error or timeout the client did not cause. The
-server's RSS is sampled every 10 s (and, on CUDA, its device memory as nvidia-smi shows it). `--ftw`: serve that
-model instead (e.g. a full-size one on the GPU machine) with a 4,096-token KV budget, so that the overflow requests
-still overflow. At the end /health must answer 200, no request may be left running, and SIGINT
+server's RSS and RssAnon are sampled every 10 s (and, on CUDA, its device memory as nvidia-smi shows it). `--ftw`:
+serve that model instead (e.g. a full-size one on the GPU machine) with a 4,096-token KV budget, so that the overflow
+requests still overflow. At the end /health must answer 200, no request may be left running, and SIGINT
 must stop the server cleanly: status 130 (uvicorn re-raises the signal after its graceful shutdown, typer turns the
 KeyboardInterrupt into 128 + SIGINT) or 0, "Application shutdown complete" and no traceback in its log. Writes
 DIR/campaign_soak.json; exits 1 on any failure.
@@ -57,11 +57,15 @@ async def chunks(data: bytes, size: int = 1 << 20) -> AsyncIterator[bytes]:
         yield data[i:i + size]
 
 
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for pid {pid}")
+def rss_mib(pid: int) -> tuple[float, float]:
+    """(VmRSS, RssAnon) of `pid` in MiB. RSS also counts the FTW's mapped file pages a server touches (its expert
+    banks, page-locked or read by the CPU), which grow as routing reaches more experts and are the page cache's, not
+    a leak; RssAnon is the process's own memory, the part a leak grows."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    try:
+        return int(fields["VmRSS"].split()[0]) / 1024, int(fields["RssAnon"].split()[0]) / 1024
+    except KeyError as e:
+        raise RuntimeError(f"no {e} in /proc/{pid}/status") from None
 
 
 def vram_mib(pid: int) -> float | None:
@@ -177,8 +181,8 @@ class Soak:
         elif kind == "oversized":  # with a Content-Length (refused up front) or chunked (refused at the limit)
             raw = chunks(self.oversized) if rng.random() < 0.5 else self.oversized
             r = await c.post(self.url + "/v1/completions", content=raw, headers=JSON)
-        else:  # context_overflow: ~5,200 tokens against the 4,096-token context, or ~14,000 against the KV budget
-            prompt = "ab " * rng.choice([2600, 7000])
+        else:  # context_overflow: 5,201 or 14,001 tokens (" ab" is one token) against the 4,096-token KV budget
+            prompt = "ab " * rng.choice([5200, 14000])
             r = await (self.post(c, "/v1/completions", {"prompt": prompt, "max_tokens": 8}) if rng.random() < 0.5
                        else self.post(c, path, {**body, "messages": [{"role": "user", "content": prompt}]}))
         self.answer(kind, r.status_code, r.text)
@@ -203,7 +207,7 @@ class Soak:
 async def sample_rss(pid: int, stop: float, samples: list, vram: list | None) -> None:
     t0 = time.monotonic()
     while True:
-        samples.append([round(time.monotonic() - t0), round(rss_mib(pid), 1)])
+        samples.append([round(time.monotonic() - t0), *(round(m, 1) for m in rss_mib(pid))])
         if vram is not None:
             vram.append([samples[-1][0], vram_mib(pid)])
         if time.monotonic() >= stop:
@@ -252,7 +256,7 @@ def main() -> int:
             t = time.perf_counter()
             asyncio.run(run())
             seconds = time.perf_counter() - t
-            rss.append([round(seconds), round(rss_mib(server.pid), 1)])  # after the last requests finished
+            rss.append([round(seconds), *(round(m, 1) for m in rss_mib(server.pid))])  # after the last requests
             time.sleep(2)  # let the engine retire aborted requests before the leak check
             health = httpx.get(url + "/health", timeout=10).status_code
             stats = httpx.get(url + "/v1/stats", timeout=10).json()
@@ -266,8 +270,8 @@ def main() -> int:
     served = (args.out / "serve.log").read_text(errors="replace")
     shutdown = {"exit_code": exit_code, "clean": "Application shutdown complete" in served,
                 "tracebacks_in_log": served.count("Traceback")}
-    warm = next((mib for t_s, mib in rss if t_s >= 60), rss[-1][1])  # the first sample after a 60 s warm-up
-    end = rss[-1][1]
+    warm = next((row for row in rss if row[0] >= 60), rss[-1])  # the first sample after a 60 s warm-up
+    end = rss[-1]
     leftover = {"active": stats["requests"]["active"], "running": stats["scheduler"]["running"],
                 "waiting": stats["scheduler"]["waiting"]}
     kinds = {k: dict(sorted(soak.counts[k].items())) for k in KINDS}
@@ -280,8 +284,11 @@ def main() -> int:
               "minutes": args.minutes, "clients": args.clients, "seed": args.seed, "seconds": round(seconds, 1),
               "requests_total": total, "kinds": kinds, "server_errors": soak.n_errors, "errors": soak.errors,
               "busy_429_529": busy, "unexpected": sum(c["unexpected"] for c in soak.counts.values()),
-              "rss_mib": {"first": rss[0][1], "after_warmup": warm, "end": end, "drift": round(end - warm, 1),
-                          "max": max(m for _, m in rss), "samples": rss},
+              "rss_mib": {"first": rss[0][1], "after_warmup": warm[1], "end": end[1],
+                          "drift": round(end[1] - warm[1], 1), "max": max(row[1] for row in rss),
+                          "samples": rss},  # [s, RSS, RssAnon]
+              "anon_mib": {"after_warmup": warm[2], "end": end[2], "drift": round(end[2] - warm[2], 1),
+                           "max": max(row[2] for row in rss)},
               "vram_mib": None if vram is None else {"after_warmup": next((m for t_s, m in vram if t_s >= 60),
                                                                           vram[-1][1]),
                                                      "end": vram[-1][1], "max": max((m or 0) for _, m in vram),
@@ -293,7 +300,8 @@ def main() -> int:
         print(f"{k:17} {c.get('requests', 0):6}  {({s: n for s, n in c.items() if s != 'requests'})}")
     rss_summary = {k: v for k, v in result["rss_mib"].items() if k != "samples"}
     print({k: result[k] for k in ("requests_total", "server_errors", "busy_429_529", "unexpected", "final_health",
-                                  "left_running", "shutdown")}, "RSS MiB", rss_summary)
+                                  "left_running", "shutdown")}, "RSS MiB", rss_summary,
+          "RssAnon MiB", result["anon_mib"])
     ok = (soak.n_errors == 0 and health == 200 and not any(leftover.values()) and exit_code in (0, 130)
           and shutdown["clean"] and not shutdown["tracebacks_in_log"])
     return 0 if ok else 1

@@ -4,7 +4,7 @@ bound. One command on the GPU machine (tools/gpu_run.sh runs it there):
     python tools/gpu_full.py --out DIR [--models qwen3moe-35b-geom,qwen3.6-35b-a3b,gpt-oss-20b,glm-4.5-air]
                              [--routing uniform]
                              [--stages tests,models,kernels] [--deadline-s 560] [--quick] [--budgets 8,12]
-                             [--synth-dir /dev/shm/ft]
+                             [--synth-dir /dev/shm/ft] [--context 8192 --prefill-chunk 4096]
 
 Stages (run in the order given):
   kernels  the kernel benchmarks (tools/bench_*.py): each kernel's us per call and GB/s or TFLOP/s vs the peak
@@ -42,6 +42,7 @@ ARCH = {"qwen3moe-35b-geom": "qwen3_moe", "qwen3.6-35b-a3b": "qwen3_5_moe", "gpt
         "glm-4.5-air": "glm4_moe"}  # glm-4.5-air: ~62 GB synthesized + ~62 GB compiled: --synth-dir /dev/shm/ft
 # the experts' format of each synthetic checkpoint: NVFP4 (ModelOpt), or the release's MXFP4 for gpt-oss
 QUANT = {"gpt_oss": "mxfp4"}
+ROUTING_ONLY = {"gpt_oss": "uniform"}  # fused 3-D experts on disk: `ft synth` cannot skew their routing
 # llama.cpp on the same H200, same geometry (qwen3moe, Q4_0 experts), all experts on the GPU:
 # tg128, pp512, pp4096 (-ub 4096); the project's peer reference, table "llama.cpp on our GPU test machine"
 LLAMA_CPP = {"decode_b1": 360.0, "prefill_512": 7443.0, "prefill_4096": 11924.0,
@@ -160,6 +161,7 @@ def build(work: Path, preset: str, routing: str, synth_dir: Path | None = None) 
     from ft.compiler import compile_checkpoint
     from ft.compiler.synth import synth
 
+    routing = ROUTING_ONLY.get(ARCH[preset], routing)
     ftw, hf = work / f"{preset}-{routing}.ftw", (synth_dir or work) / f"{preset}-{routing}-hf"
     if ftw.is_dir() and any(ftw.iterdir()):
         return ftw
@@ -195,6 +197,8 @@ def main() -> None:
     ap.add_argument("--after", default="", help=f"models: after each model's rows, these tools on its FTW, in order "
                                                 f"({', '.join(AFTER)}; tool@model: after that model only), each into "
                                                 f"<out>/<tool>-<model>/")
+    ap.add_argument("--context", type=int, default=8192, help="the long-context decode row's context (KV reserved)")
+    ap.add_argument("--prefill-chunk", type=int, default=4096, help="the engines' and prefill forwards' chunk")
     ap.add_argument("--variants", default="",
                     help="each budget also with these scheduler options, after the default: ';'-separated variants of "
                          "','-separated OffloadConfig fields, e.g. 'cpu_lane=False;admit_margin=2.0'")
@@ -204,8 +208,12 @@ def main() -> None:
     if args.synth_dir is not None:
         args.synth_dir.mkdir(parents=True, exist_ok=True)
     stages = args.stages.split(",")
+    from gpu_full_decode import set_sizes
+
+    set_sizes(args.context, args.prefill_chunk)
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
-                 "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "host": host_cpu()}
+                 "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "host": host_cpu(),
+                 "context": args.context, "prefill_chunk": args.prefill_chunk}
     import triton
 
     res["triton"] = triton.__version__
@@ -248,6 +256,7 @@ def main() -> None:
                                                         budgets=tuple(float(b) for b in args.budgets.split(",") if b),
                                                         resident=not args.skip_resident, traces=args.out,
                                                         variants=parse_variants(args.variants))
+                    res["models"][preset]["routing"] = ROUTING_ONLY.get(ARCH[preset], args.routing)
                 except Exception:  # noqa: BLE001 - the next model and stage still run
                     res["models"][preset] = {"error": traceback.format_exc()[-3000:]}
                     log(f"{preset} failed:\n{res['models'][preset]['error']}")

@@ -9,12 +9,21 @@ import time
 import torch
 
 from ft.runtime.engine import Engine, EngineSettings, SamplingParams
-from gpu_full_checks import CHUNK, finish
+import gpu_full_checks
+from gpu_full_checks import finish
 from gpu_full_checks import ids as _ids
 from gpu_full_checks import prefill as _prefill
 from gpu_full_measures import replay_ms, timed_replays
 
 CONTEXT_LONG = 8192  # the issue's long-context decode row (the engines reserve KV for it)
+
+
+def set_sizes(context: int, chunk: int) -> None:
+    """The long-context decode row's context (the KV every engine reserves) and the prefill chunk (the engines' and
+    the prefill forwards'): smaller for a model whose dense weights leave a small budget little room (`--context`)."""
+    global CONTEXT_LONG
+    CONTEXT_LONG = context
+    gpu_full_checks.CHUNK = chunk
 
 
 def decode(eng: Engine, batch: int, context: int, steps: int, warmup: int = 3) -> dict:
@@ -81,7 +90,8 @@ def pdl_ab(eng: Engine) -> dict:
 
 
 def engine(ftw, *, vram_budget: int | None = None, offload=None, dense_weights: str = "auto") -> Engine:
-    return Engine(ftw, EngineSettings(device="cuda", kv_reserve_tokens=CONTEXT_LONG + 256, max_prefill_length=4096,
+    return Engine(ftw, EngineSettings(device="cuda", kv_reserve_tokens=CONTEXT_LONG + 256,
+                                      max_prefill_length=gpu_full_checks.CHUNK,
                                       max_running_requests=8, vram_budget=vram_budget, dense_weights=dense_weights),
                   offload=offload)
 
@@ -99,4 +109,4 @@ def prefill(model, tokens: int, repeat: int = 2) -> dict:
         dt = time.perf_counter() - t
         st.free()
         best = dt if best is None else min(best, dt)
-    return {"tokens": tokens, "chunk": CHUNK, "seconds": best, "tok_s": tokens / best}
+    return {"tokens": tokens, "chunk": gpu_full_checks.CHUNK, "seconds": best, "tok_s": tokens / best}

@@ -19,7 +19,8 @@ import torch
 
 from ft.runtime.gpu.offload_config import OffloadConfig
 from gpu_full_checks import agreement, engine_profile, lane_agreement, profile
-from gpu_full_decode import CONTEXT_LONG, decode, engine, pdl_ab, prefill
+import gpu_full_decode
+from gpu_full_decode import decode, engine, pdl_ab, prefill
 from gpu_full_measures import belady_row, plan_prediction, prefill_host, prefill_overlap, replay_ms, step_bytes
 
 WARM_TOKENS = 256  # decoded before the steady-state window of a budget row
@@ -78,7 +79,8 @@ def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64, v
         res["bytes_per_token"] = {k: res["moe"][c] / tokens for k, c in
                                   (("gpu_mapped", "bytes_mapped"), ("cpu", "bytes_cpu"), ("uploads", "bytes_h2d"))}
         res["engine_profile"] = engine_profile(eng, 1, steps=16)
-        res["decode_8k"] = decode(eng, 1, CONTEXT_LONG, steps, warmup=16)  # attention over the KV the plan sized
+        # attention over the KV the plan sized
+        res["decode_8k"] = decode(eng, 1, gpu_full_decode.CONTEXT_LONG, steps, warmup=16)
         engine_stats = eng.stats()
         res["cuda_graphs"] = engine_stats.get("cuda_graphs")
         placement = engine_stats.get("plan")  # the placement it started from (the FTW's or planned at start)
@@ -115,7 +117,7 @@ def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64, v
         res["peak_device_gib"] = res["peak_reserved_gib"] + res.get("outside_allocator_gib", res["context_gib"])
     bpt = {k: round(v / 1e6, 1) for k, v in res.get("bytes_per_token", {}).items()}
     log(f"budget {gib:g} GiB ({res['mode']}, {variant or 'default'}): decode {res['decode']['tok_s']:.1f} "
-        f"tok/s (after {WARM_TOKENS} tokens: {res['decode_warm']['tok_s']:.1f}; at {CONTEXT_LONG}: "
+        f"tok/s (after {WARM_TOKENS} tokens: {res['decode_warm']['tok_s']:.1f}; at {gpu_full_decode.CONTEXT_LONG}: "
         f"{res['decode_8k']['tok_s']:.1f}), MB/token {bpt}, prefill 4096 "
         f"{res['prefill']['tok_s']:.0f} tok/s (first "
         f"{res['prefill_first']['tok_s']:.0f}; copies {res.get('prefill_overlap', {}).get('copy_ms')} ms, under "
@@ -159,7 +161,7 @@ def bench_resident(ftw, preset: str, *, hbm_gbs: float, log, llama: dict | None,
                  "vram_gib": torch.cuda.memory_allocated() / (1 << 30)}
     log(f"{preset}: loaded in {res['load_s']:.1f} s (graphs {res['graphs']})")
     rows = []
-    for batch, context, steps in ((1, 32, 128), (1, CONTEXT_LONG, 64), (4, 32, 64), (8, 32, 64)):
+    for batch, context, steps in ((1, 32, 128), (1, gpu_full_decode.CONTEXT_LONG, 64), (4, 32, 64), (8, 32, 64)):
         if time.perf_counter() > deadline - 40:
             break
         try:

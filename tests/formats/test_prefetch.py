@@ -1,5 +1,6 @@
-"""ft.formats.prefetch: what a start asks the kernel to read ahead (the dense tensors), that it stays inside the FTW,
-and that the commands that call it import no torch before it runs."""
+"""ft.formats.prefetch: what a start asks the kernel to read ahead (the dense tensors, then the expert banks up to
+the page-locking's allowance), that it stays inside the FTW, and that the commands that call it import no torch
+before it runs."""
 
 from __future__ import annotations
 
@@ -25,17 +26,19 @@ def _covers(ranges, path: Path, offset: int, nbytes: int) -> bool:
     return any(p == path and o <= offset and offset + nbytes <= o + n for p, o, n in ranges)
 
 
-def test_the_dense_tensors_are_read_ahead_and_no_expert_record(ftw: Path) -> None:
+def test_the_dense_tensors_come_first_then_every_bank_in_layer_order(ftw: Path) -> None:
     slots.put_entry(ftw, "plans", "gpu.json", json.dumps({"resident": [[1, 3]]}).encode())  # a plan changes nothing
     r = FtwReader(ftw)
-    got = pf.dense_ranges(ftw, gap=0)
+    got, banks = pf.read_ahead_ranges(ftw, gap=0)
     data = lambda i: ftw / r.records.files[i].name  # noqa: E731
     assert all(_covers(got, data(t.file), t.offset, t.nbytes) for t in r.records.tensors.values())
     assert [o for _, o, _ in got] == sorted(o for _, o, _ in got)  # file order
     for bank in r.records.banks.values():
         assert not any(p == data(bank.file) and o < bank.offset + bank.nbytes and bank.offset < o + n
                        for p, o, n in got)
-    assert len(pf.dense_ranges(ftw)) < len(got)  # tensors a little apart are read as one range
+    assert len(pf.read_ahead_ranges(ftw)[0]) < len(got)  # tensors a little apart are read as one range
+    by_layer = sorted(r.records.banks.values(), key=lambda b: int(b.name.split(".")[1]))  # model.layers.N.mlp...
+    assert banks == [(data(b.file), b.offset, b.nbytes) for b in by_layer] and len(banks) > 1
 
 
 def test_read_ahead_asks_the_kernel_for_those_ranges_and_nothing_outside(ftw: Path, monkeypatch) -> None:
@@ -44,13 +47,25 @@ def test_read_ahead_asks_the_kernel_for_those_ranges_and_nothing_outside(ftw: Pa
     asked = []
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: asked.append((os.readlink(
         f"/proc/self/fd/{fd}"), off, n, advice)))
+    monkeypatch.setattr(pf, "bank_allowance", lambda: 1 << 40)
     pf.start_prefetch(ftw).join()
-    want = [(str(p.resolve()), o, n, pf.WILLNEED) for p, o, n in pf.dense_ranges(ftw)]
+    dense, banks = pf.read_ahead_ranges(ftw)
+    want = [(str(p.resolve()), o, n, pf.WILLNEED) for p, o, n in dense + banks]
     assert asked == want and asked
-    monkeypatch.setattr(pf, "MAX_BYTES", 100)  # the cap holds
+    first_bank = banks[0][2]
+    monkeypatch.setattr(pf, "MAX_BYTES", 100)  # both caps hold: 100 bytes of dense, then banks up to the allowance
+    monkeypatch.setattr(pf, "bank_allowance", lambda: first_bank + 7)
     asked.clear()
     pf.start_prefetch(ftw).join()
-    assert sum(n for _, _, n, _ in asked) == 100
+    assert [n for _, _, n, _ in asked] == [100, first_bank, 7]
+
+
+def test_the_bank_allowance_is_half_of_the_available_memory() -> None:
+    if not Path("/proc/meminfo").exists():
+        pytest.skip("no /proc/meminfo here")
+    avail = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
+                 if line.startswith("MemAvailable:")) * 1024
+    assert abs(pf.bank_allowance() - avail // 2) < 256 << 20  # MemAvailable moves a little between the two reads
 
 
 def test_a_hostile_or_broken_ftw_is_not_read_ahead(ftw: Path, tmp_path: Path) -> None:
@@ -59,9 +74,9 @@ def test_a_hostile_or_broken_ftw_is_not_read_ahead(ftw: Path, tmp_path: Path) ->
     outside.write_bytes(data.read_bytes())
     data.unlink()
     data.symlink_to(outside)  # a data file that is a link out of the FTW
-    assert pf.dense_ranges(ftw) == []
+    assert pf.read_ahead_ranges(ftw) == ([], [])
     (ftw / "model.ftw").write_bytes(b"not an index")
-    assert pf.dense_ranges(ftw) == []
+    assert pf.read_ahead_ranges(ftw) == ([], [])
     assert pf.start_prefetch(tmp_path / "missing") is None
 
 
