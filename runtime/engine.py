@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 import logging
 from typing import Any
@@ -69,13 +70,15 @@ class Engine(Scheduling, DecodeInFlight):
         s = self.settings = settings or EngineSettings()
         t0 = time.perf_counter()
         reader = ftw_dir if isinstance(ftw_dir, FtwReader) else FtwReader(Path(ftw_dir))
-        self.model, experts, self.kernels = load_for_engine(reader, s, experts=experts, offload=offload)
+        with ThreadPoolExecutor(1, thread_name_prefix="ft-tokenizer") as pool:
+            tokenizer = pool.submit(Tokenizer.from_reader, reader)  # parsed while the weights load (I/O, copies)
+            self.model, experts, self.kernels = load_for_engine(reader, s, experts=experts, offload=offload)
+            t1 = time.perf_counter()
+            self.tokenizer = tokenizer.result()
         self._experts = experts  # None = the model's CPU experts
         self.config = self.model.config
-        t1 = time.perf_counter()
-        self.tokenizer = Tokenizer.from_reader(reader)
-        # seconds of each start-up phase (stats()["startup"]; the server logs them): model and experts, tokenizer,
-        # then `warm_up`'s steps
+        # seconds of each start-up phase (stats()["startup"]; the server logs them): model and experts, the wait for
+        # the tokenizer after them, then `warm_up`'s steps
         self.startup: dict = {"load_s": round(t1 - t0, 3), "tokenizer_s": round(time.perf_counter() - t1, 3)}
         self.generation_config: dict = dict(reader.generation)  # generation_config.json defaults
         self.model_name = Path(reader.path).name.removesuffix(".ftw")  # the directory the user named

@@ -37,9 +37,10 @@ def load_engine(settings: ServeSettings) -> Any:
     loaded = time.perf_counter()
     engine.warm_up()  # before ready: the first request pays no start-up costs
     up = engine.startup
-    log.info("engine loaded in %.1f s (model and experts %.1f, tokenizer %.1f), warmed up in %.2f s (steps %s s) "
-             "(device %s, KV budget %d tokens)", loaded - t0, up["load_s"], up["tokenizer_s"],
-             time.perf_counter() - loaded, up.get("warm_up_steps_s"), settings.engine.device, engine.kv.total)
+    log.info("engine loaded in %.1f s (model and experts %.1f, the tokenizer, parsed beside them, %.1f more), "
+             "warmed up in %.2f s (steps %s s) (device %s, KV budget %d tokens)", loaded - t0, up["load_s"],
+             up["tokenizer_s"], time.perf_counter() - loaded, up.get("warm_up_steps_s"), settings.engine.device,
+             engine.kv.total)
     return engine
 
 

@@ -46,3 +46,36 @@ def test_the_server_warms_the_engine_up_before_it_is_ready(ftw_for, monkeypatch)
     engine = server_app.load_engine(ServeSettings(ftw=ftw_for("qwen3_moe", "none"), engine=EngineSettings()))
     assert calls == [engine]
     engine.close()
+
+
+def test_the_tokenizer_is_parsed_while_the_weights_load_and_its_errors_still_surface(ftw_for, monkeypatch):
+    import threading
+
+    import ft.runtime.engine as engine_mod
+    from ft.runtime.tokenizer import Tokenizer
+
+    ftw = ftw_for("qwen3_moe", "none")
+    both = threading.Barrier(2, timeout=10)  # passes only if the two loads are under way at the same time
+    real_load, real_tok = engine_mod.load_for_engine, Tokenizer.from_reader
+
+    def load(*a, **k):
+        both.wait()
+        return real_load(*a, **k)
+
+    def tokenizer(reader):
+        both.wait()
+        return real_tok(reader)
+
+    monkeypatch.setattr(engine_mod, "load_for_engine", load)
+    monkeypatch.setattr(Tokenizer, "from_reader", staticmethod(tokenizer))
+    eng = Engine(ftw, EngineSettings(kv_reserve_tokens=256))
+    assert eng.tokenizer.encode("hello") and generate(eng, PROMPT, GREEDY).token_ids
+    eng.close()
+
+    def broken(reader):
+        raise ValueError("FTW manifest.tokenizer has no 'file'")
+
+    monkeypatch.setattr(engine_mod, "load_for_engine", real_load)
+    monkeypatch.setattr(Tokenizer, "from_reader", staticmethod(broken))
+    with pytest.raises(ValueError, match="tokenizer has no 'file'"):
+        Engine(ftw, EngineSettings(kv_reserve_tokens=256))
