@@ -7,8 +7,10 @@ greedily for --tokens tokens after a random 32-token prompt by the engine with t
 emulation (mode mapped, slots for the shares of all experts given by --slots, the routing trace kept). On the steps
 after the first third (earlier ones warm the cache), per slot share:
   belady   Belady's MIN with bypass: knows every future step (`tools/belady.py`)
-  static   the best fixed set of experts for those steps (`belady.static_oracle`): the optimal online policy when
-           routing is drawn independently step after step from fixed popularities, as a synthetic model's is
+  static   the best fixed set of experts for those steps, chosen with their own counts (`belady.static_oracle`):
+           near what an online policy can reach when routing is drawn independently step after step from fixed
+           popularities, as a synthetic model's is, though above it by the counts' sampling noise
+           (`belady.static_from_history` chooses from earlier steps only: benchmarks/admission.md)
   mapped   the engine's own admission replayed on the trace (`belady.replay_mapped`) at several admit_max /
            admit_margin settings, the first being the default; and the engine's measured hit rate (same as its replay)
 Writes OUT/admission.md (a section per run, newest first) and OUT/admission.json.

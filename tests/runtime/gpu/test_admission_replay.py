@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from belady import belady, load_trace, replay_mapped, save_trace, static_oracle  # tools/ (put on the path by conftest)
+from belady import (belady, load_trace, replay_mapped, save_trace,  # tools/ (put on the path by conftest)
+                    static_from_history, static_oracle)
 from ft.formats import FtwReader
 from ft.runtime.gpu.offload_config import OffloadConfig
 from ft.runtime.gpu.store import GpuExperts
@@ -48,3 +49,13 @@ def test_static_oracle_holds_the_most_routed_experts():
     # flat ids (layer * 4 + expert): 1 three times, 2 twice, 5 and 3 once: two slots hold 1 and 2
     assert static_oracle(trace, 4, 2) == {"accesses": 7, "hits": 5, "misses": 2, "admitted": 2}
     assert static_oracle(trace, 4, 1, count_from=2)["hits"] == 2  # steps 2 and 3 only: expert 1 of layer 0
+
+
+def test_the_history_set_is_chosen_before_the_counted_steps_and_scored_on_them():
+    import numpy as np
+
+    trace = [(0, np.array([1, 2])), (0, np.array([1])), (0, np.array([2, 3])), (0, np.array([3])), (0, np.array([3]))]
+    # before step 2: expert 1 twice, 2 once -> one slot holds 1, which steps 2-4 never route (static_oracle: 3)
+    assert static_from_history(trace, 4, 1, count_from=2) == {"accesses": 4, "hits": 0, "misses": 4, "admitted": 1}
+    assert static_oracle(trace, 4, 1, count_from=2)["hits"] == 3
+    assert static_from_history(trace, 4, 2, count_from=2)["hits"] == 1  # 1 and 2 held: step 2's expert 2
