@@ -32,3 +32,19 @@ def test_rows_give_the_ratio_and_leave_rows_without_a_replay_unbounded():
     measured, failed = decode_bound.rows(run, miss_gbs=10.0)
     assert measured["of_bound"] == pytest.approx(100.0 * 1.206e-3)
     assert failed["bound_tok_s"] is None and failed["of_bound"] is None and failed["tok_s"] is None
+
+
+def test_geom_rows_are_divided_by_llama_cpp_at_the_placement_that_fits_their_budget():
+    entry = {"run": 68, "benches": [
+        {"n_cpu_moe": 24, "tests": [{"test": "tg128", "avg_ts": 50.0}, {"test": "pp4096", "avg_ts": 1000.0}]},
+        {"n_cpu_moe": 14, "tests": [{"test": "tg128", "avg_ts": 80.0}]}]}
+    llama = decode_bound.llama_rates(entry)
+    assert llama == {24: {"tg128": 50.0, "pp4096": 1000.0}, 14: {"tg128": 80.0}}
+    twelve = {**_row(0.75, tok_s=120.0), "budget_gib": 12.0}
+    run = {"hbm_read_gbs": 1000.0, "models": {
+        "qwen3moe-35b-geom": {"budgets": [{**_row(0.75), "prefill": {"tok_s": 1500.0}}, twelve]},
+        "other": {"budgets": [_row(0.75)]}}}
+    eight, twelve, other = decode_bound.rows(run, miss_gbs=10.0, llama=llama)
+    assert eight["vs_llama"] == pytest.approx(2.0) and eight["prefill_vs_llama"] == pytest.approx(1.5)
+    assert twelve["vs_llama"] == pytest.approx(1.5) and twelve["prefill_vs_llama"] is None  # no pp4096 at -ncmoe 14
+    assert other["vs_llama"] is None  # llama.cpp ran geom's geometry only
