@@ -105,7 +105,7 @@ def static_oracle(trace: Trace, num_experts: int, num_slots: int, *, count_from:
     routing drawn independently step after step from fixed popularities (the independent reference model, which
     synthetic checkpoints' routing follows), holding the most popular experts is the optimal online policy; chosen
     with the counted steps' own counts, this set also fits their sampling noise, so it lies above what an online
-    cache reaches (`static_from_history`), which in turn is far above Belady, who also knows the order of the draws."""
+    cache reaches (`static_from_history`); Belady, who also knows the order of the draws, lies above both."""
     ids, steps = flatten(trace[count_from:], num_experts)
     counts = np.bincount(ids, minlength=1) if len(ids) else np.zeros(1, np.int64)
     hits = int(np.sort(counts)[::-1][:num_slots].sum())
