@@ -15,6 +15,8 @@ The order matters only in the last bit of fp32 for arbitrary scales; every consu
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 BLOCK = 16  # elements per e4m3 block scale
@@ -27,8 +29,13 @@ E2M1_LUT = torch.tensor(
 )
 # value pair of each packed byte 0..255: [low nibble (even element), high nibble (odd element)]
 _PAIR_LUT = torch.stack([E2M1_LUT.repeat(16), E2M1_LUT.repeat_interleave(16)], dim=1)  # [256, 2]
-_PAIR_LUT_ON: dict[torch.device, torch.Tensor] = {}  # its copy per device: a copy per call is a pageable H2D, which
-# blocks the host until the GPU has drained its queue (a prefill dequantizing 5 projections a layer stalled 200 times)
+
+
+@functools.cache
+def _pair_lut(device: torch.device) -> torch.Tensor:
+    """_PAIR_LUT on `device`, copied once: a copy per call is a pageable H2D, which blocks the host until the GPU has
+    drained its queue (a prefill dequantizing 5 projections a layer stalled 200 times)."""
+    return _PAIR_LUT.to(device)
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -49,10 +56,7 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 
 def e2m1_values(packed: torch.Tensor) -> torch.Tensor:
     """packed uint8 [..., n/2] -> float32 E2M1 values [..., n] (one gather through the 256-entry pair table)."""
-    lut = _PAIR_LUT_ON.get(packed.device)
-    if lut is None:
-        lut = _PAIR_LUT_ON.setdefault(packed.device, _PAIR_LUT.to(packed.device))
-    return lut[packed.long()].flatten(-2)
+    return _pair_lut(packed.device)[packed.long()].flatten(-2)
 
 
 def check_shapes(weight: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor) -> None:
