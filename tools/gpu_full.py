@@ -44,6 +44,11 @@ ARCH = {"qwen3moe-35b-geom": "qwen3_moe", "qwen3.6-35b-a3b": "qwen3_5_moe", "gpt
 # the experts' format of each synthetic checkpoint: NVFP4 (ModelOpt), or the release's MXFP4 for gpt-oss
 QUANT = {"gpt_oss": "mxfp4"}
 ROUTING_ONLY = {"gpt_oss": "uniform"}  # fused 3-D experts on disk: `ft synth` cannot skew their routing
+
+
+def routing_of(preset: str, routing: str) -> str:
+    """The routing `preset` is synthesized with when --routing asks for `routing`."""
+    return ROUTING_ONLY.get(ARCH[preset], routing)
 # llama.cpp on the same H200, same geometry (qwen3moe, Q4_0 experts), all experts on the GPU:
 # tg128, pp512, pp4096 (-ub 4096); the project's peer reference, table "llama.cpp on our GPU test machine"
 LLAMA_CPP = {"decode_b1": 360.0, "prefill_512": 7443.0, "prefill_4096": 11924.0,
@@ -112,7 +117,7 @@ def build(work: Path, preset: str, routing: str, synth_dir: Path | None = None) 
     from ft.compiler import compile_checkpoint
     from ft.compiler.synth import synth
 
-    routing = ROUTING_ONLY.get(ARCH[preset], routing)
+    routing = routing_of(preset, routing)
     ftw, hf = work / f"{preset}-{routing}.ftw", (synth_dir or work) / f"{preset}-{routing}-hf"
     if ftw.is_dir() and any(ftw.iterdir()):
         return ftw
@@ -207,7 +212,7 @@ def main() -> None:
                                                         budgets=tuple(float(b) for b in args.budgets.split(",") if b),
                                                         resident=not args.skip_resident, traces=args.out,
                                                         variants=parse_variants(args.variants))
-                    res["models"][preset]["routing"] = ROUTING_ONLY.get(ARCH[preset], args.routing)
+                    res["models"][preset]["routing"] = routing_of(preset, args.routing)
                 except Exception:  # noqa: BLE001 - the next model and stage still run
                     res["models"][preset] = {"error": traceback.format_exc()[-3000:]}
                     log(f"{preset} failed:\n{res['models'][preset]['error']}")
