@@ -199,17 +199,20 @@ class MappedDecode:
 
         lane = self.lane if self.lane is not None and topk_ids.shape[0] <= self.lane.tmax else None
         base = self.base.get(layer, 0)  # 0: lane-only, every staged miss goes to the CPU (`CpuLane.split_all`)
-        post = None if lane is None else (lambda s, c: lane.post(layer, x, topk_ids, topk_weights, s, c, ex.num_slots,
-                                                                 cpu_only=base == 0))
+
+        def between(pair_slot, pair_copy):  # after the plan: the CPU lane's share, then (prefetch) the copy of the
+            if lane is not None:            # prefetch rows, before the call's own copy, so that the MoE kernel
+                lane.post(layer, x, topk_ids, topk_weights, pair_slot, pair_copy, ex.num_slots, cpu_only=base == 0)
+            if pre is not None:             # still follows that copy directly (its PDL overlap)
+                self.prefetch.wait_rows()
+
         pair_slot, pair_copy = gather_missing(ex.pool, ex.layout, topk_ids, self.table.tensor, layer, base,
-                                              bank.stride, ex.num_slots, between=post, entry=entry, pre=pre)
+                                              bank.stride, ex.num_slots, between=between, entry=entry, pre=pre)
         # the result in x's dtype on CUDA, rounded once on the kernel's store (the interpreter's bf16 store truncates:
         # fp32 there); with the lane, its wait adds the CPU's share to the fp32 sum first
         out_dtype = x.dtype if ex.device.type == "cuda" and self.checked else torch.float32
         pairs = self._pairs(P).view(topk_ids.shape)
         copied = pair_copy if base else None  # the gate_up programs of pairs not copied run during the copy
-        if pre is not None:
-            self.prefetch.wait_rows()  # the prefetch rows' copy, on its side stream, before the kernel reads them
         if lane is None:
             y = moe_nvfp4_device(ex.pool, ex.layout, x, pairs, pair_slot, topk_weights, out_dtype=out_dtype,
                                  copied=copied)

@@ -11,10 +11,12 @@ measures how many: `benchmarks/prefetch_guess.md`). With `OffloadConfig.prefetch
    top-k` runs, `gather.prefetch_missing` writes the first M distinct guessed experts without a slot (event `chosen`)
    and the GPU copies their records from the mapped bank into the last M rows of the prefill buffers (event
    `copied`).
-2. The layer's MoE call `join`s: its plan waits for `chosen` only, so the plan, the CPU lane's post and the copy of
-   the misses not prefetched go ahead while the prefetch copy may still run; the plan reads a miss from its prefetch
-   row where the guess was right (`pair_copy` 3). Only the MoE kernel waits for `copied` (`wait_rows`). A call of
-   another path, or of another layer, waits for everything first (`settle`), before it may write the prefill buffers.
+2. The layer's MoE call `join`s: its plan waits for `chosen` only, so the plan and the CPU lane's post go ahead while
+   the prefetch copy may still run; the plan reads a miss from its prefetch row where the guess was right
+   (`pair_copy` 3). The call's own copy (the misses not prefetched) waits for `copied` (`wait_rows`): the link is
+   busy with the prefetch until then anyway, and the MoE kernel keeps following that copy directly (with PDL its
+   programs of other pairs start during it). A call of another path, or of another layer, waits for everything first
+   (`settle`), before it may write the prefill buffers.
 A wrong guess costs link time only. At most one prefetch is in flight: it is forked after the previous layer's MoE
 call, whose kernels the side stream therefore waits for, so its rows are free; the call's own staging rows stay
 below them (a call of more than `max_pairs` pairs gets no prefetch).
@@ -99,7 +101,7 @@ class ExpertPrefetch:
         self.ready_for, self.rows_pending, self.pending = layer, True, None
 
     def wait_rows(self) -> None:
-        """Before the MoE kernel that reads the prefetch rows: the compute stream waits for their copy."""
+        """Before the call's own copy (and so before its MoE kernel): the compute stream waits for the prefetch rows."""
         if self.rows_pending and self.cuda:
             torch.cuda.current_stream(self.md.ex.device).wait_event(self._events[1])
         self.rows_pending = False

@@ -136,6 +136,7 @@ def test_prefetched_experts_are_read_from_their_rows_and_wrong_guesses_cost_noth
             ex.prefetch(layer, x, lambda _x, g=ids if i % 2 == 0 else wrong: g)
             assert ex.mapped.prefetch.pending == layer
             assert rel_err(ex(layer, x, ids, w).float(), _full(reader, layer, x, ids, w)) < 1e-2
+            assert not ex.mapped.prefetch.rows_pending  # the call waited for the prefetch rows before its own copy
         ex.mapped.release()
         s = ex.stats()
         assert s["prefetched"] > 0 and 0 < s["prefetch_used"] < s["prefetched"]
