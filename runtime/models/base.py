@@ -40,7 +40,6 @@ class DecoderLayer(Op):
             self.linear_attn = GatedDeltaNet(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.rms_norm_eps)
         self.mlp: SparseMoe | GatedMLP = SparseMoe(cfg) if cfg.mlp_types[layer] == "moe" else GatedMLP()
-        self._prefetch = False  # set at load where the GPU expert store prefetches (`CausalLM.set_prefetch`)
 
     @property
     def mixer(self) -> Attention | MlaAttention | GatedDeltaNet:
@@ -50,14 +49,8 @@ class DecoderLayer(Op):
                  batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Input x + delta (delta None: x alone), all [N, H] -> (h, mlp_out), whose sum is the layer's output."""
         x, a = self.input_layernorm.add(x, delta)                         # x = x + delta, a = norm(x)
-        if self._prefetch:  # the experts the router picks from x start copying while the mixer runs
-            self.mlp.experts.prefetch(x, self._guess)
         h, b = self.post_attention_layernorm.add(x, self.mixer(a, batch))  # h = x + mixer(a), b = norm(h)
         return h, self.mlp(b)
-
-    def _guess(self, x: torch.Tensor) -> torch.Tensor:
-        """The MoE's top-k ids as if the mixer added nothing: its norm and router applied to the layer's input."""
-        return self.mlp.guess(self.post_attention_layernorm(x))
 
 
 @dataclass(frozen=True)
