@@ -54,15 +54,22 @@ def read_ahead_ranges(ftw: Path, gap: int = 1 << 20) -> tuple[Ranges, Ranges]:
         return [], []
 
 
-def bank_allowance() -> int:
-    """Half of MemAvailable (the page-locking's default allowance); 0 where /proc/meminfo says nothing."""
+def meminfo(field: str = "MemAvailable") -> int:
+    """A /proc/meminfo field (MemAvailable, MemTotal, ...) in bytes (0 when unknown)."""
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024 // 2
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
     return 0
+
+
+def bank_allowance() -> int:
+    """Half of MemAvailable: the host memory the expert banks may be page-locked in by default (`gpu/pinning.py`),
+    and so what a start reads of them before it is ready; 0 where /proc/meminfo says nothing."""
+    return meminfo("MemAvailable") // 2
 
 
 def start_prefetch(ftw: str | Path) -> threading.Thread | None:

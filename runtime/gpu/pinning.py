@@ -29,6 +29,8 @@ import warnings
 import numpy as np
 import torch
 
+from ft.formats.prefetch import bank_allowance, meminfo
+
 log = logging.getLogger("ft.gpu")
 _CUDART: list = []
 
@@ -60,18 +62,6 @@ def device_pointer(host_ptr: int) -> int | None:
             return int(out.value)
         lib.cudaGetLastError()
     return None
-
-
-def meminfo(field: str = "MemAvailable") -> int:
-    """A /proc/meminfo field (MemAvailable, MemTotal, ...) in bytes (0 when unknown)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return 0
 
 
 def mem_available() -> int:
@@ -137,7 +127,7 @@ def pin_banks(uploader, banks: list, allowance: int | None, stop: threading.Even
     `verify`: also check every record of every bank, registered or not (`verified_banks` lists those that passed;
     mode mapped's CPU lane computes the misses of verified banks left unregistered)."""
     if allowance is None:
-        allowance = mem_available() // 2
+        allowance = bank_allowance()
     pinned, count, refused, verified = 0, 0, False, []
     seconds = {"read_s": 0.0, "register_s": 0.0, "verify_s": 0.0}  # where the time goes (start-up reports)
 

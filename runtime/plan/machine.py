@@ -33,7 +33,7 @@ class Machine:
 
 def host_memory() -> int:
     """MemTotal in bytes (0 when /proc/meminfo cannot be read)."""
-    from ft.runtime.gpu.pinning import meminfo
+    from ft.formats.prefetch import meminfo
 
     return meminfo("MemTotal")
 
