@@ -8,13 +8,16 @@ read at the run's measured HBM rate, plus Belady's miss bytes over `--miss-gbs`,
 lane move together (86 GB/s: runs 42-43 on the H200 host). The records a token routes are (MoE layers x top-k); the
 hit rate is Belady's with bypass over the row's own routing trace (`belady` in the row).
 `--llama-run N`: the geom rows also divided by llama.cpp's run N of benchmarks/llamacpp.json (decode: tg128; prefill
-4k: pp4096 at -ub 4096) at the `-ncmoe` whose weights fit the row's budget (NCMOE).
+4k: pp4096 at -ub 4096), twice: at the `-ncmoe` whose weights fit the row's budget (NCMOE; llama.cpp's peak is then
+~1.2 GiB above it: KV and compute buffers), and at the fewest CPU layers whose measured peak (nvidia-smi, as our rows'
+`peak`) stays within the budget, the same rule our rows obey (`same_peak`; None when no measured -ncmoe fits).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 MISS_GBS = 86.0
@@ -39,12 +42,22 @@ PEER_MODEL = "qwen3moe-35b-geom"
 
 
 def llama_rates(entry: dict) -> dict[int, dict[str, float]]:
-    """-ncmoe -> {test: tok/s} ("tg128", "pp512", "pp4096") of one benchmarks/llamacpp.json entry."""
+    """-ncmoe -> {test: tok/s ("tg128", "pp512", "pp4096"), "peak:" + test: the peak MiB of the llama-bench run that
+    measured it, where recorded} of one benchmarks/llamacpp.json entry."""
     out: dict[int, dict[str, float]] = {}
     for bench in entry.get("benches", []):
         for t in bench.get("tests", []):
-            out.setdefault(int(bench["n_cpu_moe"]), {})[t["test"]] = float(t["avg_ts"])
+            rates = out.setdefault(int(bench["n_cpu_moe"]), {})
+            rates[t["test"]] = float(t["avg_ts"])
+            if bench.get("peak_gpu_mem_mib") is not None:
+                rates["peak:" + t["test"]] = float(bench["peak_gpu_mem_mib"])
     return out
+
+
+def same_peak(llama: dict[int, dict[str, float]], budget_gib: float, test: str) -> tuple[int, float] | None:
+    """(-ncmoe, tok/s) of `test` at the fewest CPU layers whose measured peak is within `budget_gib`; None if none."""
+    fits = [n for n, r in llama.items() if test in r and r.get("peak:" + test, math.inf) <= budget_gib * 1024]
+    return (min(fits), llama[min(fits)][test]) if fits else None
 
 
 def rows(run: dict, miss_gbs: float = MISS_GBS, llama: dict[int, dict[str, float]] | None = None) -> list[dict]:
@@ -61,6 +74,10 @@ def rows(run: dict, miss_gbs: float = MISS_GBS, llama: dict[int, dict[str, float
             prefill = (row.get("prefill") or {}).get("tok_s")
             r["vs_llama"] = tok_s / peer["tg128"] if tok_s and "tg128" in peer else None
             r["prefill_vs_llama"] = prefill / peer["pp4096"] if prefill and "pp4096" in peer else None
+            for key, test, ours in (("", "tg128", tok_s), ("prefill_", "pp4096", prefill)):
+                fit = same_peak(llama or {}, row["budget_gib"], test) if model == PEER_MODEL else None
+                r[f"{key}llama_same_peak"] = fit  # (-ncmoe, tok/s)
+                r[f"{key}vs_llama_same_peak"] = ours / fit[1] if ours and fit else None
             out.append(r)
     return out
 
@@ -88,6 +105,11 @@ def main() -> None:
     for r in rows(run, args.miss_gbs, llama):
         peer = "" if r["vs_llama"] is None else (f"; {r['vs_llama']:.2f}x llama.cpp's decode, prefill 4k "
                                                  f"{fmt(r['prefill_vs_llama'], '.2f')}x")
+        for key, what in (("", "decode"), ("prefill_", "prefill 4k")):
+            fit = r.get(f"{key}llama_same_peak")
+            if fit:
+                peer += (f"; {what} {r[f'{key}vs_llama_same_peak']:.2f}x llama.cpp's at the same peak VRAM "
+                         f"(-ncmoe {fit[0]}: {fit[1]:,.1f} tok/s)")
         print(f"  {r['model']} {r['budget_gib']:g} GiB {r['variant'] or ''}: {fmt(r['tok_s'])} tok/s, bound "
               f"{fmt(r['bound_tok_s'])}, {fmt(r['of_bound'], '.2f')} of it{peer}")
 

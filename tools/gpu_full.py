@@ -153,6 +153,9 @@ def main() -> None:
     ap.add_argument("--after", default="", help=f"models: after each model's rows, these tools on its FTW, in order "
                                                 f"({', '.join(AFTER)}; tool@model: after that model only), each into "
                                                 f"<out>/<tool>-<model>/")
+    ap.add_argument("--keep-ftw", action="store_true",
+                    help="keep each model's FTW in --work after its rows (a later call on the same warm machine "
+                         "starts from it: put --work in a git-ignored folder of the repo, e.g. build/ft-full)")
     ap.add_argument("--context", type=int, default=8192, help="the long-context decode row's context (KV reserved)")
     ap.add_argument("--prefill-chunk", type=int, default=4096, help="the engines' and prefill forwards' chunk")
     ap.add_argument("--variants", default="",
@@ -226,7 +229,7 @@ def main() -> None:
                         out = args.out / f"{tool}-{preset}"
                         res.setdefault(tool, {})[preset] = run_after(tool, ftw, out, left, log)
                         flush()
-                if ftw is not None:
+                if ftw is not None and not args.keep_ftw:
                     shutil.rmtree(ftw, ignore_errors=True)  # the disk holds one full-size FTW at a time
         else:
             raise SystemExit(f"unknown stage {stage!r}")

@@ -48,3 +48,20 @@ def test_geom_rows_are_divided_by_llama_cpp_at_the_placement_that_fits_their_bud
     assert eight["vs_llama"] == pytest.approx(2.0) and eight["prefill_vs_llama"] == pytest.approx(1.5)
     assert twelve["vs_llama"] == pytest.approx(1.5) and twelve["prefill_vs_llama"] is None  # no pp4096 at -ncmoe 14
     assert other["vs_llama"] is None  # llama.cpp ran geom's geometry only
+
+
+def test_same_peak_takes_the_fewest_cpu_layers_whose_measured_peak_fits_the_budget():
+    entry = {"run": 75, "benches": [
+        {"n_cpu_moe": 24, "peak_gpu_mem_mib": 9149, "tests": [{"test": "tg128", "avg_ts": 120.0}]},
+        {"n_cpu_moe": 27, "peak_gpu_mem_mib": 7850, "tests": [{"test": "tg128", "avg_ts": 110.0}]},
+        {"n_cpu_moe": 30, "peak_gpu_mem_mib": 6550, "tests": [{"test": "tg128", "avg_ts": 100.0}]},
+        {"n_cpu_moe": 27, "peak_gpu_mem_mib": 10296, "tests": [{"test": "pp4096", "avg_ts": 8000.0}]}]}
+    llama = decode_bound.llama_rates(entry)
+    assert llama[27] == {"tg128": 110.0, "peak:tg128": 7850.0, "pp4096": 8000.0, "peak:pp4096": 10296.0}
+    assert decode_bound.same_peak(llama, 8.0, "tg128") == (27, 110.0)  # 24 needs 8.9 GiB
+    assert decode_bound.same_peak(llama, 8.0, "pp4096") is None  # its prefill buffers never fit 8 GiB here
+    assert decode_bound.same_peak(llama, 6.0, "tg128") is None
+    row = {**_row(0.75, tok_s=220.0), "prefill": {"tok_s": 12000.0}}
+    r, = decode_bound.rows({"hbm_read_gbs": 1000.0, "models": {"qwen3moe-35b-geom": {"budgets": [row]}}}, 10.0, llama)
+    assert r["vs_llama"] == pytest.approx(220 / 120) and r["vs_llama_same_peak"] == pytest.approx(2.0)
+    assert r["llama_same_peak"] == (27, 110.0) and r["prefill_vs_llama_same_peak"] is None
