@@ -1,0 +1,100 @@
+"""Benchmark: where a `--quantize nvfp4` compile's time goes beyond its disk bound, one stage taken away at a time.
+
+    python tools/bench_compile_stages.py --src DIR [--out benchmarks] [--repeat 2] [--note TEXT]
+
+Each variant runs in its own process with the source's page cache dropped first (`bench_compile_lib.drop_cache`),
+best of `--repeat`; the output goes to a temporary folder beside nothing else:
+* pass: the source stream alone (`SourceStream.digests()`: every weight byte read once and hashed, nothing built);
+* pass, no sha256: the same with the hash replaced by a no-op (what the single sha256 stream costs);
+* compile, free quantization: `compile_checkpoint(quantize="nvfp4")` with the NVFP4 kernel replaced by zero-filled
+  outputs of the right shapes (the read / copy / write pipeline alone);
+* the same, no sha256;
+* compile --quantize: the real thing.
+Stubbed runs produce wrong bytes on purpose and are deleted; only their times are kept. The disk bound is source
+bytes over the faster cold read (O_DIRECT or buffered), as in `bench_quantize_speed.py`. Writes DIR/compile_stages.json
+(the runs appended) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_compile_lib import drop_cache, read_speed  # noqa: E402
+
+VARIANTS = {"pass": ("pass", False), "pass, no sha256": ("pass", True),
+            "compile, free quantization": ("free", False), "compile, free quantization, no sha256": ("free", True),
+            "compile --quantize": ("quantize", False)}
+
+CHILD = r"""
+import hashlib, sys, time, torch
+from pathlib import Path
+what, nohash, src, out = sys.argv[1], sys.argv[2] == "1", Path(sys.argv[3]), Path(sys.argv[4])
+if nohash:
+    class _NoHash:
+        def update(self, b): pass
+        def hexdigest(self): return "0" * 64
+    import ft.compiler.source_pass as sp
+    sp.hashlib = type("H", (), {"sha256": _NoHash})
+if what == "free":
+    import ft.compiler.experts as ex
+    def _zeros(w):
+        n, k = w.shape
+        return {"weight": torch.zeros(n, k // 2, dtype=torch.uint8), "weight_scale_2": torch.ones(n),
+                "weight_scale": torch.zeros(n, k // 16, dtype=torch.float8_e4m3fn)}
+    ex.quantize_rows = lambda *ws: [_zeros(w) for w in ws]
+from ft.compiler import compile_checkpoint
+from ft.compiler.source_stream import SourceStream
+t = time.perf_counter()
+if what == "pass":
+    SourceStream(src, sorted(p.name for p in src.glob("*.safetensors"))).digests()
+else:
+    compile_checkpoint(src, out, progress=False, quantize="nvfp4")
+print(time.perf_counter() - t)
+"""
+
+
+def run(variant: str, src: Path, files: list[Path]) -> float:
+    what, nohash = VARIANTS[variant]
+    with tempfile.TemporaryDirectory(dir=src.parent, prefix="ft-stages-") as tmp:
+        drop_cache(files)
+        r = subprocess.run([sys.executable, "-c", CHILD, what, str(int(nohash)), str(src), str(Path(tmp) / "out.ftw")],
+                           capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        if r.returncode:
+            raise SystemExit(f"{variant}: exit {r.returncode}\n{r.stderr[-2000:]}")
+        return float(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--src", type=Path, required=True)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks"))
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--note", default="")
+    args = ap.parse_args()
+    files = sorted(args.src.glob("*.safetensors"))
+    nbytes = sum(f.stat().st_size for f in files)
+    reads = {m: read_speed(files, 0, nbytes, m)[0] / 1e9 for m in ("direct", "buffered")}  # GB/s
+    bound = nbytes / 1e9 / max(reads.values())
+    row = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
+           "note": args.note, "cpus": os.cpu_count(), "source_bytes": nbytes, "read_gb_s": reads,
+           "disk_bound_s": bound, "seconds": {}}
+    print(f"{nbytes / 1e9:.2f} GB, cold read {reads['direct']:.2f} (direct) / {reads['buffered']:.2f} (buffered) "
+          f"GB/s, disk bound {bound:.2f} s, {os.cpu_count()} cores")
+    for variant in VARIANTS:
+        row["seconds"][variant] = s = min(run(variant, args.src, files) for _ in range(args.repeat))
+        print(f"  {variant:40s} {s:6.2f} s  {s / bound:.2f}x the bound", flush=True)
+    path = args.out / "compile_stages.json"
+    runs = json.loads(path.read_text()) if path.exists() else []
+    path.write_text(json.dumps(runs + [row], indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
