@@ -3,7 +3,7 @@
     python tools/bench_compile_stages.py --src DIR [--out benchmarks] [--repeat 2] [--note TEXT]
 
 Each variant runs in its own process with the source's page cache dropped first (`bench_compile_lib.drop_cache`),
-best of `--repeat`; the output goes to a temporary folder beside nothing else:
+best of `--repeat`; compiles write into a temporary folder beside the source:
 * pass: the source stream alone (`SourceStream.digests()`: every weight byte read once and hashed, nothing built);
 * pass, no sha256: the same with the hash replaced by a no-op (what the single sha256 stream costs);
 * compile, free quantization: `compile_checkpoint(quantize="nvfp4")` with the NVFP4 kernel replaced by zero-filled
