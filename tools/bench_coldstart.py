@@ -31,6 +31,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -43,6 +44,8 @@ from bench_compile_lib import drop_cache, read_speed
 
 FT = [sys.executable, "-c", "from ft.cli.main import main; main()"]
 PROMPT_TOKENS = 16  # prompt token ids of the timed requests
+TIMELINE_S = 0.25  # the read timeline's step until ready
+SPY_RATE = 100  # py-spy samples a second
 
 
 def _free_port() -> int:
@@ -102,26 +105,59 @@ def _read_bytes(pid: int) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def serve_once(ftw: Path | str, serve_args: list[str], env: dict, log_path: Path, deadline_s: float) -> dict:
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _child(parent: subprocess.Popen, deadline_s: float) -> int:
+    """The pid of py-spy's child process (the server), once it exists."""
+    end = time.perf_counter() + deadline_s
+    while time.perf_counter() < end and parent.poll() is None:
+        try:
+            kids = Path(f"/proc/{parent.pid}/task/{parent.pid}/children").read_text().split()
+        except OSError:
+            kids = []
+        if kids:
+            return int(kids[0])
+        time.sleep(0.01)
+    raise RuntimeError(f"py-spy did not start the server (exit {parent.poll()})")
+
+
+def serve_once(ftw: Path | str, serve_args: list[str], env: dict, log_path: Path, deadline_s: float,
+               py_spy: str | None = None) -> dict:
     """One `ft serve --ftw FTW *serve_args` process (an FTW directory or a Hub repo id): seconds to ready, to the
     first token of a PROMPT_TOKENS-token completion and of a second one on other tokens (the same work without
-    first-use costs; other tokens, so that the prefix cache cannot serve it), the engine's kernel stats, and the host
-    launchers built in the process (from its TRITON_CACHE_DIR)."""
+    first-use costs; other tokens, so that the prefix cache cannot serve it), the engine's kernel stats, the host
+    launchers built in the process (from its TRITON_CACHE_DIR), and the bytes it had read from storage every
+    TIMELINE_S (`read_timeline`: [seconds, bytes]). `py_spy`: a py-spy binary that samples every thread of the
+    process from launch to exit into a speedscope profile beside the log (samples in time order: phases can be cut
+    out of it)."""
     cache = Path(env["TRITON_CACHE_DIR"]) if env.get("TRITON_CACHE_DIR") else None
     before = _launchers(cache)
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
+    cmd = [*FT, "serve", "--ftw", str(ftw), *serve_args, "--port", str(port)]
+    if py_spy:  # py-spy starts the server as its child, so that it samples from the first line on
+        cmd = [py_spy, "record", "--rate", str(SPY_RATE), "--idle", "--threads", "--nonblocking", "--format",
+               "chrometrace", "--output", str(log_path.with_suffix(".trace.json")), "--", *cmd]
     t0 = time.perf_counter()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([*FT, "serve", "--ftw", str(ftw), *serve_args, "--port", str(port)],
-                                env=env, stdout=log, stderr=subprocess.STDOUT)
+    with open(log_path, "w") as log:  # proc: the server, or py-spy, which lives as long as the server does
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    pid = _child(proc, deadline_s) if py_spy else proc.pid
+    timeline: list[list[float]] = []
     try:
         while _get(f"{base}/health")[0] != 200:
             if proc.poll() is not None or time.perf_counter() - t0 > deadline_s:
                 raise RuntimeError(f"ft serve did not become ready (exit {proc.poll()}); see {log_path}")
+            now = time.perf_counter() - t0
+            if not timeline or now - timeline[-1][0] >= TIMELINE_S:
+                timeline.append([round(now, 2), _read_bytes(pid)])
             time.sleep(0.05)
         ready = time.perf_counter() - t0
-        read_at_ready = _read_bytes(proc.pid)
+        read_at_ready = _read_bytes(pid)
         for i, start in enumerate((1000, 2000)):  # then the same work again, on other tokens: no prefix reuse
             body = json.dumps({"prompt": list(range(start, start + PROMPT_TOKENS)), "max_tokens": 1,
                                "temperature": 0}).encode()
@@ -133,10 +169,11 @@ def serve_once(ftw: Path | str, serve_args: list[str], env: dict, log_path: Path
         repeat = time.perf_counter() - t0 - first
         stats = _engine_stats(base)
     finally:
-        proc.terminate()
+        _signal(pid, signal.SIGTERM)  # py-spy writes its profile once the server is gone
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
+            _signal(pid, signal.SIGKILL)
             proc.kill()
     new = _launchers(cache) - before
     kernels = stats.get("kernels")
@@ -144,7 +181,8 @@ def serve_once(ftw: Path | str, serve_args: list[str], env: dict, log_path: Path
     return {"ready_s": round(ready, 3), "read_bytes_at_ready": read_at_ready, "first_token_s": round(first, 3),
             "first_request_s": round(first - ready, 3), "repeat_request_s": round(repeat, 3),
             "launchers_built": max(0, len(new) - installed), "launcher_files_new": len(new),
-            "kernels": kernels, "startup": stats.get("startup"), "pin": stats.get("pin"), "log": _from_log(log_path)}
+            "kernels": kernels, "startup": stats.get("startup"), "pin": stats.get("pin"), "log": _from_log(log_path),
+            "read_timeline": timeline}
 
 
 def ftw_files(ftw: Path) -> list[Path]:
@@ -171,6 +209,8 @@ def main() -> None:
     ap.add_argument("--modes", default="jit,prebuilt,warm",
                     help="the runs, in order: jit (nothing trusted), prebuilt (an empty Triton cache, the FTW's "
                          "kernels installed), warm (the Triton cache the prebuilt run left)")
+    ap.add_argument("--py-spy", default=None, help="a py-spy binary: profile each run's every thread (speedscope "
+                    "JSON beside its log; `tools/spy_phases.py` cuts it into phases)")
     args = ap.parse_args()
     modes = args.modes.split(",")
     warm_first = "warm" in modes and "prebuilt" not in modes[:modes.index("warm")]
@@ -212,7 +252,7 @@ def main() -> None:
                 if args.drop_caches:
                     result["page_cache"] = f"dropped before each run ({drop_cache(ftw_files(args.ftw))})"
                 run = serve_once(args.ftw, ["--vram-budget", args.vram_budget], env,
-                                 args.out / f"serve-{mode}-{i}.log", args.deadline)
+                                 args.out / f"serve-{mode}-{i}.log", args.deadline, args.py_spy)
                 run.update(mode=mode, rep=i)
                 if args.drop_caches and run["read_bytes_at_ready"] is not None:  # ready against the disk bound
                     run["disk_bound_s"] = round(run["read_bytes_at_ready"] / 1e9 / result["cold_read_gbs"], 3)

@@ -91,6 +91,7 @@ def main() -> None:
     for variant in VARIANTS:
         row["seconds"][variant] = s = min(run(variant, args.src, files) for _ in range(args.repeat))
         print(f"  {variant:40s} {s:6.2f} s  {s / bound:.2f}x the bound", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "compile_stages.json"
     runs = json.loads(path.read_text()) if path.exists() else []
     path.write_text(json.dumps(runs + [row], indent=1) + "\n")

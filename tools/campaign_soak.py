@@ -294,6 +294,9 @@ def main() -> int:
                                                      "end": vram[-1][1], "max": max((m or 0) for _, m in vram),
                                                      "samples": vram},
               "final_health": health, "left_running": leftover, "server_stats": stats["requests"],
+              # what the prefix cache holds at the end (its host tier and snapshots are host memory: on CUDA the
+              # tier may take an eighth of MemAvailable), to set beside the RssAnon drift
+              "prefix_cache": stats.get("prefix_cache"),
               "shutdown": shutdown}
     (args.out / "campaign_soak.json").write_text(json.dumps(result, indent=1) + "\n")
     for k, c in kinds.items():
@@ -301,7 +304,7 @@ def main() -> int:
     rss_summary = {k: v for k, v in result["rss_mib"].items() if k != "samples"}
     print({k: result[k] for k in ("requests_total", "server_errors", "busy_429_529", "unexpected", "final_health",
                                   "left_running", "shutdown")}, "RSS MiB", rss_summary,
-          "RssAnon MiB", result["anon_mib"])
+          "RssAnon MiB", result["anon_mib"], "prefix cache", result["prefix_cache"])
     ok = (soak.n_errors == 0 and health == 200 and not any(leftover.values()) and exit_code in (0, 130)
           and shutdown["clean"] and not shutdown["tracebacks_in_log"])
     return 0 if ok else 1

@@ -16,4 +16,7 @@ for pkg in $PKGS; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     $platforms --platform manylinux2014_x86_64 --platform any -d .whl "$pkg==$version"
 done
+# py-spy (a static binary in a wheel, not in the venv): tools/bench_coldstart.py --py-spy /tmp/ft-site/bin/py-spy
+python3 -m pip download -q --no-deps --only-binary=:all: --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 \
+  -d .whl "py-spy==0.4.3"
 du -sh .whl
