@@ -13,6 +13,7 @@ from pathlib import Path
 from ft.compiler.errors import CheckpointError
 from ft.compiler.source import read_json_if_exists
 from ft.formats import ModelConfig
+from ft.formats.prefetch import advice_step, will_need
 
 # metadata files read when present; each one read becomes part of provenance.files
 META_FILES = ("config.json", "generation_config.json", "hf_quant_config.json", "model.safetensors.index.json",
@@ -119,11 +120,12 @@ class Hasher(threading.Thread):
         try:
             size, pos, advised = os.fstat(fd).st_size, 0, 0
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            step = advice_step(fd)
             while pos < size:
                 if self._cancel.is_set():
                     return None
                 while advised < min(size, pos + ahead * chunk):
-                    os.posix_fadvise(fd, advised, chunk, os.POSIX_FADV_WILLNEED)
+                    will_need(fd, advised, chunk, step)
                     advised += chunk
                 n = os.preadv(fd, [view], pos)
                 if n <= 0:

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ft.compiler.errors import CheckpointError, supported
+from ft.formats.prefetch import will_need
 
 # safetensors dtype string -> torch dtype (those torch can hold; others fail when read, naming the tensor)
 ST_DTYPES: dict[str, torch.dtype] = {
@@ -140,7 +141,7 @@ class TensorReader:
     def _advise(self) -> None:
         while self._next < len(self._ahead) and self._advised < self.bytes_read + self._window:
             info = self._ahead[self._next]
-            os.posix_fadvise(self._fd(info.path), info.begin, info.nbytes, os.POSIX_FADV_WILLNEED)
+            will_need(self._fd(info.path), info.begin, info.nbytes)
             self._advised += info.nbytes
             self._next += 1
 

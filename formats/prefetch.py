@@ -7,7 +7,8 @@ a cold disk is already reading while they run: first the dense tensors, which a 
 most MAX_BYTES), then the expert banks in the manifest's (layer) order, the order a GPU start page-locks them in, up
 to half of the available memory, the page-locking's own default allowance (a cold start reads all of those before it
 is ready anyway; starting seconds earlier is what it gains). It only asks the kernel to read ahead (posix_fadvise
-WILLNEED): nothing it reads is trusted or used, the reader verifies everything when the engine opens the FTW. It
+WILLNEED, one readahead-sized step at a time: `will_need`): nothing it reads is trusted or used, the reader verifies
+everything when the engine opens the FTW. It
 parses the index with the standard library (no torch), reads only the directory's own data files (data-NNNNN.ftd,
 regular files, no links), and gives up silently on anything else, as a hint should. Without posix_fadvise (not
 Linux) it does nothing.
@@ -54,6 +55,39 @@ def read_ahead_ranges(ftw: Path, gap: int = 1 << 20) -> tuple[Ranges, Ranges]:
         return [], []
 
 
+MIN_STEP, MAX_STEP = 128 << 10, 64 << 20
+
+
+def advice_step(fd: int) -> int:
+    """The most bytes one POSIX_FADV_WILLNEED call on `fd` reads: Linux reads at most max(readahead, largest request)
+    of the file's device per call (`force_page_cache_ra`) and drops the rest of the range silently, so one call over
+    a 456 MB bank reads its first few MB. From sysfs (the device's read_ahead_kb and max_sectors_kb, or its block
+    device info's read_ahead_kb), else 128 KiB, the kernel's default readahead; within [MIN_STEP, MAX_STEP]."""
+    try:
+        dev = os.fstat(fd).st_dev
+    except OSError:
+        return MIN_STEP
+    node = f"{os.major(dev)}:{os.minor(dev)}"
+    queue = Path("/sys/dev/block", node).resolve()
+    queue = queue / "queue" if (queue / "queue").is_dir() else queue.parent / "queue"  # a partition: its disk's
+    kib = []
+    for f in (queue / "read_ahead_kb", queue / "max_sectors_kb", Path("/sys/class/bdi", node, "read_ahead_kb")):
+        try:
+            kib.append(int(f.read_text()))
+        except (OSError, ValueError):
+            pass
+    return min(MAX_STEP, max(MIN_STEP, max(kib, default=0) << 10))
+
+
+def will_need(fd: int, offset: int, nbytes: int, step: int | None = None) -> None:
+    """Ask the kernel to read [offset, offset + nbytes) of `fd` into the page cache, all of it: one WILLNEED call per
+    `step` (default `advice_step(fd)`). Each call queues its reads and returns; it blocks only while the device's
+    queue is full, so a loop over a large range runs at the disk's speed with a deep queue."""
+    step = step or advice_step(fd)
+    for a in range(offset, offset + nbytes, step):
+        os.posix_fadvise(fd, a, min(step, offset + nbytes - a), os.POSIX_FADV_WILLNEED)
+
+
 def meminfo(field: str = "MemAvailable") -> int:
     """A /proc/meminfo field (MemAvailable, MemTotal, ...) in bytes (0 when unknown)."""
     try:
@@ -94,7 +128,7 @@ def _read_ahead(ftw: Path) -> None:
                 if path not in fds:
                     fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
                 n = min(nbytes, cap)
-                os.posix_fadvise(fds[path], offset, n, WILLNEED)  # queues the reads; blocks only while they queue
+                will_need(fds[path], offset, n)
                 cap -= n
     except OSError as e:
         log.debug("prefetch of %s stopped: %s", ftw, e)

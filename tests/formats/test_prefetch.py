@@ -41,6 +41,17 @@ def test_the_dense_tensors_come_first_then_every_bank_in_layer_order(ftw: Path) 
     assert banks == [(data(b.file), b.offset, b.nbytes) for b in by_layer] and len(banks) > 1
 
 
+def _joined(asked: list) -> list:
+    """Consecutive WILLNEED calls on one file joined into ranges (path, offset, nbytes)."""
+    out: list = []
+    for path, off, n, _ in asked:
+        if out and out[-1][0] == path and out[-1][1] + out[-1][2] == off:
+            out[-1] = (path, out[-1][1], out[-1][2] + n)
+        else:
+            out.append((path, off, n))
+    return out
+
+
 def test_read_ahead_asks_the_kernel_for_those_ranges_and_nothing_outside(ftw: Path, monkeypatch) -> None:
     if pf.WILLNEED is None:
         pytest.skip("no posix_fadvise here")
@@ -48,16 +59,48 @@ def test_read_ahead_asks_the_kernel_for_those_ranges_and_nothing_outside(ftw: Pa
     monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: asked.append((os.readlink(
         f"/proc/self/fd/{fd}"), off, n, advice)))
     monkeypatch.setattr(pf, "bank_allowance", lambda: 1 << 40)
+    monkeypatch.setattr(pf, "advice_step", lambda fd: 4096)  # the kernel's per-call limit, made small
     pf.start_prefetch(ftw).join()
     dense, banks = pf.read_ahead_ranges(ftw)
-    want = [(str(p.resolve()), o, n, pf.WILLNEED) for p, o, n in dense + banks]
-    assert asked == want and asked
+    assert _joined(asked) == [(str(p.resolve()), o, n) for p, o, n in dense + banks] and asked
+    assert {a for *_, a in asked} == {pf.WILLNEED} and max(n for _, _, n, _ in asked) == 4096
+    assert len(asked) > len(dense + banks)  # ranges over one step were asked for step by step
     first_bank = banks[0][2]
     monkeypatch.setattr(pf, "MAX_BYTES", 100)  # both caps hold: 100 bytes of dense, then banks up to the allowance
     monkeypatch.setattr(pf, "bank_allowance", lambda: first_bank + 7)
     asked.clear()
     pf.start_prefetch(ftw).join()
-    assert [n for _, _, n, _ in asked] == [100, first_bank, 7]
+    assert [n for _, _, n in _joined(asked)] == [100, first_bank, 7]
+
+
+def _read_bytes() -> int:
+    return int(next(line.split()[1] for line in Path("/proc/self/io").read_text().splitlines()
+                    if line.startswith("read_bytes:")))
+
+
+def test_will_need_brings_the_whole_range_into_the_page_cache(tmp_path: Path) -> None:
+    """One WILLNEED call reads at most the device's readahead (8 MiB on this project's machines), silently; the
+    step-by-step calls read all of it: afterwards reading the file costs no storage reads."""
+    if pf.WILLNEED is None or not Path("/proc/self/io").exists():
+        pytest.skip("no posix_fadvise or /proc/self/io here")
+    path = tmp_path / "bank.bin"
+    path.write_bytes(os.urandom(48 << 20))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # dirty pages cannot be dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if os.pread(fd, 1, 24 << 20) and _read_bytes() == 0:
+            pytest.skip("this filesystem does not report storage reads (in memory)")
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        assert pf.MIN_STEP <= pf.advice_step(fd) <= pf.MAX_STEP
+        pf.will_need(fd, 0, 48 << 20)
+        before = _read_bytes()
+        n = 0
+        while n < 48 << 20:
+            n += len(os.pread(fd, 1 << 20, n))
+        assert _read_bytes() - before < 4 << 20  # all of it was already read (or queued) by will_need
+    finally:
+        os.close(fd)
 
 
 def test_the_bank_allowance_is_half_of_the_available_memory() -> None:
