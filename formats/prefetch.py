@@ -7,11 +7,11 @@ a cold disk is already reading while they run: first the dense tensors, which a 
 most MAX_BYTES), then the expert banks in the manifest's (layer) order, the order a GPU start page-locks them in, up
 to half of the available memory, the page-locking's own default allowance (a cold start reads all of those before it
 is ready anyway; starting seconds earlier is what it gains). It only asks the kernel to read ahead (posix_fadvise
-WILLNEED, one readahead-sized step at a time: `will_need`): nothing it reads is trusted or used, the reader verifies
-everything when the engine opens the FTW. It
-parses the index with the standard library (no torch), reads only the directory's own data files (data-NNNNN.ftd,
-regular files, no links), and gives up silently on anything else, as a hint should. Without posix_fadvise (not
-Linux) it does nothing.
+WILLNEED, one readahead-sized step at a time, IN_FLIGHT bytes ahead of what the disk has delivered: `will_need`), so
+the disk stays busy and the imports' own reads queue behind milliseconds of it, not gigabytes. Nothing it reads is
+trusted or used: the reader verifies everything when the engine opens the FTW. It parses the index with the standard
+library (no torch), reads only the directory's own data files (data-NNNNN.ftd, regular files, no links), and gives
+up silently on anything else, as a hint should. Without posix_fadvise (not Linux) it does nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import logging
 import os
 import struct
 import threading
+from collections import deque
 from pathlib import Path
 
 from .layout import HEADER_SIZE, INDEX_NAME, MAGIC, Header, data_file_name
@@ -56,6 +57,7 @@ def read_ahead_ranges(ftw: Path, gap: int = 1 << 20) -> tuple[Ranges, Ranges]:
 
 
 MIN_STEP, MAX_STEP = 128 << 10, 64 << 20
+IN_FLIGHT = 32 << 20  # read-ahead bytes in flight: the disk stays busy, the imports' reads wait behind ~15 ms of it
 
 
 def advice_step(fd: int) -> int:
@@ -79,13 +81,21 @@ def advice_step(fd: int) -> int:
     return min(MAX_STEP, max(MIN_STEP, max(kib, default=0) << 10))
 
 
-def will_need(fd: int, offset: int, nbytes: int, step: int | None = None) -> None:
+def will_need(fd: int, offset: int, nbytes: int, step: int | None = None, in_flight: int | None = None) -> None:
     """Ask the kernel to read [offset, offset + nbytes) of `fd` into the page cache, all of it: one WILLNEED call per
-    `step` (default `advice_step(fd)`). Each call queues its reads and returns; it blocks only while the device's
-    queue is full, so a loop over a large range runs at the disk's speed with a deep queue."""
+    `step` (default `advice_step(fd)`). Each call queues its reads and returns. Unbounded (`in_flight` None), the
+    loop queues as much as the device takes and runs at the disk's speed, and every other read of the process waits
+    behind that queue; with `in_flight`, it keeps about that many bytes asked for and not yet read (it waits for the
+    oldest step's last byte), so another reader's request (an import, a page fault) waits behind those at most."""
     step = step or advice_step(fd)
+    depth = max(1, in_flight // step) if in_flight is not None else None
+    asked: deque[int] = deque()  # the last byte of each step asked for and maybe not yet read, oldest first
     for a in range(offset, offset + nbytes, step):
-        os.posix_fadvise(fd, a, min(step, offset + nbytes - a), os.POSIX_FADV_WILLNEED)
+        n = min(step, offset + nbytes - a)
+        os.posix_fadvise(fd, a, n, os.POSIX_FADV_WILLNEED)
+        asked.append(a + n - 1)
+        if depth is not None and len(asked) > depth:
+            os.pread(fd, 1, asked.popleft())  # returns once that page (and, in practice, its step) is read
 
 
 def meminfo(field: str = "MemAvailable") -> int:
@@ -128,7 +138,7 @@ def _read_ahead(ftw: Path) -> None:
                 if path not in fds:
                     fds[path] = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
                 n = min(nbytes, cap)
-                will_need(fds[path], offset, n)
+                will_need(fds[path], offset, n, in_flight=IN_FLIGHT)
                 cap -= n
     except OSError as e:
         log.debug("prefetch of %s stopped: %s", ftw, e)

@@ -19,8 +19,8 @@ do for clean pages), so ready includes reading the weights from disk. Then the d
 the bytes the serve process had read from storage when it became ready (`read_bytes` of /proc/PID/io) over the cold
 read bandwidth measured on the FTW's largest file, evicted first.
 Writes OUT/coldstart.json (every run: seconds to ready, to the first token, of the repeated request, the engine's
-"kernels" stats, its start-up phases and the page-locking's) and prints a table. Needs a CUDA GPU; the port is free
-on 127.0.0.1.
+"kernels" stats, its start-up phases and the page-locking's) and prints a table. Needs a CUDA GPU (or --device cpu);
+the port is free on 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -209,21 +209,27 @@ def main() -> None:
     ap.add_argument("--modes", default="jit,prebuilt,warm",
                     help="the runs, in order: jit (nothing trusted), prebuilt (an empty Triton cache, the FTW's "
                          "kernels installed), warm (the Triton cache the prebuilt run left)")
-    ap.add_argument("--py-spy", default=None, help="a py-spy binary: profile each run's every thread (speedscope "
-                    "JSON beside its log; `tools/spy_phases.py` cuts it into phases)")
+    ap.add_argument("--py-spy", default=None, help="a py-spy binary: profile each run's every thread (a chrome "
+                    "trace beside its log; `tools/spy_phases.py` cuts it into phases)")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu: `ft serve --device cpu` (one run per repetition, "
+                    "mode cpu; no kernels, no VRAM budget)")
     args = ap.parse_args()
-    modes = args.modes.split(",")
+    modes = ["cpu"] if args.device == "cpu" else args.modes.split(",")
     warm_first = "warm" in modes and "prebuilt" not in modes[:modes.index("warm")]
-    if not set(modes) <= {"jit", "prebuilt", "warm"} or warm_first:
+    if args.device == "cpu" and args.build:
+        raise SystemExit("--build builds GPU kernels: not with --device cpu")
+    if args.device != "cpu" and (not set(modes) <= {"jit", "prebuilt", "warm"} or warm_first):
         raise SystemExit(f"--modes {args.modes!r}: jit, prebuilt and warm, warm after prebuilt")
     import torch
 
-    major, minor = torch.cuda.get_device_capability()
-    arch = 10 * major + minor
+    cuda = args.device != "cpu"
+    arch = 10 * torch.cuda.get_device_capability()[0] + torch.cuda.get_device_capability()[1] if cuda else None
+    serve_args = ["--vram-budget", args.vram_budget] if cuda else ["--device", "cpu"]
     args.out.mkdir(parents=True, exist_ok=True)
     base_env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_CACHE_DIR")}
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "ftw": str(args.ftw),
-              "gpu": torch.cuda.get_device_name(), "arch": arch, "vram_budget": args.vram_budget,
+              "gpu": torch.cuda.get_device_name() if cuda else None, "arch": arch,
+              "vram_budget": args.vram_budget if cuda else None,
               "page_cache": "dropped before each run" if args.drop_caches else "as found", "runs": []}
     if args.build:
         t = time.perf_counter()
@@ -251,7 +257,7 @@ def main() -> None:
                     env["FT_HOME"] = str(Path(tmp) / "no-trust")  # nothing trusted: every kernel compiles
                 if args.drop_caches:
                     result["page_cache"] = f"dropped before each run ({drop_cache(ftw_files(args.ftw))})"
-                run = serve_once(args.ftw, ["--vram-budget", args.vram_budget], env,
+                run = serve_once(args.ftw, serve_args, env,
                                  args.out / f"serve-{mode}-{i}.log", args.deadline, args.py_spy)
                 run.update(mode=mode, rep=i)
                 if args.drop_caches and run["read_bytes_at_ready"] is not None:  # ready against the disk bound

@@ -127,3 +127,18 @@ def test_the_commands_start_it_before_importing_torch() -> None:
     code = "import sys, ft.cli.main, ft.formats.prefetch; print(sorted(m for m in sys.modules if m == 'torch'))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_will_need_keeps_at_most_in_flight_bytes_asked_for_and_unread(monkeypatch) -> None:
+    """With `in_flight`, each step asked for beyond that many bytes first waits for the oldest step's last byte
+    (a 1-byte read returns once the kernel has read that page)."""
+    if pf.WILLNEED is None:
+        pytest.skip("no posix_fadvise here")
+    calls = []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, off, n, advice: calls.append(("ask", off, n)))
+    monkeypatch.setattr(os, "pread", lambda fd, n, off: calls.append(("wait", off, n)) or b"x")
+    pf.will_need(3, 100, 10_000, step=4096, in_flight=8192)  # 3 steps, 2 in flight
+    assert calls == [("ask", 100, 4096), ("ask", 4196, 4096), ("ask", 8292, 1808), ("wait", 4195, 1)]
+    calls.clear()
+    pf.will_need(3, 0, 10_000, step=4096)  # unbounded: no waits
+    assert [c[0] for c in calls] == ["ask"] * 3
