@@ -16,6 +16,7 @@ up silently on anything else, as a hint should. Without posix_fadvise (not Linux
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -69,7 +70,12 @@ def advice_step(fd: int) -> int:
         dev = os.fstat(fd).st_dev
     except OSError:
         return MIN_STEP
-    node = f"{os.major(dev)}:{os.minor(dev)}"
+    return _device_step(os.major(dev), os.minor(dev))
+
+
+@functools.lru_cache(maxsize=64)
+def _device_step(major: int, minor: int) -> int:
+    node = f"{major}:{minor}"
     queue = Path("/sys/dev/block", node).resolve()
     queue = queue / "queue" if (queue / "queue").is_dir() else queue.parent / "queue"  # a partition: its disk's
     kib = []
