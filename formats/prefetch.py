@@ -89,16 +89,19 @@ def _device_step(major: int, minor: int) -> int:
 
 def will_need(fd: int, offset: int, nbytes: int, step: int | None = None, in_flight: int | None = None) -> None:
     """Ask the kernel to read [offset, offset + nbytes) of `fd` into the page cache, all of it: one WILLNEED call per
-    `step` (default `advice_step(fd)`). Each call queues its reads and returns. Unbounded (`in_flight` None), the
-    loop queues as much as the device takes and runs at the disk's speed, and every other read of the process waits
-    behind that queue; with `in_flight`, it keeps about that many bytes asked for and not yet read (it waits for the
-    oldest step's last byte), so another reader's request (an import, a page fault) waits behind those at most."""
+    `step` (default `advice_step(fd)`); nothing without posix_fadvise. Each call queues its reads and returns.
+    Unbounded (`in_flight` None), the loop queues as much as the device takes and runs at the disk's speed, and every
+    other read of the process waits behind that queue; with `in_flight`, it keeps about that many bytes asked for and
+    not yet read (it waits for the oldest step's last byte), so another reader's request (an import, a page fault)
+    waits behind those at most."""
+    if WILLNEED is None:  # not Linux: nothing to ask
+        return
     step = step or advice_step(fd)
     depth = max(1, in_flight // step) if in_flight is not None else None
     asked: deque[int] = deque()  # the last byte of each step asked for and maybe not yet read, oldest first
     for a in range(offset, offset + nbytes, step):
         n = min(step, offset + nbytes - a)
-        os.posix_fadvise(fd, a, n, os.POSIX_FADV_WILLNEED)
+        os.posix_fadvise(fd, a, n, WILLNEED)
         asked.append(a + n - 1)
         if depth is not None and len(asked) > depth:
             os.pread(fd, 1, asked.popleft())  # returns once that page (and, in practice, its step) is read
