@@ -133,8 +133,8 @@ def serve_once(ftw: Path | str, serve_args: list[str], env: dict, log_path: Path
     first-use costs; other tokens, so that the prefix cache cannot serve it), the engine's kernel stats, the host
     launchers built in the process (from its TRITON_CACHE_DIR), and the bytes it had read from storage every
     TIMELINE_S (`read_timeline`: [seconds, bytes]). `py_spy`: a py-spy binary that samples every thread of the
-    process from launch to exit into a speedscope profile beside the log (samples in time order: phases can be cut
-    out of it)."""
+    process from launch to exit into a chrome trace beside the log (stacks with timestamps: `tools/spy_phases.py`
+    cuts it into phases)."""
     cache = Path(env["TRITON_CACHE_DIR"]) if env.get("TRITON_CACHE_DIR") else None
     before = _launchers(cache)
     port = _free_port()
@@ -214,16 +214,19 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cuda, or cpu: `ft serve --device cpu` (one run per repetition, "
                     "mode cpu; no kernels, no VRAM budget)")
     args = ap.parse_args()
-    modes = ["cpu"] if args.device == "cpu" else args.modes.split(",")
+    cuda = args.device != "cpu"
+    modes = args.modes.split(",") if cuda else ["cpu"]
     warm_first = "warm" in modes and "prebuilt" not in modes[:modes.index("warm")]
-    if args.device == "cpu" and args.build:
+    if not cuda and args.build:
         raise SystemExit("--build builds GPU kernels: not with --device cpu")
-    if args.device != "cpu" and (not set(modes) <= {"jit", "prebuilt", "warm"} or warm_first):
+    if cuda and (not set(modes) <= {"jit", "prebuilt", "warm"} or warm_first):
         raise SystemExit(f"--modes {args.modes!r}: jit, prebuilt and warm, warm after prebuilt")
     import torch
 
-    cuda = args.device != "cpu"
-    arch = 10 * torch.cuda.get_device_capability()[0] + torch.cuda.get_device_capability()[1] if cuda else None
+    arch = None
+    if cuda:
+        major, minor = torch.cuda.get_device_capability()
+        arch = 10 * major + minor
     serve_args = ["--vram-budget", args.vram_budget] if cuda else ["--device", "cpu"]
     args.out.mkdir(parents=True, exist_ok=True)
     base_env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TRITON_CACHE_DIR")}
