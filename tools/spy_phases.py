@@ -51,14 +51,17 @@ def label(stack: tuple) -> str:
 def report(trace: Path, cuts: list[float], top: int, min_s: float) -> str:
     events = json.loads(trace.read_text())
     events = events["traceEvents"] if isinstance(events, dict) else events
-    names = {e["tid"]: e["name"] for e in events if e["ph"] == "B" and e["name"].startswith("thread (")}
-    per_thread = stacks(events)
+    # per thread, keyed by its pseudo-frame "thread (N): name" (stack[0]): an ended thread's id may be reused
+    per_thread: dict[str, list] = defaultdict(list)
+    for spans in stacks(events).values():
+        for span in spans:
+            per_thread[span[2][0][0]].append(span)
     end = max((s[-1][1] for s in per_thread.values() if s), default=0.0)
     edges = [0.0, *cuts, end]
     lines = [f"{trace.name}: {len(per_thread)} threads, {end:.1f} s sampled"]
     for a, b in zip(edges, edges[1:]):
         lines.append(f"\n== {a:.1f}-{b:.1f} s ==")
-        for tid, spans in per_thread.items():
+        for name, spans in per_thread.items():
             held: dict[str, float] = defaultdict(float)
             for s, e, stack in spans:
                 overlap = min(e, b) - max(s, a)
@@ -67,7 +70,7 @@ def report(trace: Path, cuts: list[float], top: int, min_s: float) -> str:
             total = sum(held.values())
             if total < min_s:
                 continue
-            lines.append(f"  {names.get(tid, tid)}: {total:.2f} s")
+            lines.append(f"  {name}: {total:.2f} s")
             for lab, sec in sorted(held.items(), key=lambda kv: -kv[1])[:top]:
                 lines.append(f"    {sec:6.2f} s  {lab}")
     return "\n".join(lines)
