@@ -76,8 +76,8 @@ def _engine_stats(base: str) -> dict:
     start-up phases and the background page-locking's ({} where absent)."""
     for _ in range(50):
         engine = _get(f"{base}/v1/stats")[1].get("engine") or {}
-        if engine.get("kernels"):
-            return {"kernels": engine["kernels"], "startup": engine.get("startup"),
+        if engine.get("kernels") or engine.get("startup"):  # a CPU engine has no kernels
+            return {"kernels": engine.get("kernels"), "startup": engine.get("startup"),
                     "pin": (engine.get("moe") or {}).get("pin")}
         time.sleep(0.1)
     return {}
