@@ -40,9 +40,6 @@ def generate_command(
     if len(sources) != 1:
         _fail("give exactly one of --prompt, --chat or --token-ids")
 
-    from ft.formats.prefetch import start_prefetch
-
-    start_prefetch(ftw)  # a local FTW: its disk reads what the load needs first while the imports below run
     from ft.formats import FtwError, FtwReader
     from ft.formats.hub import resolve_ftw
     from ft.runtime.engine import ContextOverflowError, Engine, generate

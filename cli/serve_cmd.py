@@ -39,9 +39,6 @@ def serve(
 ) -> None:
     """Serve an FTW with OpenAI (/v1/chat/completions, /v1/completions, /v1/responses) and Anthropic
     (/v1/messages) APIs. The port is bound at once; GET /health answers 503 until the weights are loaded."""
-    from ft.formats.prefetch import start_prefetch
-
-    start_prefetch(ftw)  # a local FTW: its disk reads what the load needs first while the imports below run
     from rich.console import Console
 
     from ft.runtime.server.state import ServeSettings

@@ -125,12 +125,12 @@ def bank_allowance() -> int:
     return meminfo("MemAvailable") // 2
 
 
-def start_prefetch(ftw: str | Path) -> threading.Thread | None:
+def start_prefetch(ftw: str | Path | None) -> threading.Thread | None:
     """Start the read-ahead of `read_ahead_ranges(ftw)` on a daemon thread (module docstring); None where there is
-    nothing to do (no posix_fadvise, no such directory)."""
-    ftw = Path(ftw)
-    if WILLNEED is None or not ftw.is_dir():
+    nothing to do (no posix_fadvise, no FTW given, no such directory: a hub repo id is resolved later)."""
+    if ftw is None or WILLNEED is None or not Path(ftw).is_dir():
         return None
+    ftw = Path(ftw)
     t = threading.Thread(target=_read_ahead, args=(ftw,), name="ft-prefetch", daemon=True)
     t.start()
     return t
