@@ -38,14 +38,17 @@ def stacks(events: list[dict]) -> dict[int, list[tuple[float, float, tuple]]]:
     return out
 
 
+def _frame(f: tuple) -> str:
+    return f"{f[0]} ({Path(f[1]).name}:{f[2]})"
+
+
 def label(stack: tuple) -> str:
-    """`innermost project frame <- ... -> leaf frame` of one stack."""
+    """`innermost project frame -> leaf frame` of one stack (the leaf alone when it is the project's own)."""
     leaf = stack[-1]
     mine = next((f for f in reversed(stack) if any(k in f[1] for k in OURS)), None)
-    name = lambda f: f"{f[0]} ({Path(f[1]).name}:{f[2]})"  # noqa: E731
     if mine is None or mine == leaf:
-        return name(leaf)
-    return f"{name(mine)} -> {name(leaf)}"
+        return _frame(leaf)
+    return f"{_frame(mine)} -> {_frame(leaf)}"
 
 
 def report(trace: Path, cuts: list[float], top: int, min_s: float) -> str:
