@@ -3,6 +3,7 @@ process with what is left of the call's deadline."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import time
@@ -11,8 +12,10 @@ from pathlib import Path
 import torch
 
 # tools that run on a model's FTW after its rows (the FTW is deleted before the next model: one full size at a time)
-# coldstart: kernels built, page cache dropped
-AFTER = {"coldstart": ["tools/bench_coldstart.py", "--build", "--drop-caches", "--vram-budget", "8GiB"],
+# coldstart: kernels built, page cache dropped, the start with them only (the JIT start has its rows in coldstart.md),
+# every thread profiled where py-spy is on the PATH (tools/gpu_run.sh puts the carried wheel's binary there)
+AFTER = {"coldstart": ["tools/bench_coldstart.py", "--build", "--drop-caches", "--vram-budget", "8GiB", "--modes",
+                       "prebuilt"],
          "agent_replay": ["tools/bench_agent_replay.py", "--device", "cuda", "--vram-budget", "8GiB", "--skip-off"],
          "prefix_host": ["tools/bench_prefix_host.py", "--device", "cuda", "--vram-budget", "8GiB"],
          "soak": ["tools/campaign_soak.py", "--device", "cuda", "--vram-budget", "8GiB"],
@@ -30,6 +33,8 @@ def run_after(tool: str, ftw: Path, out: Path, left: float, log) -> dict:
         cmd[i] = str(parse_bytes(cmd[i]) + held_by_this_process())
     if tool == "coldstart":
         cmd += ["--deadline", str(max(30.0, (left - 30) / 4))]
+        if shutil.which("py-spy"):
+            cmd += ["--py-spy", shutil.which("py-spy")]
     elif tool == "soak":
         cmd += ["--minutes", f"{max(1.0, (left - 90) / 60):.1f}"]
     out.mkdir(parents=True, exist_ok=True)

