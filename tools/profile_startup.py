@@ -5,10 +5,10 @@
 
 Each run is a fresh process (run 1 may compile kernels into Triton's cache; later runs find them there, as a start
 with prebuilt kernels does). Per run: the imports, `Engine(...)` and `Engine.warm_up()` (the short request the server
-runs before it is ready) timed, the last two profiled (Python's profiler follows every thread, so the background
-page-locking of host banks shows up as well). Writes DIR/startup.json (per run: phase seconds, the engine's start-up
-counters: kernels compiled, graphs captured, pinning) and DIR/run-N/profile.txt (the profile's top functions by
-cumulative and by own time)."""
+runs before it is ready) timed, the last two profiled (cProfile sees the calling thread only: the background
+page-locking shows where that thread waits for it; `tools/bench_coldstart.py --py-spy` samples every thread). Writes
+DIR/startup.json (per run: phase seconds, the engine's start-up counters: kernels compiled, graphs captured, pinning)
+and DIR/run-N/profile.txt (the profile's top functions by cumulative and by own time)."""
 
 from __future__ import annotations
 
