@@ -4,7 +4,7 @@ warm-up request before it is ready, `Engine.warm_up`), the kernels Triton compil
 the host launchers it built in the process, each run with an empty Triton cache.
 
     python tools/bench_coldstart.py --ftw DIR --out benchmarks/coldstart [--vram-budget 8GiB] [--build] [--runs 1]
-                                    [--drop-caches]
+                                    [--drop-caches] [--modes jit,prebuilt,warm] [--py-spy BIN] [--device cpu]
 
 DIR is any FTW (tools/gpu_full.py's "models" stage synthesizes the full-size ones). --build first runs
 `ft kernels build --ftw DIR --arch <this GPU>` (its seconds are reported). Runs, each a fresh `ft serve` process with
