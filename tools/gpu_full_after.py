@@ -33,8 +33,8 @@ def run_after(tool: str, ftw: Path, out: Path, left: float, log) -> dict:
         cmd[i] = str(parse_bytes(cmd[i]) + held_by_this_process())
     if tool == "coldstart":
         cmd += ["--deadline", str(max(30.0, (left - 30) / 4))]
-        if shutil.which("py-spy"):
-            cmd += ["--py-spy", shutil.which("py-spy")]
+        if spy := shutil.which("py-spy"):
+            cmd += ["--py-spy", spy]
     elif tool == "soak":
         cmd += ["--minutes", f"{max(1.0, (left - 90) / 60):.1f}"]
     out.mkdir(parents=True, exist_ok=True)

@@ -20,16 +20,17 @@ from pathlib import Path
 OURS = ("/ft/", "/runtime/", "/formats/", "/compiler/", "/cli/")
 
 
-def stacks(events: list[dict]) -> dict[int, list[tuple[float, float, tuple]]]:
-    """thread id -> [(start s, end s, stack of (name, file, line) outermost first)] from the B/E events."""
-    out: dict[int, list] = defaultdict(list)
+def stacks(events: list[dict]) -> dict[str, list[tuple[float, float, tuple]]]:
+    """thread -> [(start s, end s, stack of (name, file, line) outermost first)] from the B/E events. A thread is
+    named by its own outermost frame, py-spy's "thread (N): name" (an ended thread's id may be reused by another)."""
+    out: dict[str, list] = defaultdict(list)
     open_: dict[int, list] = defaultdict(list)
     since: dict[int, float] = {}
     for ev in sorted(events, key=lambda e: e["ts"]):  # stable: a timestamp's E and B keep their order
         tid, t = ev["tid"], ev["ts"] / 1e6
         st = open_[tid]
         if st and tid in since and t > since[tid]:
-            out[tid].append((since[tid], t, tuple(st)))
+            out[st[0][0]].append((since[tid], t, tuple(st)))
         if ev["ph"] == "B":
             st.append((ev["name"], ev["args"].get("filename", ""), ev["args"].get("line", 0)))
         elif ev["ph"] == "E" and st:
@@ -54,11 +55,7 @@ def label(stack: tuple) -> str:
 def report(trace: Path, cuts: list[float], top: int, min_s: float) -> str:
     events = json.loads(trace.read_text())
     events = events["traceEvents"] if isinstance(events, dict) else events
-    # per thread, keyed by its pseudo-frame "thread (N): name" (stack[0]): an ended thread's id may be reused
-    per_thread: dict[str, list] = defaultdict(list)
-    for spans in stacks(events).values():
-        for span in spans:
-            per_thread[span[2][0][0]].append(span)
+    per_thread = stacks(events)
     end = max((s[-1][1] for s in per_thread.values() if s), default=0.0)
     edges = [0.0, *cuts, end]
     lines = [f"{trace.name}: {len(per_thread)} threads, {end:.1f} s sampled"]
