@@ -3,15 +3,18 @@
     start_prefetch(ftw_dir)   # returns at once; a daemon thread asks the kernel to read ahead
 
 `ft serve` / `ft generate` call it before their heavy imports (torch, Triton, the server: seconds on a GPU host), so
-a cold disk is already reading while they run: first the dense tensors, which a load copies whole, in file order (at
-most MAX_BYTES), then the expert banks in the manifest's (layer) order, the order a GPU start page-locks them in, up
-to half of the available memory, the page-locking's own default allowance (a cold start reads all of those before it
-is ready anyway; starting seconds earlier is what it gains). It only asks the kernel to read ahead (posix_fadvise
-WILLNEED, one readahead-sized step at a time, IN_FLIGHT bytes ahead of what the disk has delivered: `will_need`), so
-the disk stays busy and the imports' own reads queue behind milliseconds of it, not gigabytes. Nothing it reads is
-trusted or used: the reader verifies everything when the engine opens the FTW. It parses the index with the standard
-library (no torch), reads only the directory's own data files (data-NNNNN.ftd, regular files, no links), and gives
-up silently on anything else, as a hint should. Without posix_fadvise (not Linux) it does nothing.
+a cold disk is already reading while they run. In order: the library files the last start of this interpreter read
+(`startup_files`: the imports' own reads then find them in the page cache), the FTW's dense tensors, which a load
+copies whole, in file order (at most MAX_BYTES), then the expert banks in the manifest's (layer) order, the order a
+GPU start page-locks them in, up to half of the available memory, the page-locking's own default allowance (a cold
+start reads all of those before it is ready anyway; starting seconds earlier is what it gains). It only asks the
+kernel to read ahead (posix_fadvise WILLNEED, one readahead-sized step at a time, IN_FLIGHT bytes ahead of what the
+disk has delivered: `will_need`), from a thread in the idle I/O class: the disk stays busy, and the process's own
+reads (imports, page faults) are served first where the disk's scheduler has classes, else wait behind milliseconds
+of it, not gigabytes. Nothing it reads is trusted or used: the reader verifies everything when the engine opens the
+FTW. It parses the index with the standard library (no torch), reads only the directory's own data files
+(data-NNNNN.ftd, regular files, no links), and gives up silently on anything else, as a hint should. Without
+posix_fadvise (not Linux) it does nothing.
 """
 
 from __future__ import annotations
@@ -20,11 +23,15 @@ import functools
 import json
 import logging
 import os
+import platform
+import stat
 import struct
+import sys
 import threading
 from collections import deque
 from pathlib import Path
 
+from . import startup_files
 from .layout import HEADER_SIZE, INDEX_NAME, MAGIC, Header, data_file_name
 
 log = logging.getLogger("ft.formats")
@@ -58,7 +65,7 @@ def read_ahead_ranges(ftw: Path, gap: int = 1 << 20) -> tuple[Ranges, Ranges]:
 
 
 MIN_STEP, MAX_STEP = 128 << 10, 64 << 20
-IN_FLIGHT = 32 << 20  # read-ahead bytes in flight: the disk stays busy, the imports' reads wait behind ~15 ms of it
+IN_FLIGHT = 16 << 20  # read-ahead bytes in flight: the disk stays busy, another reader waits behind ~8 ms of it
 
 
 def advice_step(fd: int) -> int:
@@ -137,6 +144,19 @@ def start_prefetch(ftw: str | Path | None) -> threading.Thread | None:
 
 
 def _read_ahead(ftw: Path) -> None:
+    _idle_io()
+    for path, offset, nbytes in startup_files.load():  # first what the imports will read (a hint: gone ones skipped)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            if stat.S_ISREG(os.fstat(fd).st_mode):
+                will_need(fd, offset, nbytes, in_flight=IN_FLIGHT)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
     fds: dict[Path, int] = {}
     dense, banks = read_ahead_ranges(ftw)
     try:
@@ -154,6 +174,23 @@ def _read_ahead(ftw: Path) -> None:
     finally:
         for fd in fds.values():
             os.close(fd)
+
+
+IOPRIO_SET = {"x86_64": 251, "aarch64": 30}  # the ioprio_set system call's number (no libc wrapper exists)
+
+
+def _idle_io() -> None:
+    """Put the calling thread in the idle I/O class, so that where the disk's scheduler has classes (mq-deadline,
+    BFQ) the process's own reads (imports, page faults) go before the read-ahead's; nothing where that fails."""
+    nr = IOPRIO_SET.get(platform.machine()) if sys.platform.startswith("linux") else None
+    if nr is None:
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).syscall(nr, 1, threading.get_native_id(), 3 << 13)  # WHO_PROCESS, IDLE
+    except (OSError, AttributeError):
+        pass
 
 
 def _merged(ranges: Ranges, gap: int) -> Ranges:

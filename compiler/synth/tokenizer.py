@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from importlib import metadata, resources
 from pathlib import Path
 
+from ft.formats.home import cache_home
+
 # Bump when the produced tokenizer.json changes, so stale cache entries are not reused.
 _BUILD_VERSION = 1
 
@@ -217,10 +219,7 @@ def _str_of(token: bytes, table: list[str]) -> str:
 
 
 def cache_dir() -> Path:
-    if os.environ.get("FT_CACHE_DIR"):
-        return Path(os.environ["FT_CACHE_DIR"]) / "tokenizers"
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "ft" / "tokenizers"
+    return cache_home() / "tokenizers"
 
 
 def cached_tokenizer_json(flavor: str, num_ranks: int | None = None) -> Path:

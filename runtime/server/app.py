@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import threading
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
@@ -18,6 +20,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
+from ft.formats import startup_files
 from ft.runtime.server import anthropic_api, openai_api, responses_api
 from ft.runtime.server.errors import ApiError, BodyLimit, install_error_handlers
 from ft.runtime.server.loop import EngineLoop
@@ -32,16 +35,29 @@ def load_engine(settings: ServeSettings) -> Any:
     """Build the engine from the serve flags (runs on the engine-loop thread)."""
     from ft.runtime.engine import Engine
 
+    launched = process_age_s()  # the imports (and the CLI) before this: cold, seconds of the start
     t0 = time.perf_counter()
     engine = Engine(settings.ftw, settings.engine)
     loaded = time.perf_counter()
     engine.warm_up()  # before ready: the first request pays no start-up costs
     up = engine.startup
-    log.info("engine loaded in %.1f s (model and experts %.1f, the tokenizer, parsed beside them, %.1f more), "
-             "warmed up in %.2f s (steps %s s) (device %s, KV budget %d tokens)", loaded - t0, up["load_s"],
-             up["tokenizer_s"], time.perf_counter() - loaded, up.get("warm_up_steps_s"), settings.engine.device,
-             engine.kv.total)
+    up["launch_to_load_s"] = launched
+    log.info("engine load began %s s after launch; loaded in %.1f s (model and experts %.1f, the tokenizer, parsed "
+             "beside them, %.1f more), warmed up in %.2f s (steps %s s) (device %s, KV budget %d tokens)", launched,
+             loaded - t0, up["load_s"], up["tokenizer_s"], time.perf_counter() - loaded, up.get("warm_up_steps_s"),
+             settings.engine.device, engine.kv.total)
     return engine
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux /proc, 10 ms steps); None elsewhere."""
+    try:
+        with open("/proc/self/stat") as f:
+            started = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime: clock ticks after boot
+        with open("/proc/uptime") as f:
+            return round(float(f.read().split()[0]) - started / os.sysconf("SC_CLK_TCK"), 2)
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def create_app(settings: ServeSettings, load: Callable[[], Any] | None = None, *,
@@ -142,7 +158,13 @@ def serve(settings: ServeSettings, *, log_level: str = "info") -> None:
         if not settings.keep_alive_on_error and server is not None:
             server.should_exit = True
 
-    app = create_app(settings, on_fatal=fatal)
+    def load() -> Any:  # then, beside the ready server, what this start read: the next one reads it first
+        engine = load_engine(settings)
+        threading.Thread(target=startup_files.record, kwargs={"exclude": settings.ftw}, name="ft-startup-files",
+                         daemon=True).start()
+        return engine
+
+    app = create_app(settings, load, on_fatal=fatal)
     server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port, log_level=log_level,
                                            timeout_graceful_shutdown=5))
     server.run()

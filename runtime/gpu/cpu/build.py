@@ -21,6 +21,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from ft.formats.home import cache_home
+
 log = logging.getLogger("ft.gpu")
 
 HERE = Path(__file__).resolve().parent
@@ -37,8 +39,7 @@ LEVELS = (
 
 
 def cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "ft"
+    return cache_home()
 
 
 def prebuilt_dir() -> Path:

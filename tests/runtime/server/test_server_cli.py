@@ -16,6 +16,7 @@ import pytest
 from typer.testing import CliRunner
 
 from ft.cli.main import app
+from ft.formats import startup_files
 
 runner = CliRunner()
 
@@ -77,14 +78,16 @@ def test_serve_flag_validation():
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="POSIX signals")
-def test_ft_serve_subprocess(qwen3_ftw):
+def test_ft_serve_subprocess(qwen3_ftw, tmp_path):
+    """A real `ft serve`: ready, authenticated by FT_API_KEY, and once ready it records what its start read (the
+    next start reads that first; the FTW's own files are not in it)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-c", "from ft.cli.main import main; main()", "serve", "--ftw", str(qwen3_ftw),
            "--port", str(port), "--device", "cpu", "--served-model-name", "sub", "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ,
-                                                                                        "FT_API_KEY": "k"})
+    env = {**os.environ, "FT_API_KEY": "k", "FT_CACHE_DIR": str(tmp_path)}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
@@ -99,6 +102,10 @@ def test_ft_serve_subprocess(qwen3_ftw):
         assert httpx.get(url + "/v1/models").status_code == 401  # FT_API_KEY is the default --api-key
         models = httpx.get(url + "/v1/models", headers={"x-api-key": "k"}).json()
         assert models["data"][0]["id"] == "sub"
+        while not (lists := list((tmp_path / "startup").glob("*.json"))) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        files = {p for p, _, _ in startup_files.load(lists[0])}
+        assert any("torch" in p.parts for p in files) and not any(p.is_relative_to(qwen3_ftw) for p in files)
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(15)
@@ -140,3 +147,11 @@ def test_ft_serve_exits_when_the_model_cannot_load(tmp_path):
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(15)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
+def test_process_age_counts_from_the_launch():
+    code = "import time; time.sleep(0.6); from ft.runtime.server.app import process_age_s; print(process_age_s())"
+    t = time.monotonic()
+    age = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert 0.6 <= age <= time.monotonic() - t + 0.05
