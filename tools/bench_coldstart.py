@@ -5,6 +5,7 @@ the host launchers it built in the process, each run with an empty Triton cache.
 
     python tools/bench_coldstart.py --ftw DIR --out benchmarks/coldstart [--vram-budget 8GiB] [--build] [--runs 1]
                                     [--drop-caches] [--modes jit,prebuilt,warm] [--py-spy BIN] [--device cpu]
+                                    [--startup-list on|off]
 
 DIR is any FTW (tools/gpu_full.py's "models" stage synthesizes the full-size ones). --build first runs
 `ft kernels build --ftw DIR --arch <this GPU>` (its seconds are reported). Runs, each a fresh `ft serve` process with
@@ -211,6 +212,10 @@ def main() -> None:
                          "kernels installed), warm (the Triton cache the prebuilt run left)")
     ap.add_argument("--py-spy", default=None, help="a py-spy binary: profile each run's every thread (a chrome "
                     "trace beside its log; `tools/spy_phases.py` cuts it into phases)")
+    ap.add_argument("--startup-list", choices=("on", "off"), default="on",
+                    help="on: the runs start with a start-up file list (`ft.formats.startup_files`), recorded by one "
+                         "untimed start first where this interpreter has none, as on a machine that served before; "
+                         "off: the list is deleted before each run")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu: `ft serve --device cpu` (one run per repetition, "
                     "mode cpu; no kernels, no VRAM budget)")
     args = ap.parse_args()
@@ -222,6 +227,8 @@ def main() -> None:
     if cuda and (not set(modes) <= {"jit", "prebuilt", "warm"} or warm_first):
         raise SystemExit(f"--modes {args.modes!r}: jit, prebuilt and warm, warm after prebuilt")
     import torch
+
+    from ft.formats import startup_files
 
     arch = None
     if cuda:
@@ -249,6 +256,10 @@ def main() -> None:
         result["cold_read_gbs"] = round(cold_read_gbs(args.ftw), 3)
         print(f"cold read {result['cold_read_gbs']} GB/s", flush=True)
     with tempfile.TemporaryDirectory(prefix="ft-coldstart-") as tmp:
+        if args.startup_list == "on" and not startup_files.load():
+            serve_once(args.ftw, serve_args, {**base_env, "TRITON_CACHE_DIR": str(Path(tmp) / "record")},
+                       args.out / "serve-record.log", args.deadline)
+            result["startup_list_recorded_first"] = True
         for i in range(args.runs):
             for mode in modes:
                 cache = Path(tmp) / f"cache-{i}-{'prebuilt' if mode == 'warm' else mode}"
@@ -258,11 +269,14 @@ def main() -> None:
                 env = {**base_env, "TRITON_CACHE_DIR": str(cache)}
                 if mode == "jit":
                     env["FT_HOME"] = str(Path(tmp) / "no-trust")  # nothing trusted: every kernel compiles
+                if args.startup_list == "off":
+                    startup_files.list_path().unlink(missing_ok=True)
+                listed = startup_files.load()
                 if args.drop_caches:
                     result["page_cache"] = f"dropped before each run ({drop_cache(ftw_files(args.ftw))})"
                 run = serve_once(args.ftw, serve_args, env,
                                  args.out / f"serve-{mode}-{i}.log", args.deadline, args.py_spy)
-                run.update(mode=mode, rep=i)
+                run.update(mode=mode, rep=i, startup_list_bytes=sum(n for _, _, n in listed))
                 if args.drop_caches and run["read_bytes_at_ready"] is not None:  # ready against the disk bound
                     run["disk_bound_s"] = round(run["read_bytes_at_ready"] / 1e9 / result["cold_read_gbs"], 3)
                 result["runs"].append(run)

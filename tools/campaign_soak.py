@@ -2,7 +2,7 @@
 oversized requests; the target is no server error and a flat RSS.
 
     python tools/campaign_soak.py --out DIR [--minutes 10] [--clients 32] [--seed 0] [--port 19193]
-                                  [--ftw DIR --device cuda --vram-budget 8GiB]
+                                  [--ftw DIR --device cuda --vram-budget 8GiB] [--prefix-cache-host-memory 256MiB]
 
 Synthesizes and compiles the `tiny` qwen3_moe checkpoint, serves it on the CPU (64-token output cap, 4 running
 requests; log in DIR/serve.log) and runs N client workers for M minutes, each looping over a request kind drawn from
@@ -11,11 +11,12 @@ after a few chunks and non-streaming requests cancelled mid-flight (random disco
 JSON, wrong types, an unknown model, a lone surrogate, a body over --max-request-bytes, a prompt past the context)
 that must get a 4xx, extra unknown fields (accepted by design), and the operations routes. A server error is a 5xx,
 an error event or a missing end inside a 200 stream, a connection error or timeout the client did not cause. The
-server's RSS and RssAnon are sampled every 10 s (and, on CUDA, its device memory as nvidia-smi shows it). `--ftw`:
-serve that model instead (e.g. a full-size one on the GPU machine) with a 4,096-token KV budget, so that the overflow
-requests still overflow. At the end /health must answer 200, no request may be left running, and SIGINT
-must stop the server cleanly: status 130 (uvicorn re-raises the signal after its graceful shutdown, typer turns the
-KeyboardInterrupt into 128 + SIGINT) or 0, "Application shutdown complete" and no traceback in its log. Writes
+server's RSS and RssAnon are sampled every 10 s, with what the prefix cache's host tier holds (host memory kept on
+purpose, up to its budget: RssAnon less it is what a leak would grow) and, on CUDA, its device memory as nvidia-smi
+shows it. `--ftw`: serve that model instead (e.g. a full-size one on the GPU machine) with a 4,096-token KV budget, so
+that the overflow requests still overflow. At the end /health must answer 200, no request may be left running, and
+SIGINT must stop the server cleanly: status 130 (uvicorn re-raises the signal after its graceful shutdown, typer turns
+the KeyboardInterrupt into 128 + SIGINT) or 0, "Application shutdown complete" and no traceback in its log. Writes
 DIR/campaign_soak.json; exits 1 on any failure.
 """
 
@@ -204,15 +205,32 @@ class Soak:
                     self.fail(kind, "connection_error", repr(e))  # the server dropped a connection we kept
 
 
-async def sample_rss(pid: int, stop: float, samples: list, vram: list | None) -> None:
+async def sample_rss(pid: int, stop: float, samples: list, vram: list | None, url: str) -> None:
+    """Every 10 s: [s, RSS, RssAnon, the prefix cache's host tier] in MiB (the tier's bytes from /v1/stats: host
+    memory the server keeps on purpose, up to its budget), and on CUDA the device memory."""
     t0 = time.monotonic()
-    while True:
-        samples.append([round(time.monotonic() - t0), *(round(m, 1) for m in rss_mib(pid))])
-        if vram is not None:
-            vram.append([samples[-1][0], vram_mib(pid)])
-        if time.monotonic() >= stop:
-            return
-        await asyncio.sleep(min(10.0, max(0.0, stop - time.monotonic())))
+    async with httpx.AsyncClient(timeout=30) as c:
+        while True:
+            samples.append([round(time.monotonic() - t0), *(round(m, 1) for m in rss_mib(pid)),
+                            await tier_mib(c, url)])
+            if vram is not None:
+                vram.append([samples[-1][0], vram_mib(pid)])
+            if time.monotonic() >= stop:
+                return
+            await asyncio.sleep(min(10.0, max(0.0, stop - time.monotonic())))
+
+
+async def _tier_now(url: str) -> float | None:
+    async with httpx.AsyncClient(timeout=30) as c:
+        return await tier_mib(c, url)
+
+
+async def tier_mib(c: httpx.AsyncClient, url: str) -> float | None:
+    try:
+        tier = (await c.get(url + "/v1/stats")).json().get("prefix_cache") or {}
+        return round(tier.get("host_bytes", 0) / 2**20, 1)
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
 
 
 def main() -> int:
@@ -225,6 +243,8 @@ def main() -> int:
     ap.add_argument("--ftw", type=Path, help="serve this FTW (default: the tiny qwen3_moe, synthesized here)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--vram-budget", default=None)
+    ap.add_argument("--prefix-cache-host-memory", default=None,
+                    help="the server's host tier of the prefix cache (default: its own; on the CPU none)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     url = f"http://127.0.0.1:{args.port}"
@@ -243,6 +263,8 @@ def main() -> int:
             serve += ["--kv-reserve-tokens", "4096"]
         if args.vram_budget:
             serve += ["--vram-budget", args.vram_budget]
+        if args.prefix_cache_host_memory:
+            serve += ["--prefix-cache-host-memory", args.prefix_cache_host_memory]
         server = subprocess.Popen(FT + serve, stdout=log, stderr=subprocess.STDOUT)
         vram = [] if args.device.startswith("cuda") else None
         try:
@@ -251,13 +273,14 @@ def main() -> int:
             rss: list = []
 
             async def run() -> None:
-                await asyncio.gather(sample_rss(server.pid, soak.end, rss, vram),
+                await asyncio.gather(sample_rss(server.pid, soak.end, rss, vram, url),
                                      *(soak.worker(i) for i in range(args.clients)))
             t = time.perf_counter()
             asyncio.run(run())
             seconds = time.perf_counter() - t
-            rss.append([round(seconds), *(round(m, 1) for m in rss_mib(server.pid))])  # after the last requests
             time.sleep(2)  # let the engine retire aborted requests before the leak check
+            rss.append([round(seconds), *(round(m, 1) for m in rss_mib(server.pid)),
+                        asyncio.run(_tier_now(url))])  # after the last requests
             health = httpx.get(url + "/health", timeout=10).status_code
             stats = httpx.get(url + "/v1/stats", timeout=10).json()
         finally:
@@ -286,9 +309,14 @@ def main() -> int:
               "busy_429_529": busy, "unexpected": sum(c["unexpected"] for c in soak.counts.values()),
               "rss_mib": {"first": rss[0][1], "after_warmup": warm[1], "end": end[1],
                           "drift": round(end[1] - warm[1], 1), "max": max(row[1] for row in rss),
-                          "samples": rss},  # [s, RSS, RssAnon]
+                          "samples": rss},  # [s, RSS, RssAnon, prefix host tier]
               "anon_mib": {"after_warmup": warm[2], "end": end[2], "drift": round(end[2] - warm[2], 1),
                            "max": max(row[2] for row in rss)},
+              # RssAnon less what the prefix cache's host tier holds on purpose (its budget bounds it): the drift a
+              # leak would show
+              "anon_less_tier_mib": None if warm[3] is None or end[3] is None else {
+                  "after_warmup": round(warm[2] - warm[3], 1), "end": round(end[2] - end[3], 1),
+                  "drift": round(end[2] - end[3] - warm[2] + warm[3], 1)},
               "vram_mib": None if vram is None else {"after_warmup": next((m for t_s, m in vram if t_s >= 60),
                                                                           vram[-1][1]),
                                                      "end": vram[-1][1], "max": max((m or 0) for _, m in vram),
@@ -304,7 +332,8 @@ def main() -> int:
     rss_summary = {k: v for k, v in result["rss_mib"].items() if k != "samples"}
     print({k: result[k] for k in ("requests_total", "server_errors", "busy_429_529", "unexpected", "final_health",
                                   "left_running", "shutdown")}, "RSS MiB", rss_summary,
-          "RssAnon MiB", result["anon_mib"], "prefix cache", result["prefix_cache"])
+          "RssAnon MiB", result["anon_mib"], "less the host tier", result["anon_less_tier_mib"],
+          "prefix cache", result["prefix_cache"])
     ok = (soak.n_errors == 0 and health == 200 and not any(leftover.values()) and exit_code in (0, 130)
           and shutdown["clean"] and not shutdown["tracebacks_in_log"])
     return 0 if ok else 1
