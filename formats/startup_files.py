@@ -64,7 +64,12 @@ def record(exclude: Path | None = None, path: Path | None = None) -> Path | None
             return _regular(f) and f not in skip_files and not (skip is not None and Path(f).is_relative_to(skip))
 
         files = {f: [[0, os.path.getsize(f)]] for f in _module_files() if wanted(f)}
-        for f, pages in _mapped_pages(wanted).items():
+        try:
+            mapped = _mapped_pages(wanted)
+        except OSError as e:  # no /proc/self/pagemap (a restricted container): the modules alone
+            log.debug("start-up file list without mapped files: %s", e)
+            mapped = {}
+        for f, pages in mapped.items():
             files.setdefault(f, _joined(pages))
         kept, total = [], 0
         for f, ranges in files.items():

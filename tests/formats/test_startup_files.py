@@ -85,3 +85,13 @@ def test_the_read_ahead_reads_the_list_first_and_skips_what_is_gone(tmp_path, mo
     monkeypatch.setattr(prefetch, "read_ahead_ranges", lambda _: (dense, []))
     prefetch._read_ahead(ftw)
     assert calls == [(str(lib), PAGE, 2 * PAGE), (str(ftw / "data-00000.ftd"), 0, 100)]
+
+
+def test_without_pagemap_the_modules_are_still_recorded(tmp_path, monkeypatch):
+    def no_pagemap(wanted):
+        raise PermissionError("pagemap")
+
+    monkeypatch.setattr(startup_files, "_mapped_pages", no_pagemap)
+    ranges = startup_files.load(startup_files.record(path=tmp_path / "list.json"))
+    assert ranges and not any(".so" in p.name for p, _, _ in ranges)
+    assert all(p.suffix in (".py", ".pyc") for p, _, _ in ranges)
