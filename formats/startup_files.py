@@ -8,7 +8,7 @@ read-ahead's sequential stream each of them waits (a disk's elevator serves the 
 imports end only when the read-ahead does (`benchmarks/coldstart.md`). Read ahead at full depth first, they come from
 the page cache.
 
-What is recorded: each imported module's compiled (or source) file, whole, and of every file-backed mapping (shared
+What is recorded: each imported module's bytecode and source files, whole, and of every file-backed mapping (shared
 libraries) the pages this process has mapped in, from /proc/self/pagemap's present bit, as file ranges (gaps under
 GAP joined). Files under `exclude` (the FTW, whose own ranges the read-ahead has), or linked from there, are left
 out, and at most MAX_BYTES are kept. The list is a hint: `load` returns [] for anything unreadable or malformed, and
@@ -91,15 +91,15 @@ def record(exclude: Path | None = None, path: Path | None = None) -> Path | None
 
 
 def _module_files() -> list[str]:
-    """Each imported module's file that the import read: its cached bytecode when there is one, else its source
-    (extension modules are mappings, taken from /proc/self/maps)."""
+    """Each imported module's files: its cached bytecode, which the import read, and its source, which a start reads
+    too (Triton hashes its own sources for its cache key and reads each kernel's source when it is first launched);
+    extension modules are mappings, taken from /proc/self/maps."""
     out = []
     for m in list(sys.modules.values()):
         for attr in ("__cached__", "__file__"):
             f = getattr(m, attr, None)
             if isinstance(f, str) and f.endswith((".pyc", ".py")) and os.path.isfile(f):
                 out.append(os.path.abspath(f))
-                break
     return out
 
 
