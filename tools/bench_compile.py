@@ -3,6 +3,7 @@ disk, compile it to FTW, and compare the wall time with the I/O bound.
 
     python tools/bench_compile.py [--layers 6] [--no-twin] [--work DIR] [--keep] [--verify full] [--note TEXT]
     python tools/bench_compile.py --layers 40 --no-twin     # the full model: 23 GB in, 21 GB out, no 72 GB twin
+    python tools/bench_compile.py --layers 8 --quantize nvfp4   # a BF16 source quantized: compile_quantize.md
 
 The compile reads every input byte once (sha256 for provenance, tensors for the output) and writes every output
 byte once, so its floor is `input bytes / disk read speed + output bytes / disk write speed`. Each speed is the
@@ -46,10 +47,11 @@ def files_under(d: Path) -> list[Path]:
     return sorted(p for p in d.rglob("*") if p.is_file())
 
 
-def run_compile(src: Path, out: Path, verify: str) -> dict:
+def run_compile(src: Path, out: Path, verify: str, quantize: str | None = None) -> dict:
     """Compile in a child process: wall time, its rusage, and /proc peaks sampled every 20 ms (plus load average)."""
     code = ("import sys; from ft.compiler import compile_checkpoint; "
-            f"compile_checkpoint(sys.argv[1], sys.argv[2], force=True, progress=False, verify={verify!r})")
+            f"compile_checkpoint(sys.argv[1], sys.argv[2], force=True, progress=False, verify={verify!r}"
+            + (f", quantize={quantize!r})" if quantize else ")"))
     cmd = [sys.executable, "-c", code, str(src), str(out)]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd)
@@ -104,7 +106,7 @@ def per_layer_split(ftw: Path, src: Path) -> dict[str, int]:
             "in_fixed": in_total - in_layers, "in_per_layer": in_layers // layers}
 
 
-def check_space(work: Path, layers: int, twin: bool, probe: int) -> None:
+def check_space(work: Path, layers: int, twin: bool, probe: int, source: str = "nvfp4") -> None:
     """Refuse to start unless input + output (+ twin) + probe file fit: the bytes come from synth's tensor table."""
     from ft.compiler.synth import tensor_table
 
@@ -112,7 +114,7 @@ def check_space(work: Path, layers: int, twin: bool, probe: int) -> None:
         table = tensor_table("qwen3_5_moe", PRESET, quant=quant, num_layers=layers)
         return sum(t.dtype.itemsize * math.prod(t.shape) for t in table)
 
-    need = 2 * size("nvfp4") + (size("none") if twin else 0) + probe + (1 << 30)  # output ~= input bytes
+    need = size(source) + size("nvfp4") + (size("none") if twin else 0) + probe + (1 << 30)  # out: NVFP4 experts
     free = shutil.disk_usage(work).free
     if free < need:
         hint = " (try --no-twin)" if twin else ""
@@ -133,7 +135,11 @@ def measure(args, src: Path, out: Path) -> dict:
 
     if not (src / "config.json").is_file():
         t0 = time.perf_counter()
-        synth("qwen3_5_moe", PRESET, src, quant="nvfp4", num_layers=args.layers, force=True, twin=not args.no_twin)
+        if args.quantize:  # a BF16 release's layout (fused experts), quantized by the compile
+            synth("qwen3_5_moe", PRESET, src, dtype="bf16", expert_layout="fused", num_layers=args.layers, force=True)
+        else:
+            synth("qwen3_5_moe", PRESET, src, quant="nvfp4", num_layers=args.layers, force=True,
+                  twin=not args.no_twin)
         print(f"synthesized {src} in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     shutil.rmtree(out, ignore_errors=True)
     in_files = files_under(src)
@@ -146,7 +152,7 @@ def measure(args, src: Path, out: Path) -> dict:
     drop_cache(in_files)
     load_before = os.getloadavg()
     print(f"compiling {in_bytes / G:.1f} GB", file=sys.stderr)
-    run = run_compile(src, out, args.verify)
+    run = run_compile(src, out, args.verify, args.quantize)
     load_after = os.getloadavg()
     print(f"compiled in {run['wall_s']:.0f} s; disk probes (after)", file=sys.stderr)
     # the disk is shared and noisy: probe before and after (the second read on another cold region)
@@ -162,7 +168,8 @@ def measure(args, src: Path, out: Path) -> dict:
         "command": shlex.join(["python", "tools/bench_compile.py", *sys.argv[1:]]),
         "verify": args.verify, "note": args.note,
         "compile_command": run["command"],
-        "checkpoint": {"preset": PRESET, "quant": "nvfp4", "layers": args.layers, "input_bytes": in_bytes,
+        "checkpoint": {"preset": PRESET, "quant": "bf16" if args.quantize else "nvfp4", "quantize": args.quantize,
+                       "layers": args.layers, "input_bytes": in_bytes,
                        "output_bytes": out_bytes},
         "disk": {"read_bytes_per_s": read_bps, "write_bytes_per_s": write_bps, "probe_bytes": n,
                  "read_probe": f"{'BF16 twin' if twin else 'input shards (first and last region)'}, cold by {method}",
@@ -195,13 +202,17 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the synthetic checkpoint and the FTW output")
     ap.add_argument("--verify", choices=("sample", "full"), default="sample", help="the compile's final check")
     ap.add_argument("--note", default="", help="a note for this run's row in the history table")
+    ap.add_argument("--quantize", choices=("nvfp4",), default=None,
+                    help="synthesize a BF16 checkpoint (fused experts, as released) and compile it with --quantize")
     args = ap.parse_args()
 
     args.work.mkdir(parents=True, exist_ok=True)
-    src = args.work / f"qwen36-nvfp4-L{args.layers}"
-    out = args.work / f"qwen36-nvfp4-L{args.layers}.ftw"
+    kind = "bf16" if args.quantize else "nvfp4"
+    src = args.work / f"qwen36-{kind}-L{args.layers}"
+    out = args.work / f"qwen36-{kind}-L{args.layers}.ftw"
     if not (src / "config.json").is_file():
-        check_space(args.work, args.layers, not args.no_twin, args.disk_bytes)
+        check_space(args.work, args.layers, not (args.no_twin or args.quantize), args.disk_bytes,
+                    "none" if args.quantize else "nvfp4")
     try:
         result = measure(args, src, out)
     finally:  # tens of GB: never leave them behind, not even on failure or Ctrl-C
@@ -210,12 +221,13 @@ def main() -> None:
                 shutil.rmtree(d, ignore_errors=True)
     bench = REPO / "benchmarks"
     bench.mkdir(exist_ok=True)
-    old = bench / "compile.json"
+    name = "compile_quantize" if args.quantize else "compile"  # a BF16 source quantized: its own history
+    old = bench / f"{name}.json"
     if old.is_file():
         prev = json.loads(old.read_text())
         result["older"] = [{k: v for k, v in prev.items() if k != "older"}, *prev.get("older", [])]
     old.write_text(json.dumps(result, indent=2) + "\n")
-    (bench / "compile.md").write_text(render(result))
+    (bench / f"{name}.md").write_text(render(result))
     print(render(result))
 
 

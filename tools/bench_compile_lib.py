@@ -125,6 +125,10 @@ and first region of each data file, the last and first record of each expert ban
 file, all before the output is renamed into place; `--verify full` (verify column) re-reads everything, as `ft
 verify` does at any time. The disk's speed drifts by tens of percent within minutes and 3 other jobs share the 2
 cores (the compile needs ~50 s of CPU, 19 s of it sha256), so single runs scatter: compare several."""
+SUMMARY_QUANTIZE = """Reading the result: the same single pass (each input byte read once, sha256 from the same bytes,
+each output byte written once), with every expert of the BF16 source quantized to NVFP4 on the way, on the host's
+cores (`compiler/quant`): on few cores that, not the disk, sets the wall time (`quantize_speed*.md`,
+`compile_stages.md`). The floor is the same: input read plus output written at the disk's measured speeds."""
 
 
 def render(r: dict) -> str:
@@ -151,8 +155,7 @@ highest 1-min during the compile {la['max_1min_during']:.2f} (the machine is sha
 - read probe: {d['read_probe']}
 - fused-layout BF16 sources (tensors over the window, read once): benchmarks/compile_read_once.md
 
-Input: synthetic {ck['preset']} NVFP4 (ModelOpt MIXED_PRECISION layout: NVFP4 experts/shared experts/lm_head, FP8
-attention and GDN projections, BF16 rest){'' if ck['layers'] == 40 else f' cut to {ck["layers"]} of 40 layers'}.
+Input: synthetic {ck['preset']} {_source(ck)}{'' if ck['layers'] == 40 else f' cut to {ck["layers"]} of 40 layers'}.
 
 | quantity | value |
 |---|---|
@@ -167,7 +170,7 @@ attention and GDN projections, BF16 rest){'' if ck['layers'] == 40 else f' cut t
 | peak anonymous / file-backed RSS (sampled) \
 | {c['peak_anon_rss_bytes'] / 2**30:.2f} GiB / {c['peak_file_rss_bytes'] / 2**30:.2f} GiB |
 {extra}
-{SUMMARY}
+{SUMMARY_QUANTIZE if ck.get("quantize") else SUMMARY}
 
 ## All results (newest first)
 
@@ -178,3 +181,10 @@ Rows before 2026-12-02 17:50 UTC: buffered output writes, and a write probe of t
 |---|---|---|---|---|---|---|---|---|---|---|---|
 {_row(r, note)}
 {older}"""
+
+
+def _source(ck: dict) -> str:
+    if ck.get("quantize"):
+        return f"BF16 (fused experts, as released), compiled with `--quantize {ck['quantize']}`"
+    return ("NVFP4 (ModelOpt MIXED_PRECISION layout: NVFP4 experts/shared experts/lm_head, FP8\n"
+            "attention and GDN projections, BF16 rest)")
