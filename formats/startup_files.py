@@ -32,7 +32,7 @@ log = logging.getLogger("ft.formats")
 
 VERSION = 1
 GAP = 256 << 10  # ranges of one file closer than this are read as one
-MAX_BYTES = 2 << 30
+MAX_BYTES = 2 << 30  # a list stops here: a hint must stay cheap to read
 Ranges = list[tuple[Path, int, int]]  # (file, offset, nbytes)
 
 
