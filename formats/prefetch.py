@@ -20,6 +20,7 @@ posix_fadvise (not Linux) it does nothing.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import logging
 import os
@@ -145,14 +146,16 @@ def start_prefetch(ftw: str | Path | None) -> threading.Thread | None:
 
 def _read_ahead(ftw: Path) -> None:
     _idle_io()
-    for path, offset, nbytes in startup_files.load():  # first what the imports will read (a hint: gone ones skipped)
+    # first what the imports will read (a hint: gone files skipped), one file open at a time
+    for path, ranges in itertools.groupby(startup_files.load(), key=lambda r: r[0]):
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError:
             continue
         try:
             if stat.S_ISREG(os.fstat(fd).st_mode):
-                will_need(fd, offset, nbytes, in_flight=IN_FLIGHT)
+                for _, offset, nbytes in ranges:
+                    will_need(fd, offset, nbytes, in_flight=IN_FLIGHT)
         except OSError:
             pass
         finally:

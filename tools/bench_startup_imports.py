@@ -3,12 +3,13 @@
     python tools/bench_startup_imports.py --ftw DIR --out benchmarks [--reps 3] [--modes none,plain,idle,list]
                                           [--in-flight MIB]
 
-Each run is a fresh process, the page cache dropped first (root: /proc/sys/vm/drop_caches), that starts the FTW's
-read-ahead (`ft.formats.prefetch`, as `ft serve` does before its imports) and then imports torch, the engine and the
-server. Modes: `none` (no read-ahead: the imports alone), `plain` (the read-ahead in the normal I/O class, without the
-start-up file list), `idle` (in the idle I/O class, no list), `list` (idle class, the list read first: today's
-start). The list is recorded once first, by a process that has imported the same modules. Reports the imports'
-seconds and when the read-ahead finished; writes OUT/startup_imports.json.
+Each run is a fresh process, the page cache dropped first (as root all of it, else the FTW's and the listed files'
+pages: `bench_compile_lib.drop_cache`), that starts the FTW's read-ahead (`ft.formats.prefetch`, as `ft serve` does
+before its imports) and then imports torch, the engine and the server. Modes: `none` (no read-ahead: the imports
+alone), `plain` (the read-ahead in the normal I/O class, without the start-up file list), `idle` (in the idle I/O
+class, no list), `list` (idle class, the list read first: today's start). The list is recorded once first, by a
+process that has imported the same modules. Reports the imports' seconds and when the read-ahead finished; writes
+OUT/startup_imports.json.
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_compile_lib import drop_cache  # noqa: E402
 
 IMPORTS = "import torch, ft.runtime.engine, ft.runtime.server.app"
 CHILD = r"""
@@ -46,11 +49,6 @@ print(json.dumps({"imports_s": round(imports, 3), "read_ahead_s": round(time.per
 """.replace("IMPORTS", IMPORTS)
 
 
-def drop_caches() -> None:
-    os.sync()
-    Path("/proc/sys/vm/drop_caches").write_text("3\n")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ftw", type=Path, required=True)
@@ -66,11 +64,14 @@ def main() -> None:
                         f"startup_files.record(path=__import__('pathlib').Path({str(listed)!r}))"], check=True)
         from ft.formats import startup_files
 
-        listed_bytes = sum(n for _, _, n in startup_files.load(listed))
-        runs = []
+        listed_ranges = startup_files.load(listed)
+        listed_bytes = sum(n for _, _, n in listed_ranges)
+        # as root the whole page cache, else these files' pages: the FTW's and the listed libraries'
+        cold = sorted(p for p in args.ftw.iterdir() if p.is_file()) + sorted({p for p, _, _ in listed_ranges})
+        runs, page_cache = [], None
         for rep in range(args.reps):
             for mode in modes:  # alternating, so that drifts of the disk hit every mode alike
-                drop_caches()
+                page_cache = drop_cache([p for p in cold if p.is_file()])
                 out = subprocess.run([sys.executable, "-c", CHILD, mode, str(args.ftw), str(listed),
                                       args.in_flight],
                                      capture_output=True, text=True, check=True).stdout
@@ -79,7 +80,7 @@ def main() -> None:
                       f"{runs[-1]['read_ahead_s']:5.2f} s", flush=True)
     result = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "command": " ".join(sys.argv), "ftw": str(args.ftw), "list_bytes": listed_bytes,
-              "in_flight_mib": args.in_flight,
+              "in_flight_mib": args.in_flight, "page_cache": page_cache,
               "imports": IMPORTS, "runs": runs}
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "startup_imports.json"

@@ -220,11 +220,6 @@ async def sample_rss(pid: int, stop: float, samples: list, vram: list | None, ur
             await asyncio.sleep(min(10.0, max(0.0, stop - time.monotonic())))
 
 
-async def _tier_now(url: str) -> float | None:
-    async with httpx.AsyncClient(timeout=30) as c:
-        return await tier_mib(c, url)
-
-
 async def tier_mib(c: httpx.AsyncClient, url: str) -> float | None:
     try:
         tier = (await c.get(url + "/v1/stats")).json().get("prefix_cache") or {}
@@ -279,10 +274,10 @@ def main() -> int:
             asyncio.run(run())
             seconds = time.perf_counter() - t
             time.sleep(2)  # let the engine retire aborted requests before the leak check
-            rss.append([round(seconds), *(round(m, 1) for m in rss_mib(server.pid)),
-                        asyncio.run(_tier_now(url))])  # after the last requests
             health = httpx.get(url + "/health", timeout=10).status_code
             stats = httpx.get(url + "/v1/stats", timeout=10).json()
+            tier = (stats.get("prefix_cache") or {}).get("host_bytes", 0) / 2**20
+            rss.append([round(seconds), *(round(m, 1) for m in rss_mib(server.pid)), round(tier, 1)])  # at the end
         finally:
             server.send_signal(signal.SIGINT)  # a clean shutdown, as Ctrl-C; its exit status is checked
             try:
