@@ -1,6 +1,6 @@
 """Warming the page cache with what an engine start reads first, while the process is still importing.
 
-    start_prefetch(ftw_dir)   # returns at once; a daemon thread asks the kernel to read ahead
+    start_prefetch(ftw_dir)   # returns at once; a forked child asks the kernel to read ahead
 
 `ft serve` / `ft generate` call it before their heavy imports (torch, Triton, the server: seconds on a GPU host), so
 a cold disk is already reading while they run. In order: the library files the last start of this interpreter read
@@ -9,11 +9,11 @@ copies whole, in file order (at most MAX_BYTES), then the expert banks in the ma
 GPU start page-locks them in, up to half of the available memory, the page-locking's own default allowance (a cold
 start reads all of those before it is ready anyway; starting seconds earlier is what it gains). It only asks the
 kernel to read ahead (posix_fadvise WILLNEED, one readahead-sized step at a time, IN_FLIGHT bytes ahead of what the
-disk has delivered: `will_need`), from a thread in the idle I/O class: the disk stays busy, and the process's own
-reads (imports, page faults) are served first where the disk's scheduler has classes, else wait behind milliseconds
-of it, not gigabytes. Nothing it reads is trusted or used: the reader verifies everything when the engine opens the
-FTW. It parses the index with the standard library (no torch), reads only the directory's own data files
-(data-NNNNN.ftd, regular files, no links), and gives up silently on anything else, as a hint should. Without
+disk has delivered: `will_need`), from a child process in the idle I/O class: the disk stays busy, and the
+process's own reads (imports, page faults) are served first where the disk's scheduler has classes, else wait behind
+milliseconds of it, not gigabytes. Nothing it reads is trusted or used: the reader verifies everything when the
+engine opens the FTW. It parses the index with the standard library (no torch), reads only the directory's own data
+files (data-NNNNN.ftd, regular files, no links), and gives up silently on anything else, as a hint should. Without
 posix_fadvise (not Linux) it does nothing.
 """
 
@@ -133,15 +133,47 @@ def bank_allowance() -> int:
     return meminfo("MemAvailable") // 2
 
 
-def start_prefetch(ftw: str | Path | None) -> threading.Thread | None:
-    """Start the read-ahead of `read_ahead_ranges(ftw)` on a daemon thread (module docstring); None where there is
-    nothing to do (no posix_fadvise, no FTW given, no such directory: a hub repo id is resolved later)."""
+def start_prefetch(ftw: str | Path | None, *, process: bool = True) -> threading.Thread | None:
+    """Start the read-ahead of `read_ahead_ranges(ftw)` (module docstring); returns a daemon thread that ends with it,
+    or None where there is nothing to do (no posix_fadvise, no FTW given, no such directory: a hub repo id is resolved
+    later).
+
+    With `process` (the default) the read-ahead runs in a forked child process, which the returned thread reaps: a
+    thread of this process needs the GIL between its system calls, and the imports it runs beside hold the GIL for
+    seconds at a time while they load extension modules (torch's CUDA libraries: the disk sat idle for 3 of the first
+    4 s of a GPU start). The child dies with this process (PR_SET_PDEATHSIG). Without fork, or once this process has
+    other threads (forking then is unsafe), it runs on the thread itself; tests that patch what it calls use that."""
     if ftw is None or WILLNEED is None or not Path(ftw).is_dir():
         return None
     ftw = Path(ftw)
-    t = threading.Thread(target=_read_ahead, args=(ftw,), name="ft-prefetch", daemon=True)
+    if process and hasattr(os, "fork") and threading.active_count() == 1:
+        parent = os.getpid()
+        pid = os.fork()
+        if pid == 0:  # the child: read ahead, then leave without running this process's exit handlers
+            try:
+                _die_with(parent)
+                _read_ahead(ftw)
+            finally:
+                os._exit(0)
+        t = threading.Thread(target=os.waitpid, args=(pid, 0), name="ft-prefetch", daemon=True)
+    else:
+        t = threading.Thread(target=_read_ahead, args=(ftw,), name="ft-prefetch", daemon=True)
     t.start()
     return t
+
+
+def _die_with(parent: int) -> None:
+    """In the forked child: be killed when `parent` exits (Linux prctl PR_SET_PDEATHSIG), and leave now if it already
+    has; elsewhere the child simply runs to its end."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:
+        os._exit(0)
 
 
 def _read_ahead(ftw: Path) -> None:

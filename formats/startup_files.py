@@ -17,7 +17,6 @@ the read-ahead skips what no longer exists. One list per interpreter (its execut
 
 from __future__ import annotations
 
-import array
 import hashlib
 import json
 import logging
@@ -103,11 +102,15 @@ def _module_files() -> list[str]:
     return out
 
 
-def _mapped_pages(wanted) -> dict[str, list[int]]:
-    """File path -> offsets of the pages of it this process has mapped in (present in its page table), for the
-    mapped files `wanted(path)` accepts (asked before the page table is read: a device's mapping can span GiBs)."""
+def _mapped_pages(wanted) -> dict[str, list]:
+    """File path -> offsets of the pages of it this process has mapped in (present in its page table; int64 arrays,
+    one per mapping), for the mapped files `wanted(path)` accepts (asked before the page table is read: a device's
+    mapping can span GiBs). Vectorized: a GPU process maps GBs of CUDA libraries, and this runs beside the first
+    requests (numpy imported here, not at module import: the read-ahead imports this module before torch)."""
+    import numpy as np
+
     page = os.sysconf("SC_PAGE_SIZE")
-    out: dict[str, list[int]] = {}
+    out: dict[str, list] = {}
     verdict: dict[str, bool] = {}
     with open("/proc/self/maps") as maps, open("/proc/self/pagemap", "rb", buffering=0) as pm:
         for line in maps:
@@ -119,23 +122,23 @@ def _mapped_pages(wanted) -> dict[str, list[int]]:
             if not verdict[parts[5]]:
                 continue
             start, end = (int(x, 16) for x in parts[0].split("-"))
-            entries = array.array("Q", os.pread(pm.fileno(), (end - start) // page * 8, start // page * 8))
-            base = int(parts[2], 16)
-            pages = out.setdefault(parts[5], [])
-            pages.extend(base + i * page for i, e in enumerate(entries) if e >> 63)
+            entries = np.frombuffer(os.pread(pm.fileno(), (end - start) // page * 8, start // page * 8), np.uint64)
+            present = np.flatnonzero(entries >> np.uint64(63)).astype(np.int64)
+            out.setdefault(parts[5], []).append(int(parts[2], 16) + present * page)
     return out
 
 
-def _joined(pages: list[int]) -> list[list[int]]:
-    """Page offsets -> [start, end) ranges, pages closer than GAP joined."""
+def _joined(pages: list) -> list[list[int]]:
+    """Page offsets (arrays or ints) -> [start, end) ranges, pages closer than GAP joined."""
+    import numpy as np
+
     page = os.sysconf("SC_PAGE_SIZE")
-    out: list[list[int]] = []
-    for a in sorted(set(pages)):
-        if out and a <= out[-1][1] + GAP:
-            out[-1][1] = a + page
-        else:
-            out.append([a, a + page])
-    return out
+    p = np.unique(np.concatenate([np.asarray(x, np.int64).reshape(-1) for x in pages])) if len(pages) else []
+    if len(p) == 0:
+        return []
+    cut = np.flatnonzero(np.diff(p) > GAP + page)  # the last page of each range but the last
+    starts, ends = p[np.r_[0, cut + 1]], p[np.r_[cut, len(p) - 1]] + page
+    return [[int(a), int(b)] for a, b in zip(starts, ends)]
 
 
 def _regular(f: str) -> bool:

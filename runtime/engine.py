@@ -149,10 +149,17 @@ class Engine(Scheduling, DecodeInFlight):
         """One short greedy request through the whole serving path (scheduling, prefill, a decode step, sampling,
         detokenizing), then forgotten: kept by no prefix cache, counted by no counter but the expert cache's routing
         counts. The server runs it before it says ready, so the first real request finds every lazy start-up cost
-        (allocator growth, library handles, a kernel not prebuilt) already paid."""
+        (allocator growth, library handles, a kernel not prebuilt) already paid. On a GPU at a VRAM budget it first
+        waits for the expert banks' page-locking (`startup["pin_wait_s"]`): until then decode takes the host-planned
+        path without CUDA graphs, and the request runs the steady state's path, capturing its graphs."""
         n = min(tokens, self.kv.max_context - 2)  # room for its two output tokens
         if n < 1:
             return
+        wait_pinned = getattr(self._experts, "wait_pinned", None)
+        if callable(wait_pinned):
+            t = time.perf_counter()
+            wait_pinned()
+            self.startup["pin_wait_s"] = round(time.perf_counter() - t, 3)
         prefix, self.prefix = self.prefix, None
         try:
             ids = [(31 * i + 7) % self.config.vocab_size for i in range(n)]

@@ -17,8 +17,8 @@ Launchers built = launcher modules (`*.so`) that appeared in the run's Triton ca
 (the engine's `kernels.launchers_installed`). --drop-caches empties the page cache before each run (as root: writes
 /proc/sys/vm/drop_caches; otherwise it evicts the FTW's own files with posix_fadvise(DONTNEED), which any reader may
 do for clean pages), so ready includes reading the weights from disk. Then the disk bound is reported beside ready:
-the bytes the serve process had read from storage when it became ready (`read_bytes` of /proc/PID/io) over the cold
-read bandwidth measured on the FTW's largest file, evicted first.
+the bytes the serve process and its read-ahead child had read from storage when it became ready (`read_bytes` of
+/proc/PID/io) over the cold read bandwidth measured on the FTW's largest file, evicted first.
 Writes OUT/coldstart.json (every run: seconds to ready, to the first token, of the repeated request, the engine's
 "kernels" stats, its start-up phases and the page-locking's) and prints a table. Needs a CUDA GPU (or --device cpu);
 the port is free on 127.0.0.1.
@@ -97,13 +97,24 @@ def _from_log(log_path: Path) -> dict:
 
 
 def _read_bytes(pid: int) -> int | None:
-    """Bytes process `pid` has caused to be read from storage (page faults on its mmaps included), or None."""
+    """Bytes process `pid` and its live children (the read-ahead runs in one: `formats/prefetch.py`) have caused to
+    be read from storage (page faults on their mmaps included; a reaped child's count is in its parent's), or None."""
+    total = None
+    for p in [pid, *_children(pid)]:
+        try:
+            m = re.search(r"^read_bytes: (\d+)", Path(f"/proc/{p}/io").read_text(), re.M)
+        except OSError:
+            continue
+        if m:
+            total = (total or 0) + int(m.group(1))
+    return total
+
+
+def _children(pid: int) -> list[int]:
     try:
-        text = Path(f"/proc/{pid}/io").read_text()
-    except OSError:
-        return None
-    m = re.search(r"^read_bytes: (\d+)", text, re.M)
-    return int(m.group(1)) if m else None
+        return [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
+    except (OSError, ValueError):
+        return []
 
 
 def _signal(pid: int, sig: int) -> None:
@@ -117,12 +128,9 @@ def _child(parent: subprocess.Popen, deadline_s: float) -> int:
     """The pid of py-spy's child process (the server), once it exists."""
     end = time.perf_counter() + deadline_s
     while time.perf_counter() < end and parent.poll() is None:
-        try:
-            kids = Path(f"/proc/{parent.pid}/task/{parent.pid}/children").read_text().split()
-        except OSError:
-            kids = []
+        kids = _children(parent.pid)
         if kids:
-            return int(kids[0])
+            return kids[0]
         time.sleep(0.01)
     raise RuntimeError(f"py-spy did not start the server (exit {parent.poll()})")
 

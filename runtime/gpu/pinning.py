@@ -191,6 +191,10 @@ class BackgroundPinner:
                          "pin_error": f"{type(e).__name__}: {e}"}
         finally:
             self.info["seconds"] = round(time.perf_counter() - t, 3)  # from the engine's start of pinning
+            i = self.info
+            log.info("expert banks: %d of %d page-locked (%.2f GB) in %.2f s (reading %.2f, registering %.2f, "
+                     "verifying %.2f)", i.get("pinned_banks", 0), len(banks), i.get("pinned_bytes", 0) / 1e9,
+                     i["seconds"], i.get("read_s", 0.0), i.get("register_s", 0.0), i.get("verify_s", 0.0))
             self.done.set()
 
     def wait(self, timeout: float | None = None) -> dict:

@@ -43,8 +43,9 @@ def load_engine(settings: ServeSettings) -> Any:
     up = engine.startup
     up["launch_to_load_s"] = launched
     log.info("engine load began %s s after launch; loaded in %.1f s (model and experts %.1f, the tokenizer, parsed "
-             "beside them, %.1f more), warmed up in %.2f s (steps %s s) (device %s, KV budget %d tokens)", launched,
-             loaded - t0, up["load_s"], up["tokenizer_s"], time.perf_counter() - loaded, up.get("warm_up_steps_s"),
+             "beside them, %.1f more), warmed up in %.2f s (the page-locking's end awaited %.2f, steps %s s) (device "
+             "%s, KV budget %d tokens)", launched, loaded - t0, up["load_s"], up["tokenizer_s"],
+             time.perf_counter() - loaded, up.get("pin_wait_s", 0.0), up.get("warm_up_steps_s"),
              settings.engine.device, engine.kv.total)
     return engine
 

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -61,7 +62,7 @@ def test_read_ahead_asks_the_kernel_for_those_ranges_and_nothing_outside(ftw: Pa
         f"/proc/self/fd/{fd}"), off, n, advice)))
     monkeypatch.setattr(pf, "bank_allowance", lambda: 1 << 40)
     monkeypatch.setattr(pf, "advice_step", lambda fd: 4096)  # the kernel's per-call limit, made small
-    pf.start_prefetch(ftw).join()
+    pf.start_prefetch(ftw, process=False).join()  # patched calls: in this process
     dense, banks = pf.read_ahead_ranges(ftw)
     assert _joined(asked) == [(str(p.resolve()), o, n) for p, o, n in dense + banks] and asked
     assert {a for *_, a in asked} == {pf.WILLNEED} and max(n for _, _, n, _ in asked) == 4096
@@ -70,13 +71,50 @@ def test_read_ahead_asks_the_kernel_for_those_ranges_and_nothing_outside(ftw: Pa
     monkeypatch.setattr(pf, "MAX_BYTES", 100)  # both caps hold: 100 bytes of dense, then banks up to the allowance
     monkeypatch.setattr(pf, "bank_allowance", lambda: first_bank + 7)
     asked.clear()
-    pf.start_prefetch(ftw).join()
+    pf.start_prefetch(ftw, process=False).join()  # patched calls: in this process
     assert [n for _, _, n in _joined(asked)] == [100, first_bank, 7]
 
 
 def _read_bytes() -> int:
     return int(next(line.split()[1] for line in Path("/proc/self/io").read_text().splitlines()
                     if line.startswith("read_bytes:")))
+
+
+def test_the_read_ahead_runs_in_a_child_that_dies_with_its_parent(ftw: Path, tmp_path: Path) -> None:
+    """A forked child reads ahead (the imports beside it hold this process's GIL for seconds) and is reaped by the
+    returned thread; when the process exits first, the child is killed with it."""
+    if pf.WILLNEED is None or not hasattr(os, "fork"):
+        pytest.skip("no posix_fadvise or fork here")
+    marks = tmp_path / "marks"
+    code = f"""
+import os, sys, time
+from pathlib import Path
+from ft.formats import prefetch as pf
+def read_ahead(ftw):
+    Path({str(marks)!r}).write_text(str(os.getpid()))
+    time.sleep(float(sys.argv[1]))
+pf._read_ahead = read_ahead
+t = pf.start_prefetch({str(ftw)!r})
+t.join(float(sys.argv[2]))
+print(os.getpid(), t.is_alive())
+"""
+    out = subprocess.run([sys.executable, "-c", code, "0", "30"], capture_output=True, text=True, timeout=60)
+    parent, reaped = out.stdout.split()
+    assert int(marks.read_text()) != int(parent) and reaped == "False"  # it ran in another process, now reaped
+    proc = subprocess.run([sys.executable, "-c", code, "60", "0"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.split()[1] == "True"  # the parent left while the child still ran
+    child = int(marks.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _running(child):
+        time.sleep(0.05)
+    assert not _running(child)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_will_need_brings_the_whole_range_into_the_page_cache(tmp_path: Path) -> None:

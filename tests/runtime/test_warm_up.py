@@ -79,3 +79,20 @@ def test_the_tokenizer_is_parsed_while_the_weights_load_and_its_errors_still_sur
     monkeypatch.setattr(Tokenizer, "from_reader", staticmethod(broken))
     with pytest.raises(ValueError, match="tokenizer has no 'file'"):
         Engine(ftw, EngineSettings(kv_reserve_tokens=256))
+
+
+def test_the_warm_up_waits_for_the_page_locking_before_its_request(ftw_for, monkeypatch):
+    """At a VRAM budget the steady state's decode path (mapped reads, CUDA graphs) starts once the banks are
+    page-locked: the warm-up waits for that first, so the request it runs (and the graphs it captures) is that path."""
+    from ft.runtime.gpu.offload_config import OffloadConfig
+
+    eng = Engine(ftw_for("qwen3_moe", "nvfp4"), EngineSettings(kv_reserve_tokens=256),
+                 offload=OffloadConfig(num_slots=1))
+    order = []
+    real_step = eng.step
+    monkeypatch.setattr(type(eng._experts), "wait_pinned", lambda self, timeout=None: order.append("pinned") or {})
+    monkeypatch.setattr(eng, "step", lambda: order.append("step") or real_step())
+    eng.warm_up()
+    assert order[0] == "pinned" and order.count("pinned") == 1 and order.count("step") >= 2
+    assert eng.startup["pin_wait_s"] >= 0
+    eng.close()

@@ -5,6 +5,7 @@ the file's size), and a second read does not."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -55,6 +56,25 @@ def test_evicted_files_are_read_from_storage_again(tree):
     evict(cold.ftw_files(tree))
     assert _read_all(bank) >= SIZE * 3 // 4  # from storage (readahead may round the count)
     assert _read_all(bank) == 0  # now cached
+
+
+def test_the_reads_of_a_live_child_count(tree):
+    """The server's read-ahead runs in a child process: its reads are the server's too."""
+    if cold._read_bytes(os.getpid()) is None or _fs_type(tree) in ("tmpfs", "ramfs"):
+        pytest.skip("no /proc/PID/io here, or nothing to evict to")
+    bank = tree / "experts" / "bank.bin"
+    os.sync()
+    evict([bank])
+    before = cold._read_bytes(os.getpid())
+    code = "import sys; open(sys.argv[1], 'rb').read(); print('read', flush=True); sys.stdin.read()"
+    child = subprocess.Popen([sys.executable, "-c", code, str(bank)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert child.stdout.readline().strip() == "read"
+        assert cold._read_bytes(os.getpid()) - before >= SIZE * 3 // 4
+    finally:
+        child.stdin.close()
+        child.wait(30)
 
 
 def test_cold_read_measures_the_largest_file_and_leaves_it_intact(tree):
