@@ -44,6 +44,8 @@ def host_call(ex, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weig
     c["misses"] += len(misses)
     fetch, on_cpu = _split(ex, layer, misses)
     ex.per_layer[:, layer] += (int(hit.sum()), len(misses), len(fetch), len(on_cpu))
+    if len(on_cpu) and ex.mapped is not None and ex.mapped.lane is not None:
+        ex.mapped.lane.rest(True)  # its idle threads off the cores our CPU share runs on, until the next mapped call
     future = _submit_cpu(ex, layer, on_cpu, ids, x, topk_weights) if len(on_cpu) else None
     slot_of = dict(zip(uniq[hit].tolist(), slots[hit].tolist()))
     for e, s in zip(fetch.tolist(), ex.cache.admit_many(layer, fetch)[0].tolist()):  # _split: all fit

@@ -107,6 +107,8 @@ class MappedDecode:
     def __call__(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         ex = self.ex
         self.poll()
+        if self.lane is not None:
+            self.lane.rest(False)
         T, k = topk_ids.shape
         count_call(ex, T)
         self.table.sync()
@@ -134,6 +136,8 @@ class MappedDecode:
 
     def before_replay(self) -> None:
         self.ex.pipeline.abandon()  # a prefill forward that stopped part way may still copy into the staging rows
+        if self.lane is not None:
+            self.lane.rest(False)
         self.publish()
 
     def after_replay(self, num_tokens: int) -> None:

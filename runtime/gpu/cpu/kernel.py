@@ -81,6 +81,8 @@ def load_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         lib.ft_lane_stats.restype = None
         lib.ft_lane_set_fit_cap.argtypes = [p, ctypes.c_int64, ctypes.c_int64]
         lib.ft_lane_set_fit_cap.restype = None
+        lib.ft_lane_rest.argtypes = [p, ctypes.c_int32]
+        lib.ft_lane_rest.restype = None
         _LIBS[extra_flags] = lib
     return _LIBS[extra_flags]
 

@@ -13,7 +13,9 @@
  *
  * Thread 0 leads: it watches MB_REQ, groups the pairs by expert, publishes the job (`gen`) and works on it with the
  * others; work items of each phase are taken from an atomic counter, phases end at a spin barrier. Idle threads spin
- * with a pause for SPIN_NS, then nap (50 us, 500 us after a second), so an idle server does not burn its cores.
+ * with a pause for SPIN_NS, then nap (50 us, 500 us after a second), so an idle server does not burn its cores. While
+ * the host runs CPU work of its own (`ft_lane_rest`: host-planned calls, whose CPU share runs on another team) idle
+ * threads nap REST_NS at once: spinning or waking every 50 us they would preempt that team's threads.
  */
 #define _POSIX_C_SOURCE 200809L
 #include <pthread.h>
@@ -28,6 +30,7 @@
 enum { MB_REQ = 0, MB_DONE = 16, MB_ERR = 17, MB_N = 32, MB_T = 33, MB_LAYER = 34, MB_EXPERT = 64, MB_TOKEN = 128,
        MB_WEIGHT = 192, MB_X = 256, MB_PAIRS = 64 };
 #define SPIN_NS 20000000LL /* spin this long without work before napping */
+#define REST_NS 500000L    /* an idle thread's nap while the lane rests */
 
 typedef struct ft_lane ft_lane;
 typedef struct {
@@ -47,7 +50,7 @@ struct ft_lane {
     pthread_t *th;
     lane_arg *args;
     _Atomic int64_t gen, bgen;
-    _Atomic int stop, arrive;
+    _Atomic int stop, arrive, rest;
     _Atomic int64_t next[3];
     moe_job job;
     int64_t items[3];
@@ -74,8 +77,13 @@ static inline void relax(void) {
 #endif
 }
 
-/* One turn of an idle wait that began at *t0 (0: now): pause while young, nap when old. */
-static void idle_turn(int64_t *t0, unsigned *n) {
+/* One turn of an idle wait that began at *t0 (0: now): pause while young, nap when old or when the lane rests. */
+static void idle_turn(ft_lane *l, int64_t *t0, unsigned *n) {
+    if (atomic_load_explicit(&l->rest, memory_order_relaxed)) {
+        struct timespec ts = {0, REST_NS};
+        nanosleep(&ts, NULL);
+        return;
+    }
     if ((++*n & 255) != 0) {
         relax();
         return;
@@ -160,12 +168,15 @@ static void lead(ft_lane *l) {
         int32_t req;
         int64_t t0 = 0, waited_from = now_ns();
         unsigned turns = 0;
+        int rested = 0;
         while ((req = __atomic_load_n(&l->mb[MB_REQ], __ATOMIC_ACQUIRE)) == last) {
             if (atomic_load_explicit(&l->stop, memory_order_relaxed)) return;
-            idle_turn(&t0, &turns);
+            rested |= atomic_load_explicit(&l->rest, memory_order_relaxed);
+            idle_turn(l, &t0, &turns);
         }
         int64_t t = now_ns();
-        int napped = t - waited_from > SPIN_NS; /* so did the workers: this job's time includes their waking up */
+        /* so did the workers: this job's time includes their waking up */
+        int napped = rested || t - waited_from > SPIN_NS;
         int rc = prepare(l);
         if (rc == 0) {
             for (int p = 0; p < 3; p++) atomic_store_explicit(&l->next[p], 0, memory_order_relaxed);
@@ -203,7 +214,7 @@ static void work(ft_lane *l) {
         unsigned turns = 0;
         while (atomic_load_explicit(&l->gen, memory_order_acquire) == seen) {
             if (atomic_load_explicit(&l->stop, memory_order_relaxed)) return;
-            idle_turn(&t0, &turns);
+            idle_turn(l, &t0, &turns);
         }
         seen = atomic_load_explicit(&l->gen, memory_order_acquire);
         run_phases(l);
@@ -271,6 +282,12 @@ void ft_lane_free(ft_lane *l) {
  * the cap; all cumulative. */
 void ft_lane_stats(ft_lane *l, int64_t *out) {
     for (int i = 0; i < 11; i++) out[i] = atomic_load(&l->stats[i]);
+}
+
+/* on: idle threads nap REST_NS per turn instead of spinning (posted jobs are still answered, up to REST_NS late);
+ * off: back to spinning at once. */
+void ft_lane_rest(ft_lane *l, int32_t on) {
+    atomic_store_explicit(&l->rest, on != 0, memory_order_relaxed);
 }
 
 /* Jobs slower than fixed_ns + per_ns * experts are counted as outliers, not fitted; per_ns 0 lifts the cap. */

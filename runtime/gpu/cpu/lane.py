@@ -176,6 +176,15 @@ class CpuLane:
         self._split_host = torch.empty(2, 4, dtype=torch.float32, pin_memory=self.cuda)
         self._upload_split()
         self._seen = np.zeros(len(STATS), np.float64)
+        self.resting = False
+
+    def rest(self, on: bool) -> None:
+        """On while the host computes experts on its own team (host-planned calls: `host_call.py`): the lane's idle
+        threads nap instead of spinning, which would take that team's cores; off before a call that may post to it
+        (a job posted while resting is still answered, up to REST_NS late, and left out of the fit)."""
+        if on != self.resting:
+            self.lib.ft_lane_rest(self.handle, int(on))
+            self.resting = on
 
     def _upload_split(self) -> None:
         big = 1e30  # an unavailable path costs "infinitely" much, finitely (inf * 0 would be nan in the kernel)

@@ -303,3 +303,37 @@ def test_the_lane_reads_page_locked_banks_through_their_locked_view(monkeypatch)
     md = types.SimpleNamespace(ex=ex, base={0: 123}, lane_only={1})
     lane_mod.lane_for(md)
     assert got == {0: (777_000, layout.stride, 10), 1: (5000, layout.stride, 10)}
+
+
+def test_a_resting_lane_answers_its_posts_and_leaves_the_cores_to_the_host(bank):
+    """While the host runs its own CPU share (host-planned calls), the lane's idle threads nap instead of spinning; a
+    job posted meanwhile is still answered, equal to the reference, and left out of the fit (its time includes waking
+    the team up)."""
+    import time
+
+    layout, recs, host = bank
+    lane = _lane(layout, host, 4)
+    ids, w = torch.tensor([[0, 1, 2, 3]]), torch.full((1, 4), 0.25)
+    x = torch.randn(1, H).bfloat16().float()
+
+    def cpu_seconds_while_idle() -> float:  # this process's CPU time (all threads) while the main thread sleeps
+        t = time.process_time()
+        time.sleep(0.01)
+        return time.process_time() - t
+
+    try:
+        want, _, _ = _call(lane, layout, host, ids, w, x)
+        awake = cpu_seconds_while_idle()  # the idle team spins, then wakes every 50 us
+        lane.rest(True)
+        time.sleep(0.002)  # a turn of the idle loop sees the flag
+        resting = cpu_seconds_while_idle()
+        assert resting < 0.5 * awake
+        before = lane.counters()
+        got, _, _ = _call(lane, layout, host, ids, w, x)
+        after = lane.counters()
+        assert torch.equal(got, want)
+        assert after["jobs"] == before["jobs"] + 1 and after["fit_jobs"] == before["fit_jobs"]
+        lane.rest(False)
+        assert not lane.resting
+    finally:
+        lane.close()

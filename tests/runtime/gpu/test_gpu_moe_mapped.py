@@ -116,6 +116,29 @@ def test_banks_beyond_the_host_memory_allowance_are_computed_by_the_cpu_lane(rea
         ex.close()
 
 
+@pytest.mark.skipif(not INTERP, reason="needs Triton's interpreter on a machine without CUDA")
+def test_the_lane_rests_while_a_host_planned_call_computes_on_the_cpu(reader):
+    """A host-planned call (more pairs than the mapped path takes) that gives misses to the CPU rests the lane, so its
+    idle threads leave the cores to that CPU work; the next mapped call wakes it before it may post."""
+    opts = OffloadConfig(mode="mapped", num_slots=3, admit_max=0, b_pcie=1e6, cpu_threads=2)
+    ex = GpuExperts(reader, opts, device="cpu", device_plan=True, interpret=True)
+    try:
+        calls = list(_calls(reader, (1, MAX_DEVICE_PAIRS // K + 1, 1), seed=13))
+        layer, x, ids, w = calls[0]
+        ex(layer, x, ids, w)  # mapped: makes the lane
+        lane = ex.mapped.lane
+        assert lane is not None and not lane.resting
+        layer, x, ids, w = calls[1]
+        assert not uses_mapped(ex, layer, x.shape[0])
+        assert rel_err(ex(layer, x, ids, w).float(), _full(reader, layer, x, ids, w)) < 1e-2
+        assert ex.stats()["cpu_experts"] > 0 and lane.resting
+        layer, x, ids, w = calls[2]
+        assert rel_err(ex(layer, x, ids, w).float(), _full(reader, layer, x, ids, w)) < 1e-2
+        assert not lane.resting
+    finally:
+        ex.close()
+
+
 def test_mapped_falls_back_to_the_host_path_for_prefill_and_publishes_hidden_entries(reader):
     ex = GpuExperts(reader, OffloadConfig(mode="mapped", num_slots=4), device="cpu", device_plan=True)
     big = MAX_DEVICE_PAIRS // K + 1
