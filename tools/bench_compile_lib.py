@@ -38,6 +38,38 @@ def drop_cache(paths: list[Path]) -> str:
         return "fadvise"
 
 
+def disk_counters(path: Path) -> tuple[int, int, int] | None:
+    """(bytes read, bytes written, milliseconds busy) so far of the block device holding `path` (/proc/diskstats), or
+    None where it is not one (tmpfs, overlay) or there is no /proc/diskstats."""
+    dev = os.stat(path).st_dev
+    try:
+        with open("/proc/diskstats") as f:
+            for line in f:
+                v = line.split()
+                if (int(v[0]), int(v[1])) == (os.major(dev), os.minor(dev)):
+                    return int(v[5]) * 512, int(v[9]) * 512, int(v[12])  # sectors of 512 bytes, whatever the disk's
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def disk_timeline(path: Path, running, step: float = 0.1) -> list[list[float]]:
+    """While `running()` is true: every `step` seconds [seconds since the start, GB/s read, GB/s written, share of the
+    step the device was busy] of the disk holding `path` ([] where `disk_counters` has none)."""
+    prev, t0, out = disk_counters(path), time.perf_counter(), []
+    while running():
+        time.sleep(step)
+        now = disk_counters(path)
+        if prev is None or now is None:
+            continue
+        t = time.perf_counter() - t0
+        dt = step if not out else t - out[-1][0]
+        out.append([round(t, 2), round((now[0] - prev[0]) / G / dt, 3), round((now[1] - prev[1]) / G / dt, 3),
+                    round(min(1.0, (now[2] - prev[2]) / 1e3 / dt), 3)])
+        prev = now
+    return out
+
+
 def write_speed(work: Path, nbytes: int, method: str) -> float:
     """Bytes/s written to the work directory's disk: 64 MiB blocks of random data, fsync before the clock stops."""
     path = work / "disk-speed.bin"

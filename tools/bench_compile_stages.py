@@ -11,8 +11,9 @@ best of `--repeat`; compiles write into a temporary folder beside the source:
 * the same, no sha256;
 * compile --quantize: the real thing.
 Stubbed runs produce wrong bytes on purpose and are deleted; only their times are kept. The disk bound is source
-bytes over the faster cold read (O_DIRECT or buffered), as in `bench_quantize_speed.py`. Writes DIR/compile_stages.json
-(the runs appended) and prints a table.
+bytes over the faster cold read (O_DIRECT or buffered), as in `bench_quantize_speed.py`. Each variant's best run also
+keeps the source disk's timeline (GB/s read and written, busy share, every 100 ms): where the disk idles, the pipeline
+stalls. Writes DIR/compile_stages.json (the runs appended) and prints a table.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_compile_lib import drop_cache, read_speed  # noqa: E402
+from bench_compile_lib import disk_timeline, drop_cache, read_speed  # noqa: E402
 
 VARIANTS = {"pass": ("pass", False), "pass, no sha256": ("pass", True),
             "compile, free quantization": ("free", False), "compile, free quantization, no sha256": ("free", True),
@@ -61,15 +62,25 @@ print(time.perf_counter() - t)
 """
 
 
-def run(variant: str, src: Path, files: list[Path]) -> float:
+def run(variant: str, src: Path, files: list[Path]) -> tuple[float, list]:
+    """-> (seconds, the source disk's timeline while the child ran: `disk_timeline`)."""
     what, nohash = VARIANTS[variant]
     with tempfile.TemporaryDirectory(dir=src.parent, prefix="ft-stages-") as tmp:
         drop_cache(files)
-        r = subprocess.run([sys.executable, "-c", CHILD, what, str(int(nohash)), str(src), str(Path(tmp) / "out.ftw")],
-                           capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        if r.returncode:
-            raise SystemExit(f"{variant}: exit {r.returncode}\n{r.stderr[-2000:]}")
-        return float(r.stdout.strip().splitlines()[-1])
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+            child = subprocess.Popen([sys.executable, "-c", CHILD, what, str(int(nohash)), str(src),
+                                      str(Path(tmp) / "out.ftw")], stdout=out, stderr=err, text=True,
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            timeline = disk_timeline(files[0], lambda: child.poll() is None)
+            out.seek(0), err.seek(0)
+            if child.wait():
+                raise SystemExit(f"{variant}: exit {child.returncode}\n{err.read()[-2000:]}")
+            return float(out.read().strip().splitlines()[-1]), timeline
+
+
+def busy_share(timeline: list) -> float | None:
+    """The share of a timeline's steps the disk was busy (None: no timeline)."""
+    return sum(b for *_, b in timeline) / len(timeline) if timeline else None
 
 
 def main() -> None:
@@ -88,9 +99,13 @@ def main() -> None:
            "disk_bound_s": bound, "seconds": {}}
     print(f"{nbytes / 1e9:.2f} GB, cold read {reads['direct']:.2f} (direct) / {reads['buffered']:.2f} (buffered) "
           f"GB/s, disk bound {bound:.2f} s, {os.cpu_count()} cores")
+    row["disk_timeline"] = {}  # the best run's: is the disk idle while the pipeline stalls?
     for variant in VARIANTS:
-        row["seconds"][variant] = s = min(run(variant, args.src, files) for _ in range(args.repeat))
-        print(f"  {variant:40s} {s:6.2f} s  {s / bound:.2f}x the bound", flush=True)
+        s, timeline = min(run(variant, args.src, files) for _ in range(args.repeat))
+        row["seconds"][variant], row["disk_timeline"][variant] = s, timeline
+        busy = busy_share(timeline)
+        print(f"  {variant:40s} {s:6.2f} s  {s / bound:.2f}x the bound"
+              + (f"  disk busy {100 * busy:.0f} % of the child's run" if busy is not None else ""), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "compile_stages.json"
     runs = json.loads(path.read_text()) if path.exists() else []
