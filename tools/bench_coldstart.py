@@ -76,10 +76,11 @@ def _engine_stats(base: str) -> dict:
     """From /v1/stats (its snapshot follows the engine loop: polled briefly): the engine's kernels stats, its
     start-up phases and the background page-locking's ({} where absent)."""
     for _ in range(50):
-        engine = _get(f"{base}/v1/stats")[1].get("engine") or {}
+        body = _get(f"{base}/v1/stats")[1]
+        engine = body.get("engine") or {}
         if engine.get("kernels") or engine.get("startup"):  # a CPU engine has no kernels
             return {"kernels": engine.get("kernels"), "startup": engine.get("startup"),
-                    "pin": (engine.get("moe") or {}).get("pin")}
+                    "pin": (body.get("moe") or {}).get("pin")}  # the expert cache's stats sit beside "engine"
         time.sleep(0.1)
     return {}
 

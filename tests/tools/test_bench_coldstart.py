@@ -81,3 +81,13 @@ def test_cold_read_measures_the_largest_file_and_leaves_it_intact(tree):
     data = (tree / "experts" / "bank.bin").read_bytes()
     assert cold.cold_read_gbs(tree) > 0
     assert (tree / "experts" / "bank.bin").read_bytes() == data
+
+
+def test_the_engine_stats_take_the_page_locking_from_beside_the_engine(monkeypatch):
+    """/v1/stats puts the expert cache's stats (its page-locking among them) beside "engine", not inside it."""
+    body = {"engine": {"startup": {"load_s": 1.0}, "kernels": {"compiled_since_start": 0}},
+            "moe": {"pin": {"pinned_bytes": 5, "seconds": 1.5}}}
+    monkeypatch.setattr(cold, "_get", lambda url: (200, body))
+    got = cold._engine_stats("http://127.0.0.1:1")
+    assert got == {"kernels": {"compiled_since_start": 0}, "startup": {"load_s": 1.0},
+                   "pin": {"pinned_bytes": 5, "seconds": 1.5}}
