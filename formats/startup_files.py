@@ -69,7 +69,8 @@ def record(exclude: Path | None = None, path: Path | None = None) -> Path | None
             log.debug("start-up file list without mapped files: %s", e)
             mapped = {}
         for f, pages in mapped.items():
-            files.setdefault(f, _joined(pages))
+            if f not in files:  # a module file is listed whole already
+                files[f] = _joined(pages)
         kept, total = [], 0
         for f, ranges in files.items():
             ranges = [[a, b - a] for a, b in ranges if b > a]  # an empty module file has nothing to read
@@ -129,12 +130,13 @@ def _mapped_pages(wanted) -> dict[str, list]:
 
 
 def _joined(pages: list) -> list[list[int]]:
-    """Page offsets (arrays or ints) -> [start, end) ranges, pages closer than GAP joined."""
+    """Page offsets (int64 arrays, as `_mapped_pages` gives them) -> [start, end) ranges, pages closer than GAP
+    joined."""
     import numpy as np
 
     page = os.sysconf("SC_PAGE_SIZE")
-    p = np.unique(np.concatenate([np.asarray(x, np.int64).reshape(-1) for x in pages])) if len(pages) else []
-    if len(p) == 0:
+    p = np.unique(np.concatenate(pages))
+    if p.size == 0:
         return []
     cut = np.flatnonzero(np.diff(p) > GAP + page)  # the last page of each range but the last
     starts, ends = p[np.r_[0, cut + 1]], p[np.r_[cut, len(p) - 1]] + page

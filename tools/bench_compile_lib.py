@@ -56,17 +56,16 @@ def disk_counters(path: Path) -> tuple[int, int, int] | None:
 def disk_timeline(path: Path, running, step: float = 0.1) -> list[list[float]]:
     """While `running()` is true: every `step` seconds [seconds since the start, GB/s read, GB/s written, share of the
     step the device was busy] of the disk holding `path` ([] where `disk_counters` has none)."""
-    prev, t0, out = disk_counters(path), time.perf_counter(), []
+    t0 = last = time.perf_counter()
+    prev, out = disk_counters(path), []
     while running():
         time.sleep(step)
-        now = disk_counters(path)
-        if prev is None or now is None:
-            continue
-        t = time.perf_counter() - t0
-        dt = step if not out else t - out[-1][0]
-        out.append([round(t, 2), round((now[0] - prev[0]) / G / dt, 3), round((now[1] - prev[1]) / G / dt, 3),
-                    round(min(1.0, (now[2] - prev[2]) / 1e3 / dt), 3)])
-        prev = now
+        now, t = disk_counters(path), time.perf_counter()
+        if prev is not None and now is not None:
+            dt = t - last
+            out.append([round(t - t0, 2), round((now[0] - prev[0]) / G / dt, 3),
+                        round((now[1] - prev[1]) / G / dt, 3), round(min(1.0, (now[2] - prev[2]) / 1e3 / dt), 3)])
+        prev, last = now, t
     return out
 
 

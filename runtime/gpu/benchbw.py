@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .cpu.build import cache_dir
+from ft.formats.home import cache_home
 from .cpu.kernel import CpuMoe, lane_threads
 from .record_layout import RecordLayout
 
@@ -33,7 +33,7 @@ PROFILE_VERSION = 1
 
 
 def profile_path(gpu_uuid: str) -> Path:
-    return cache_dir() / "bench" / f"{gpu_uuid}.json"
+    return cache_home() / "bench" / f"{gpu_uuid}.json"
 
 
 def gpu_identity(index: int = 0) -> dict:

@@ -38,10 +38,6 @@ LEVELS = (
 )
 
 
-def cache_dir() -> Path:
-    return cache_home()
-
-
 def prebuilt_dir() -> Path:
     return HERE / "prebuilt"
 
@@ -109,7 +105,7 @@ def library_path(extra_flags: tuple[str, ...] = (), cc: str | None = None) -> Pa
         return None
     flags = ("-march=native", *extra_flags)
     key = hashlib.sha256((source_hash() + " ".join(flags) + " ".join(sorted(cpu_flags()))).encode()).hexdigest()[:16]
-    out = cache_dir() / "kernels" / f"cpu_nvfp4-{key}.so"
+    out = cache_home() / "kernels" / f"cpu_nvfp4-{key}.so"
     if not out.exists():
         log.info("no prebuilt CPU expert kernel fits this CPU and these sources: building one with %s", cc)
         build(out, flags, cc)
