@@ -79,7 +79,8 @@ def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64, v
         res["bytes_per_token"] = {k: res["moe"][c] / tokens for k, c in
                                   (("gpu_mapped", "bytes_mapped"), ("cpu", "bytes_cpu"), ("uploads", "bytes_h2d"),
                                    ("prefetched", "bytes_prefetched"))}
-        res["engine_profile"] = engine_profile(eng, 1, steps=16)
+        tag = f"{preset}-{gib:g}gib" + "".join(f"-{k}-{v}" for k, v in (variant or {}).items())
+        res["engine_profile"] = engine_profile(eng, 1, steps=16, trace=traces and traces / f"trace_{tag}.json.gz")
         # attention over the KV the plan sized
         res["decode_8k"] = decode(eng, 1, gpu_full_decode.CONTEXT_LONG, steps, warmup=16)
         engine_stats = eng.stats()
