@@ -204,11 +204,10 @@ class MappedDecode:
         lane = self.lane if self.lane is not None and topk_ids.shape[0] <= self.lane.tmax else None
         base = self.base.get(layer, 0)  # 0: lane-only, every staged miss goes to the CPU (`CpuLane.split_all`)
 
-        def between(pair_slot, pair_copy):  # after the plan: the CPU lane's share (with a prefetch every miss it
-            if lane is not None:            # did not bring: the link is busy with the next layer's), then the wait
-                lane.post(layer, x, topk_ids, topk_weights, pair_slot, pair_copy, ex.num_slots,  # for the prefetch
-                          cpu_only=base == 0 or pre is not None)  # rows, before the call's own copy, so that the MoE
-            if pre is not None:                                    # kernel still follows that copy directly (PDL)
+        def between(pair_slot, pair_copy):  # after the plan: the CPU lane's share, then (prefetch) the copy of the
+            if lane is not None:            # prefetch rows, before the call's own copy, so that the MoE kernel
+                lane.post(layer, x, topk_ids, topk_weights, pair_slot, pair_copy, ex.num_slots, cpu_only=base == 0)
+            if pre is not None:             # still follows that copy directly (its PDL overlap)
                 self.prefetch.wait_rows()
 
         pair_slot, pair_copy = gather_missing(ex.pool, ex.layout, topk_ids, self.table.tensor, layer, base,

@@ -13,11 +13,10 @@ it will pick (`tools/bench_prefetch_guess.py` measures how many: `benchmarks/pre
    without a slot (event `chosen`) and the GPU copies their records from n's mapped bank into n's M prefetch rows
    (event `copied`). The copy has layer l's MoE call and layer n's attention to finish in.
 2. Layer n's MoE call `join`s: its plan waits for `chosen` only; the plan reads a miss from its prefetch row where the
-   guess was right (`pair_copy` 3). The CPU lane, where there is one, computes every miss not prefetched: the link is
-   busy with the next layer's prefetch by then, and a copy of the call's own would share it (run 88: with the usual
-   split the step got slower). Without a lane the GPU copies them, after `copied` (`wait_rows`), so the MoE kernel
-   keeps following that copy directly (with PDL its programs of other pairs start during it). A call of another path
-   waits for every prefetch in flight first (`settle`), before it may write the prefill buffers.
+   guess was right (`pair_copy` 3), and the misses not prefetched are split between the CPU lane and the GPU's own
+   copy as without prefetch. The call's own copy waits for `copied` (`wait_rows`), so the MoE kernel keeps following
+   that copy directly (with PDL its programs of other pairs start during it). A call of another path waits for every
+   prefetch in flight first (`settle`), before it may write the prefill buffers.
 A wrong guess costs link time only. Two prefetches may be in flight (the one layer n reads, and the one for the MoE
 layer after n, forked in layer n before its call), so MoE layers alternate between two sets of M rows at the top of
 the prefill buffers (by the parity of their rank among the MoE layers); a set is rewritten only by a prefetch forked
