@@ -24,7 +24,7 @@ from ft.formats import FtwReader, ModelConfig
 from ft.runtime.layers.base import REQUIRED, Op, place, resolve_slot
 from ft.runtime.layers.batch import ForwardBatch, SegmentRows, decode_inputs
 from ft.runtime.layers.linear import Linear
-from ft.runtime.layers.moe import BoundExperts, ExpertsFn, SparseMoe
+from ft.runtime.layers.moe import BoundExperts, ExpertsFn
 from ft.runtime.layers.norm import RMSNorm
 from ft.runtime.layers.rope import Rotary
 from ft.runtime.models.base import DecoderLayer, Family, expected_shapes
@@ -246,17 +246,6 @@ class CausalLM(Op):
                     op.stack_linears()
         self.set_fused(device.type == "cuda")
         self._check_shapes()
-
-    def set_prefetch(self, on: bool) -> None:
-        """Every decoder layer hands its post-attention residual to the next MoE layer's expert prefetch
-        (`gpu/prefetch.py`), or none does."""
-        moe = [op for op in self.layers if isinstance(op, DecoderLayer) and isinstance(op.mlp, SparseMoe)]
-        for op in self.layers:
-            if isinstance(op, DecoderLayer):
-                op._next = None
-        if on:
-            for op, nxt in zip(moe, moe[1:]):
-                op._next = nxt
 
     def set_fused(self, on: bool) -> None:
         """Every op runs its fused kernels (`Op._fused`) or the PyTorch reference ops."""

@@ -77,8 +77,7 @@ def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64, v
         res["lane"] = stats.get("cpu_lane")
         tokens = max(1, res["moe"]["tokens"] // max(1, len(ex.moe_layers)))  # prompt + decoded tokens, per layer
         res["bytes_per_token"] = {k: res["moe"][c] / tokens for k, c in
-                                  (("gpu_mapped", "bytes_mapped"), ("cpu", "bytes_cpu"), ("uploads", "bytes_h2d"),
-                                   ("prefetched", "bytes_prefetched"))}
+                                  (("gpu_mapped", "bytes_mapped"), ("cpu", "bytes_cpu"), ("uploads", "bytes_h2d"))}
         tag = f"{preset}-{gib:g}gib" + "".join(f"-{k}-{v}" for k, v in (variant or {}).items())
         res["engine_profile"] = engine_profile(eng, 1, steps=16, trace=traces and traces / f"trace_{tag}.json.gz")
         # attention over the KV the plan sized

@@ -1,7 +1,6 @@
 """The launches of the routed-expert kernels for one model (`launches.GROUPS["moe"]`, module docstring of
 `launches.py`): the device-planned decode kernels (resident and mapped, both output dtypes, the tensor-core ones above
-two tokens), mode mapped's gather (with and without a prefetch, and the prefetch itself) with the CPU lane's post and
-wait for every layer and staging-row class, the lane's
+two tokens), mode mapped's gather with the CPU lane's post and wait for every layer and staging-row class, the lane's
 start-up calibration gathers, resident prefill tiles and the host-planned tile kernels of every tile config.
 """
 
@@ -19,7 +18,7 @@ def moe_launches(g: Geometry, lengths: list[int]) -> None:
         return
     from ft.runtime.gpu.cpu import lane as cpu_lane
     from ft.runtime.gpu.cpu.lane_rates import COPY_RATE_MISSES
-    from ft.runtime.gpu.kernels.gather import Prefetch, gather_missing, prefetch_missing
+    from ft.runtime.gpu.kernels.gather import gather_missing
     from ft.runtime.gpu.host_plan import moe_nvfp4
     from ft.runtime.gpu.kernels.nvfp4_decode import moe_nvfp4_device
     from ft.runtime.gpu.kernels.nvfp4_decode_mma import moe_nvfp4_mma
@@ -55,7 +54,7 @@ def moe_launches(g: Geometry, lengths: list[int]) -> None:
                                   host_stride=layout.stride if host else 0)
         P = T * k
         if P <= W:
-            entry = torch.full((4, W), -1, dtype=torch.int32)  # `MappedPath.entry` / one layer's `graph_buf` row
+            entry = torch.full((3, W), -1, dtype=torch.int32)  # `MappedPath.entry` / one layer's `graph_buf` row
             # mode mapped after its gather: pairs 0..P-1 (int32) read the rows the plan wrote into the entry; fp32
             # (the first call's check, the lane's sum) or stored in the compute dtype; after the copy (`copied`, a
             # mapped bank) or without one (the lane's CPU-only layers)
@@ -66,11 +65,6 @@ def moe_launches(g: Geometry, lengths: list[int]) -> None:
             for layer in g.moe_layers:  # layer and staging row are launch integers: each of their classes
                 for staging0 in staging:
                     gather_missing(pool, layout, ids, table, layer, ADDR, layout.stride, staging0, entry=entry)
-                    for m in (1, 2):  # `OffloadConfig.prefetch`: the count is a launch integer (== 1 or other)
-                        pre = Prefetch(pool.device, m, staging0)
-                        prefetch_missing(pool, layout, ids, table, layer, ADDR, layout.stride, pre)
-                        gather_missing(pool, layout, ids, table, layer, ADDR, layout.stride, staging0, entry=entry,
-                                       pre=pre)
                     cpu_lane._post_kernel[(1,)](ADDR, state, split, x, ids.reshape(-1), w.reshape(-1), pair,
                                                 pair, layer, staging0, T, H, P, k, BLOCK_P=W,
                                                 BLOCK_H=1024, FENCE=True, num_warps=4, PDL=False)

@@ -143,7 +143,6 @@ def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, m
         preload, priors = placement.preload(experts.moe_layers, experts.E, num_slots, num_layers=experts.L)
     experts.allocate(num_slots=num_slots, priors=priors, preload=preload)  # the plan's experts resident before capture
     experts.vram_plan, experts.placement = plan, placement
-    model.set_prefetch(experts.mapped is not None and experts.mapped.prefetch is not None)
     eager = eager_reason(model.config) if cuda and cuda_graphs else None
     if eager is not None:
         log.info("decode runs eagerly, without CUDA graphs: %s", eager)

@@ -8,12 +8,8 @@ the (idle in decode) prefill buffers, and the resident kernel runs over the pair
 once. Nothing waits for the host, so decode steps can be CUDA graphs (`graphs.py`). A call with more pairs than the
 prefill buffers have rows reads records in place inside the kernel (`moe_nvfp4_device(host_base=...)`).
 
-With `OffloadConfig.prefetch`, the misses the router is guessed to pick start copying while the MoE layer before it
-still computes (`prefetch.py`); the call reads those from their prefetch rows.
-
-The host follows a step later. After the kernels, the call copies its routing record (int32 [4, 64]: the expert ids,
-the rows its pairs read, how each was served and what was prefetched, as `gather.py`'s plan kernel wrote it) into a
-page-locked ring
+The host follows a step later. After the kernels, the call copies its routing record (int32 [3, 64]: the expert ids,
+the rows its pairs read and how each was served, as `gather.py`'s plan kernel wrote it) into a page-locked ring
 entry, asynchronously, with an event (graph replays: one copy of every layer's record); later calls read back the
 entries whose event has completed (`poll`, never blocking unless the ring entry is needed again): hits / misses /
 the trace are counted (`mapped_readback.py`), and up to `admit_max` of the missed experts per call, most frequently
@@ -41,7 +37,6 @@ from .cpu.lane import lane_for
 from .device_path import MAX_DEVICE_PAIRS, count_call
 from .mapped_readback import read_back
 from .pinning import bank_range, verify_bank
-from .prefetch import ExpertPrefetch
 
 GRAPH_BLOCKS = 8  # replays whose routing is in flight (graphs.py); when all are, the oldest is waited for
 RING = 64  # routing records in flight; when all are, the oldest is waited for (bounds the bookkeeping lag)
@@ -65,21 +60,20 @@ class MappedDecode:
         self.records: deque = deque()
         self.landing: deque = deque()  # (event, layer, experts): admissions whose table entries are hidden
         cuda = ex.device.type == "cuda"
-        self.ring = [torch.empty(4, MAX_DEVICE_PAIRS, dtype=torch.int32, pin_memory=cuda) for _ in range(RING)]
-        self.entry = torch.full((4, MAX_DEVICE_PAIRS), -1, dtype=torch.int32, device=ex.device)  # eager calls' record
+        self.ring = [torch.empty(3, MAX_DEVICE_PAIRS, dtype=torch.int32, pin_memory=cuda) for _ in range(RING)]
+        self.entry = torch.full((3, MAX_DEVICE_PAIRS), -1, dtype=torch.int32, device=ex.device)  # eager calls' record
         self._ring_busy = [False] * RING
         self.next = 0
-        # CUDA-graph decode (graphs.py): the captured calls write their records here, int32 [L, 4, P]; after each
+        # CUDA-graph decode (graphs.py): the captured calls write their records here, int32 [L, 3, P]; after each
         # replay one copy moves all layers' into the next page-locked block, read back like ring entries
-        self.graph_buf = torch.full((ex.L, 4, MAX_DEVICE_PAIRS), -1, dtype=torch.int32, device=ex.device)
-        self.blocks = [torch.empty(ex.L, 4, MAX_DEVICE_PAIRS, dtype=torch.int32, pin_memory=cuda)
+        self.graph_buf = torch.full((ex.L, 3, MAX_DEVICE_PAIRS), -1, dtype=torch.int32, device=ex.device)
+        self.blocks = [torch.empty(ex.L, 3, MAX_DEVICE_PAIRS, dtype=torch.int32, pin_memory=cuda)
                        for _ in range(GRAPH_BLOCKS)]
         self.block_copied: list = [None] * GRAPH_BLOCKS  # event after each block's last copy
         self.next_block = 0
         self.graph_layers: list[int] = []  # the MoE layers the captured graph runs through this path
         self._arange: dict[int, torch.Tensor] = {}
         self.checked = not cuda  # the first CUDA call is compared with the reference once (`_kernel`)
-        self.prefetch = ExpertPrefetch(self, ex.opts.prefetch) if ex.opts.prefetch else None
 
     def ready(self, layer: int) -> bool:
         """Whether `layer`'s bank may be read in place (resolved once, when the pinner has finished)."""
@@ -166,14 +160,13 @@ class MappedDecode:
         self.ex._prefill_done[:] = [ev, ev]  # as in __call__
         if self.graph_layers:  # one record for the whole step: its layers are read back in one vectorized pass
             layers = sorted(self.graph_layers)
-            self.records.append((ev, layers, num_tokens, block, layers, -1))  # block: [L, 4, P]
+            self.records.append((ev, layers, num_tokens, block, layers, -1))  # block: [L, 3, P]
 
     def _kernel(self, layer, x, topk_ids, topk_weights, entry):
-        """-> (fp32 [T, H], the call's record: `entry` int32 [4, 64] filled as the module docstring says)."""
+        """-> (fp32 [T, H], the call's record: `entry` int32 [3, 64] filled as the module docstring says)."""
         ex = self.ex
         bank, P = ex.banks[layer], topk_ids.numel()
         row = self.table.tensor[layer]
-        pre = None if self.prefetch is None else self.prefetch.for_call(layer)
         if P > 2 * ex.opts.prefill_slots:  # no staging rows for every pair: records read in place (CUDA, mapped)
             pair_slot = row[topk_ids.reshape(-1).long()]
             _fill(entry, topk_ids, pair_slot, (pair_slot < 0).to(torch.int32))
@@ -188,14 +181,11 @@ class MappedDecode:
             from .kernels.gather import plan_reference
             from .kernels.moe_reference import moe_ref
 
-            fetched = self.prefetch.emulated(layer) if pre is not None else {}
-            if pre is not None:
-                self.prefetch.wait_rows()
-            pair_slot, copied = plan_reference(topk_ids, self.table.tensor, layer, ex.num_slots, fetched)
+            pair_slot, copied = plan_reference(topk_ids, self.table.tensor, layer, ex.num_slots)
             ids = topk_ids.reshape(-1).tolist()
-            for p in torch.nonzero(copied == 1).flatten().tolist():
+            for p in torch.nonzero(copied).flatten().tolist():
                 ex.pool[int(pair_slot[p])] = bank.record(ids[p])
-            _fill(entry, topk_ids, pair_slot, copied, list(fetched))
+            _fill(entry, topk_ids, pair_slot, copied)
             y = moe_ref(ex.pool, ex.layout, x, pair_slot.long().view(topk_ids.shape), topk_weights)
             return y, entry
         from .kernels.gather import gather_missing
@@ -203,15 +193,10 @@ class MappedDecode:
 
         lane = self.lane if self.lane is not None and topk_ids.shape[0] <= self.lane.tmax else None
         base = self.base.get(layer, 0)  # 0: lane-only, every staged miss goes to the CPU (`CpuLane.split_all`)
-
-        def between(pair_slot, pair_copy):  # after the plan: the CPU lane's share, then (prefetch) the copy of the
-            if lane is not None:            # prefetch rows, before the call's own copy, so that the MoE kernel
-                lane.post(layer, x, topk_ids, topk_weights, pair_slot, pair_copy, ex.num_slots, cpu_only=base == 0)
-            if pre is not None:             # still follows that copy directly (its PDL overlap)
-                self.prefetch.wait_rows()
-
+        post = None if lane is None else (lambda s, c: lane.post(layer, x, topk_ids, topk_weights, s, c, ex.num_slots,
+                                                                 cpu_only=base == 0))
         pair_slot, pair_copy = gather_missing(ex.pool, ex.layout, topk_ids, self.table.tensor, layer, base,
-                                              bank.stride, ex.num_slots, between=between, entry=entry, pre=pre)
+                                              bank.stride, ex.num_slots, between=post, entry=entry)
         # the result in x's dtype on CUDA, rounded once on the kernel's store (the interpreter's bf16 store truncates:
         # fp32 there); with the lane, its wait adds the CPU's share to the fp32 sum first
         out_dtype = x.dtype if ex.device.type == "cuda" and self.checked else torch.float32
@@ -289,11 +274,8 @@ def _bank_reference(ex, bank, x, topk_ids, topk_weights) -> torch.Tensor:
     return moe_ref(records, ex.layout, x.cpu(), pair_slots, topk_weights.cpu()).to(x.device)
 
 
-def _fill(entry: torch.Tensor, topk_ids: torch.Tensor, pair_slot: torch.Tensor, how: torch.Tensor,
-          prefetched: list[int] = ()) -> None:
-    """A call's record (int32 [4, 64]) where no plan kernel writes it: in-place reads and the CPU emulation."""
+def _fill(entry: torch.Tensor, topk_ids: torch.Tensor, pair_slot: torch.Tensor, how: torch.Tensor) -> None:
+    """A call's record (int32 [3, 64]) where no plan kernel writes it: in-place reads and the CPU emulation."""
     P = topk_ids.numel()
     for i, t in enumerate((topk_ids.reshape(-1), pair_slot, how)):
         entry[i, :P].copy_(t)
-    entry[3].fill_(-1)
-    entry[3, :len(prefetched)] = torch.tensor(prefetched, dtype=torch.int32)

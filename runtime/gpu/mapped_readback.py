@@ -1,15 +1,13 @@
 """The host's side of mode mapped (`mapped_path.py`): what it does with calls' entries once they have come back.
 
-An entry is int32 [4, >= P] for P = T * k routed pairs: the expert ids, the pool row each pair's kernel read (a slot,
-a staging row >= num_slots, or -1 for a record read in place from host memory or computed on the CPU), how a
-miss was served (1: its record was copied from host memory for this call; 2: the CPU lane computed it; 3: it was
-prefetched) and the experts prefetched for the call (-1 after them: `prefetch.py`). One
+An entry is int32 [3, >= P] for P = T * k routed pairs: the expert ids, the pool row each pair's kernel read (a slot,
+a staging row >= num_slots, or -1 for a record read in place from host memory or computed on the CPU) and how a
+miss was served (1: its record was copied from host memory for this call; 2: the CPU lane computed it). One
 `read_back` takes the entries of one eager call or of a whole graph replay (every MoE layer of the step) and handles
 them in one vectorized pass over flat expert ids (layer * E + expert): this runs once per decode step on the thread
 that must queue the next one, so its cost is paid per step, not per layer.
   * counters (hits / misses over each call's distinct experts, bytes read from host memory by the GPU and by the
-    CPU lane, records prefetched and prefetched records used), per-layer counts, the routing trace and frequency
-    counts, recency of the slots hit;
+    CPU lane), per-layer counts, the routing trace and frequency counts, recency of the slots hit;
   * `admit_uploads` over the step's missed experts.
 """
 
@@ -19,7 +17,7 @@ import numpy as np
 
 
 def read_back(md, layers: list[int], T: int, entries: np.ndarray) -> None:
-    """entries int32 [len(layers), 4, >= T * k]: one entry per layer call (distinct layers)."""
+    """entries int32 [len(layers), 3, >= T * k]: one entry per layer call (distinct layers)."""
     ex, cache = md.ex, md.ex.cache
     E, P = ex.E, T * ex.k
     lay = np.asarray(layers, np.int64)
@@ -34,10 +32,6 @@ def read_back(md, layers: list[int], T: int, entries: np.ndarray) -> None:
     c["misses"] += int(miss.sum())
     c["cpu_experts"] += int(on_cpu.sum())
     c["bytes_mapped"] += int((how == 1).sum()) * ex.layout.payload_bytes
-    prefetched = int((entries[:, 3] >= 0).sum())
-    c["prefetched"] += prefetched
-    c["prefetch_used"] += int((how == 3).sum())
-    c["bytes_prefetched"] += prefetched * ex.layout.payload_bytes
     c["bytes_cpu"] += int(on_cpu.sum()) * ex.layout.payload_bytes
     for row, mask in ((0, ~miss), (1, miss), (3, on_cpu)):
         np.add.at(ex.per_layer[row], layer_of[mask], 1)

@@ -40,8 +40,6 @@ class OffloadConfig:
     admit_margin: float = 2.0  # mode mapped: a miss replaces a resident expert routed this many times less often
     # (routing counts over a few hundred tokens are noisy: with a smaller margin, swaps at uniform routing mostly spend
     # the link on uploads; benchmarks/gpu_full.md, run 25)
-    prefetch: int = 0  # mode mapped: records per decode call copied while the MoE layer before it still computes,
-    # for the experts its router picks from that layer's residual (`prefetch.py`); 0 = none
     prefill_tokens: int = 64  # calls with at least this many tokens stream their misses (prefill path)
     prefill_slots: int = 32  # slots per prefill buffer (two buffers)
     num_staging: int = 8  # pinned staging records
@@ -68,6 +66,3 @@ class OffloadConfig:
             raise ValueError(f"admit_margin must be >= 0, got {self.admit_margin}")
         if self.prefill_slots < 1 or self.num_staging < 1:
             raise ValueError("prefill_slots and num_staging must be >= 1")
-        top = min(8, self.prefill_slots - 1)  # gather.MAX_PREFETCH; two sets of rows below the prefill buffers' top
-        if not 0 <= self.prefetch <= top:
-            raise ValueError(f"prefetch must be 0 (off) .. {top} records per call, got {self.prefetch}")

@@ -82,7 +82,7 @@ class GpuExperts:
         self.trace: list[tuple[int, np.ndarray]] = []
         self.counters = dict.fromkeys(("calls", "tokens", "pairs", "hits", "misses", "fetched", "cpu_experts",
                                        "bytes_h2d", "bytes_cpu", "bytes_mapped", "prefill_calls",
-                                       "prefill_streamed", "prefetched", "prefetch_used", "bytes_prefetched"),
+                                       "prefill_streamed"),
                                       0)
         self.counters["cpu_seconds"] = 0.0
         self.per_layer = np.zeros((4, self.L), np.int64)  # hits, misses, fetched, cpu-computed per layer
@@ -163,9 +163,6 @@ class GpuExperts:
         if self.cache is None:
             self.allocate()
         T, k = topk_ids.shape
-        if self.mapped is not None and self.mapped.prefetch is not None:  # before any path writes the prefill buffers
-            self.mapped.prefetch.join(layer, reads=uses_mapped(self, layer, T)  # (`prefetch.py`): the mapped path's
-                                      and not uses_pipeline(self, layer, T))  # call waits for the rows itself
         if T == 0:
             return torch.zeros_like(x)
         if self.graph_calls:  # inside a captured step: kernels only, bookkeeping after the replay
@@ -183,12 +180,6 @@ class GpuExperts:
         if self.mapped is not None:
             self.mapped.release()
         return host_call(self, layer, x, topk_ids, topk_weights)
-
-    def prefetch(self, layer: int, x: torch.Tensor, guess) -> None:
-        """Mode mapped with `OffloadConfig.prefetch`: start copying the experts `guess(x)` names for `layer`'s next
-        call (`prefetch.py`; the decoder layer before `layer` calls this before its own MoE call)."""
-        if self.mapped is not None and self.mapped.prefetch is not None:
-            self.mapped.prefetch.start(layer, x, guess)
 
     def uses_device_plan(self, layer: int, num_tokens: int) -> bool:
         """Whether a call of `num_tokens` tokens at `layer` keeps its routing on the device (any device)."""

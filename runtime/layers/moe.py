@@ -47,10 +47,6 @@ class BoundExperts:
     def __call__(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         return self.fn(self.layer, x, topk_ids, topk_weights)
 
-    def prefetch(self, x: torch.Tensor, guess) -> None:
-        """Hand the experts interface a guess of this layer's next call (the GPU store's `prefetch`, set at load)."""
-        self.fn.prefetch(self.layer, x, guess)
-
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] -> (topk_ids [T, k] int64, topk_weights [T, k] f32)."""
@@ -113,7 +109,20 @@ class SparseMoe(Op):
         self._scale = cfg.routed_scaling_factor
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights, shared_gate = self._route(x, "compute")
+        shared_gate = None                                 # [T, 1] when the fused router computed it
+        if self._sigmoid:
+            ids, weights = self._route_sigmoid(x)
+        elif self._fused:
+            from ft.runtime.gpu.kernels import fused_ops, router
+            if x.shape[0] <= router.MAX_TOKENS and _plain(self.gate, x, biased=True):      # decode: one launch
+                sg = getattr(self, "shared_expert_gate", None)
+                extra = sg.weight if sg is not None and _plain(sg, x) else None
+                ids, weights, shared_gate = router.router_topk(x, self.gate.weight, self._top_k, self._renorm, extra,
+                                                               bias=self.gate.bias)
+            else:
+                ids, weights = fused_ops.route_topk(self.gate(x), self._top_k, self._renorm)   # x [T, H]
+        else:
+            ids, weights = route(self.gate(x), self._top_k, self._renorm)
         y = self.experts(x, ids, weights)
         if hasattr(self, "shared_expert") and not hasattr(self, "shared_expert_gate"):
             if self._fused:  # one PDL launch instead of torch's add
@@ -129,26 +138,8 @@ class SparseMoe(Op):
             y = y + torch.sigmoid(gate) * shared
         return y
 
-    def guess(self, x: torch.Tensor) -> torch.Tensor:
-        """The top-k ids (int64 [T, k]) this router picks for x, on the expert prefetch's stream (`gpu/prefetch.py`)."""
-        return self._route(x, "prefetch", shared=False)[0]
 
-    def _route(self, x: torch.Tensor, stream: str, *, shared: bool = True
-               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """-> (ids, weights, the shared expert gate's logit [T, 1] when the fused router computed it, else None)."""
-        if self._sigmoid:
-            return *self._route_sigmoid(x, stream), None
-        if not self._fused:
-            return *route(self.gate(x), self._top_k, self._renorm), None
-        from ft.runtime.gpu.kernels import fused_ops, router
-        if x.shape[0] <= router.MAX_TOKENS and _plain(self.gate, x, biased=True):          # decode: one launch
-            sg = getattr(self, "shared_expert_gate", None) if shared else None
-            extra = sg.weight if sg is not None and _plain(sg, x) else None
-            return router.router_topk(x, self.gate.weight, self._top_k, self._renorm, extra, bias=self.gate.bias,
-                                      stream=stream)
-        return *fused_ops.route_topk(self.gate(x), self._top_k, self._renorm), None        # x [T, H]
-
-    def _route_sigmoid(self, x: torch.Tensor, stream: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def _route_sigmoid(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         bias = getattr(self, "e_score_correction_bias", None)
         if not self._fused:
             return route_sigmoid(F.linear(x.float(), self.gate.weight.float()), bias, self._top_k, *self._groups,
@@ -158,8 +149,7 @@ class SparseMoe(Op):
 
         how = SigmoidRoute(bias, *self._groups, self._scale)
         if x.shape[0] <= router.MAX_TOKENS and _plain(self.gate, x, any_float=True):          # decode: one launch
-            return router.router_topk(x, self.gate.weight, self._top_k, self._renorm, sigmoid=how,
-                                      stream=stream)[:2]
+            return router.router_topk(x, self.gate.weight, self._top_k, self._renorm, sigmoid=how)[:2]
         return fused_ops.route_topk(F.linear(x.float(), self.gate.weight.float()), self._top_k, self._renorm, how)
 
 

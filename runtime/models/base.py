@@ -40,8 +40,6 @@ class DecoderLayer(Op):
             self.linear_attn = GatedDeltaNet(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.rms_norm_eps)
         self.mlp: SparseMoe | GatedMLP = SparseMoe(cfg) if cfg.mlp_types[layer] == "moe" else GatedMLP()
-        self._next: DecoderLayer | None = None  # the next MoE layer, where the GPU expert store prefetches
-        # (`CausalLM.set_prefetch`)
 
     @property
     def mixer(self) -> Attention | MlaAttention | GatedDeltaNet:
@@ -52,14 +50,7 @@ class DecoderLayer(Op):
         """Input x + delta (delta None: x alone), all [N, H] -> (h, mlp_out), whose sum is the layer's output."""
         x, a = self.input_layernorm.add(x, delta)                         # x = x + delta, a = norm(x)
         h, b = self.post_attention_layernorm.add(x, self.mixer(a, batch))  # h = x + mixer(a), b = norm(h)
-        if self._next is not None:  # the experts the next MoE layer's router picks from h start copying now
-            self._next.mlp.experts.prefetch(h, self._next.guess)
         return h, self.mlp(b)
-
-    def guess(self, h: torch.Tensor) -> torch.Tensor:
-        """This layer's MoE top-k ids (int64 [T, k]) for a residual h of an earlier layer, as if the layers between
-        added nothing: its MoE norm and router applied to h."""
-        return self.mlp.guess(self.post_attention_layernorm(h))
 
 
 @dataclass(frozen=True)

@@ -235,7 +235,7 @@ with cuda_target(90, cache_dir=cache):
     for n in lane_rates.COPY_RATE_MISSES:  # the CPU lane's calibration at start
         gather_missing(pool, layout, torch.arange(n, dtype=torch.int32).view(1, n), table, 0, 1 << 40,
                        layout.stride, E)
-    entry = torch.full((4, cpu_lane.MAX_DEVICE_PAIRS), -1, dtype=torch.int32)
+    entry = torch.full((3, cpu_lane.MAX_DEVICE_PAIRS), -1, dtype=torch.int32)
     P = 2 * k  # mode mapped: the resident kernel over the pairs the gather planned (MappedPath._kernel)
     moe_nvfp4_device(pool, layout, torch.zeros(2, H, dtype=dt),
                      torch.arange(P, dtype=torch.int32).view(2, k), entry[1, :P], torch.ones(2, k))

@@ -22,9 +22,9 @@ Kernel (grid (cdiv(E + has_extra, BLOCK_E), T), a function of shapes only, so it
      to row t, loads it (.cg: not from a stale L1) and runs `fused_ops._softmax_topk` (or `_sigmoid_topk`) on it,
      writes ids / weights and stores 0 back into the counter. So the T top-ks run on T CTAs at once, not one after
      another on one (a top-k of k rounds of block-wide max is latency, not work).
-The counters are one zeroed int32 [MAX_TOKENS] per device and stream (`_counter`), kept for the process lifetime and
-left zeroed by every call, so graph replays need no reset; calls on one device and different streams must therefore
-name their streams (`stream`).
+The counters are one zeroed int32 [MAX_TOKENS] per device (`_counter`), kept for the process lifetime and left zeroed
+by every call, so graph replays need no reset; calls on one device must therefore not run concurrently on different
+streams.
 
 Bounds: T <= MAX_TOKENS (decode; larger T is a prefill, where the GEMM path is the right one) and E <= MAX_EXPERTS;
 outside them `router_topk` returns the reference. Under the Triton interpreter (CPU tensors, tests) the bf16 rounding
@@ -98,13 +98,11 @@ def _router_kernel(x, sx, w, extra, scratch, extra_out, ids, wts, counters, E, H
         tl.store(counters + tok, 0)                            # ready for the next call (next kernel on the stream)
 
 
-def _counter(device: torch.device, stream: str = "compute") -> torch.Tensor:
-    """The zeroed int32 [MAX_TOKENS] counters of `device` for the calls of one stream (`router_topk`'s), kept for the
-    process lifetime (module docstring)."""
-    key = f"{device}/{stream}"
-    buf = _COUNTERS.get(key)
+def _counter(device: torch.device) -> torch.Tensor:
+    """The zeroed int32 [MAX_TOKENS] counters of `device`, kept for the process lifetime (module docstring)."""
+    buf = _COUNTERS.get(str(device))
     if buf is None:
-        buf = _COUNTERS[key] = torch.zeros(MAX_TOKENS, dtype=torch.int32, device=device)
+        buf = _COUNTERS[str(device)] = torch.zeros(MAX_TOKENS, dtype=torch.int32, device=device)
     return buf
 
 
@@ -120,15 +118,13 @@ def launch_tiles(H: int, tiles: dict | None = None) -> dict:
 
 
 def router_topk(x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: bool, extra: torch.Tensor | None = None,
-                tiles: dict | None = None, sigmoid: SigmoidRoute | None = None, bias: torch.Tensor | None = None,
-                stream: str = "compute") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                tiles: dict | None = None, sigmoid: SigmoidRoute | None = None, bias: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """x [T, H] (last dim contiguous), weight [E, H] and extra [1, H] or None (contiguous, x's dtype) -> (ids int64
     [T, k], weights fp32 [T, k], extra_logit [T, 1] in x.dtype or None), one launch (module docstring). `tiles`
     overrides entries of TILES (benchmark sweeps; `launch_tiles`). `sigmoid`: glm4_moe's routing on fp32 logits
     (`sigmoid_topk.py`; weight in any float dtype, no extra). `bias` [E]: the router's own bias (gpt-oss; softmax
-    routing only), added to the fp32 dot before its rounding. `stream` names the stream the call runs on: calls on
-    different streams may overlap, so each stream has its own counters (the expert prefetch's guesses run on a side
-    stream: `gpu/prefetch.py`). Outside the bounds (T > MAX_TOKENS, E > MAX_EXPERTS,
+    routing only), added to the fp32 dot before its rounding. Outside the bounds (T > MAX_TOKENS, E > MAX_EXPERTS,
     k not in [1, E], a grouping `SigmoidRoute.supported` refuses): the reference."""
     T, H = x.shape
     E = weight.shape[0]
@@ -153,7 +149,7 @@ def router_topk(x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: bool
     routing = (sigmoid or NO_SIGMOID).launch_args(scratch)
     _router_kernel[(n_programs, T)](
         x, x.stride(0), weight, weight if extra is None else extra, scratch,
-        weights if extra_logit is None else extra_logit, ids, weights, _counter(x.device, stream), E, H, n_programs,
+        weights if extra_logit is None else extra_logit, ids, weights, _counter(x.device), E, H, n_programs,
         gate_bias=scratch if bias is None else bias, GATE_BIAS=bias is not None,
         K=k, RENORM=bool(renormalize), HAS_EXTRA=extra is not None, RNE_BITS=_rne_bits(x),
         SIGMOID=sigmoid is not None, **routing, BLOCK_E=t["BLOCK_E"], BLOCK_K=t["BLOCK_K"],

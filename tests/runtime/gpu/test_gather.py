@@ -9,8 +9,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from ft.runtime.gpu.kernels.gather import (Prefetch, gather_missing, plan_reference, prefetch_missing,  # noqa: E402
-                                           prefetch_reference)
+from ft.runtime.gpu.kernels.gather import gather_missing, plan_reference  # noqa: E402
 from ft.runtime.gpu.kernels.moe_reference import moe_ref  # noqa: E402
 from ft.runtime.gpu.kernels.nvfp4_decode import moe_nvfp4_device  # noqa: E402
 from ft.runtime.gpu.record_layout import RecordLayout  # noqa: E402
@@ -48,13 +47,12 @@ def test_plan_kernel_matches_reference_and_copies_records(ids):
     P = T * k
     want_slot, want_copy = plan_reference(ids, table, 1, S)
     pool_d, table_d = pool.to(DEV), table.to(DEV)
-    entry = torch.full((4, 64), -7, dtype=torch.int32, device=DEV)
+    entry = torch.full((3, 64), -7, dtype=torch.int32, device=DEV)
     slot, copy = gather_missing(pool_d, layout, ids.to(DEV), table_d, 1, bank.data_ptr(), bank.stride(0), S,
                                 entry=entry)
     assert torch.equal(slot.cpu(), want_slot) and torch.equal(copy.cpu(), want_copy)
-    rec = entry.cpu()  # the call's record: ids, rows, how (what the host reads back), nothing past P written; no
-    assert rec[0, :P].tolist() == ids.reshape(-1).tolist() and (rec[:3, P:] == -7).all()  # prefetch: row 3 all -1
-    assert (rec[3] == -1).all()
+    rec = entry.cpu()  # the call's record: ids, rows, how (what the host reads back), nothing past P written
+    assert rec[0, :P].tolist() == ids.reshape(-1).tolist() and (rec[:, P:] == -7).all()
     assert torch.equal(rec[1, :P], want_slot) and torch.equal(rec[2, :P], want_copy)
     assert torch.equal(table_d.cpu(), table)  # the plan never changes the table
     if T == 2:
@@ -93,51 +91,3 @@ def test_bad_arguments_are_refused():
         gather_missing(pool.to(DEV), layout, torch.zeros(1, 65, dtype=torch.long).to(DEV), table.to(DEV), 1,
                        bank.data_ptr(), bank.stride(0), 0)
 
-
-
-@pytest.mark.parametrize("m,want", [(3, [0, 7, 1]), (1, [0]), (8, [0, 7, 1, 2])])
-def test_prefetch_copies_the_first_guessed_misses_and_the_plan_reads_them(m, want):
-    """The guess [[4, 0, 1], [0, 7, 2]] in choice order (every token's first choice first): 4 (a hit: skipped), 0, 0
-    again (skipped), 7, 1, 2; the first m of those are copied into the prefetch rows. The call then routed to
-    [[0, 5, 2], [1, 3, 7]] reads the prefetched experts from their rows (how 3), stages the other misses and reads the
-    hit from its slot; the record's row 3 lists what was prefetched; the MoE result is the reference's."""
-    layout, recs, bank, _, table = _case(11)
-    row0 = S + 6  # above the call's 6 staging rows
-    pool_d = torch.zeros(row0 + 8, layout.stride, dtype=torch.uint8, device=DEV)
-    table_d = table.to(DEV)
-    pool_d[:S] = _case(11)[3][:S].to(DEV)
-    guess = torch.tensor([[4, 0, 1], [0, 7, 2]])
-    assert prefetch_reference(guess, table, 1, m) == want
-    pre = Prefetch(DEV, m, row0)
-    prefetch_missing(pool_d, layout, guess.to(DEV), table_d, 1, bank.data_ptr(), bank.stride(0), pre)
-    assert pre.ids.cpu()[:m].tolist() == want + [-1] * (m - len(want))
-    after = pool_d.cpu()
-    for j, e in enumerate(want):
-        assert torch.equal(after[row0 + j], recs[e])
-    assert (after[row0 + len(want):] == 0).all()  # rows of nothing prefetched are not written
-
-    ids = torch.tensor([[0, 5, 2], [1, 3, 7]])
-    entry = torch.full((4, 64), -7, dtype=torch.int32, device=DEV)
-    slot, copy = gather_missing(pool_d, layout, ids.to(DEV), table_d, 1, bank.data_ptr(), bank.stride(0), S,
-                                entry=entry, pre=pre)
-    want_slot, want_copy = plan_reference(ids, table, 1, S, {e: row0 + j for j, e in enumerate(want)})
-    assert torch.equal(slot.cpu(), want_slot) and torch.equal(copy.cpu(), want_copy)
-    assert (want_copy == 3).sum() == len(set(want) & {0, 5, 2, 1, 3, 7}) and want_slot[1] == 1  # expert 5: slot 1
-    assert entry.cpu()[3].tolist() == want + [-1] * (64 - len(want))
-    x = torch.randn(2, H, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    w = torch.rand(2, 3, generator=torch.Generator().manual_seed(2))
-    got = moe_nvfp4_device(pool_d, layout, x.to(DEV), torch.arange(6, dtype=torch.int32, device=DEV).view(2, 3),
-                           slot, w.to(DEV), copied=copy).cpu()
-    assert rel_err(got, moe_ref(recs, layout, x, ids, w)) < TOL
-
-
-def test_prefetch_of_hits_only_copies_nothing():
-    layout, recs, bank, pool, table = _case(5)
-    pre = Prefetch(DEV, 2, S)
-    pool_d = pool.to(DEV)
-    prefetch_missing(pool_d, layout, torch.tensor([[4, 6, 5]]).to(DEV), table.to(DEV), 1, bank.data_ptr(),
-                     bank.stride(0), pre)
-    assert pre.ids.cpu()[:2].tolist() == [-1, -1] and pre.rows_copy.cpu()[1, :2].tolist() == [0, 0]
-    assert torch.equal(pool_d.cpu(), pool)
-    with pytest.raises(ValueError, match="1..8 records"):
-        Prefetch(DEV, 9, S)
