@@ -1,6 +1,7 @@
 """The library bytes a start of this interpreter reads before it is ready, kept so that the next start reads them first.
 
-    record(exclude=ftw_dir)   # once the engine is ready: what this process used, to the cache (a small JSON)
+    record(exclude=ftw_dir, pause=wait_idle)   # once the server is ready and idle: what this process used, to the
+                                               # cache (a small JSON)
     load()                    # at the next start: [(file, offset, nbytes)], read ahead before the FTW's ranges
 
 Importing torch, Triton and the server from a cold disk is thousands of small reads, one after another. Behind a
@@ -13,6 +14,9 @@ libraries) the pages this process has mapped in, from /proc/self/pagemap's prese
 GAP joined). Files under `exclude` (the FTW, whose own ranges the read-ahead has), or linked from there, are left
 out, and at most MAX_BYTES are kept. The list is a hint: `load` returns [] for anything unreadable or malformed, and
 the read-ahead skips what no longer exists. One list per interpreter (its executable and prefix), written atomically.
+Recording takes a core for a second or more (the page table of GBs of GPU libraries), so a server runs it only while
+it is idle: `pause()` is asked before each file and blocks while requests run (run 92: recorded right after ready, it
+ran through the first two requests).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import os
 import stat
 import sys
 from pathlib import Path
+from typing import Callable
 
 from .home import cache_home
 
@@ -52,15 +57,24 @@ def load(path: Path | None = None) -> Ranges:
         return []
 
 
-def record(exclude: Path | None = None, path: Path | None = None) -> Path | None:
-    """Write what this process has used (module docstring) to `path` (default `list_path()`); None if it could not."""
+def record(exclude: Path | None = None, path: Path | None = None,
+           pause: Callable[[], bool] | None = None) -> Path | None:
+    """Write what this process has used (module docstring) to `path` (default `list_path()`); None if it could not,
+    or if `pause()` (called before each file: it may block while the process is busy) returned False."""
+    def go() -> bool:
+        if pause is not None and not pause():
+            raise _Stopped
+        return True
+
     try:
+        go()
         skip = Path(exclude).resolve() if exclude is not None else None
         # and the files it holds wherever their links lead (a Hub snapshot's files are links to its blobs)
         skip_files = {str(p.resolve()) for p in Path(exclude).rglob("*")} if exclude is not None else set()
 
         def wanted(f: str) -> bool:
-            return _regular(f) and f not in skip_files and not (skip is not None and Path(f).is_relative_to(skip))
+            return (go() and _regular(f) and f not in skip_files
+                    and not (skip is not None and Path(f).is_relative_to(skip)))
 
         files = {f: [[0, os.path.getsize(f)]] for f in _module_files() if wanted(f)}
         try:
@@ -70,6 +84,7 @@ def record(exclude: Path | None = None, path: Path | None = None) -> Path | None
             mapped = {}
         for f, pages in mapped.items():
             if f not in files:  # a module file is listed whole already
+                go()
                 files[f] = _joined(pages)
         kept, total = [], 0
         for f, ranges in files.items():
@@ -88,6 +103,12 @@ def record(exclude: Path | None = None, path: Path | None = None) -> Path | None
     except (OSError, ValueError) as e:
         log.debug("start-up file list not recorded: %s", e)
         return None
+    except _Stopped:
+        return None
+
+
+class _Stopped(Exception):
+    """`record`'s pause said stop (the server is shutting down)."""
 
 
 def _module_files() -> list[str]:

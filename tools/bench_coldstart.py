@@ -137,14 +137,15 @@ def _child(parent: subprocess.Popen, deadline_s: float) -> int:
 
 
 def serve_once(ftw: Path | str, serve_args: list[str], env: dict, log_path: Path, deadline_s: float,
-               py_spy: str | None = None) -> dict:
+               py_spy: str | None = None, wait_list: bool = False) -> dict:
     """One `ft serve --ftw FTW *serve_args` process (an FTW directory or a Hub repo id): seconds to ready, to the
     first token of a PROMPT_TOKENS-token completion and of a second one on other tokens (the same work without
     first-use costs; other tokens, so that the prefix cache cannot serve it), the engine's kernel stats, the host
     launchers built in the process (from its TRITON_CACHE_DIR), and the bytes it had read from storage every
     TIMELINE_S (`read_timeline`: [seconds, bytes]). `py_spy`: a py-spy binary that samples every thread of the
     process from launch to exit into a chrome trace beside the log (stacks with timestamps: `tools/spy_phases.py`
-    cuts it into phases)."""
+    cuts it into phases). `wait_list`: keep the server up until it has recorded its start-up file list (it does so
+    once idle)."""
     cache = Path(env["TRITON_CACHE_DIR"]) if env.get("TRITON_CACHE_DIR") else None
     before = _launchers(cache)
     port = _free_port()
@@ -178,6 +179,11 @@ def serve_once(ftw: Path | str, serve_args: list[str], env: dict, log_path: Path
                 first = time.perf_counter() - t0
         repeat = time.perf_counter() - t0 - first
         stats = _engine_stats(base)
+        if wait_list:
+            from ft.formats import startup_files
+
+            while not startup_files.load() and time.perf_counter() - t0 < deadline_s:
+                time.sleep(0.2)
     finally:
         _signal(pid, signal.SIGTERM)  # py-spy writes its profile once the server is gone
         try:
@@ -267,7 +273,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="ft-coldstart-") as tmp:
         if args.startup_list == "on" and not startup_files.load():
             serve_once(args.ftw, serve_args, {**base_env, "TRITON_CACHE_DIR": str(Path(tmp) / "record")},
-                       args.out / "serve-record.log", args.deadline)
+                       args.out / "serve-record.log", args.deadline, wait_list=True)
             result["startup_list_recorded_first"] = True
         for i in range(args.runs):
             for mode in modes:

@@ -29,6 +29,7 @@ from ft.runtime.server.parsers import THINK_OPEN
 from ft.runtime.server.state import ServerState, ServeSettings, check_api_key, server_state
 
 log = logging.getLogger("ft.server")
+RECORD_QUIET_S = 1.0  # the start-up file list is recorded once the engine has had nothing to run this long
 
 
 def load_engine(settings: ServeSettings) -> Any:
@@ -159,10 +160,11 @@ def serve(settings: ServeSettings, *, log_level: str = "info") -> None:
         if not settings.keep_alive_on_error and server is not None:
             server.should_exit = True
 
-    def load() -> Any:  # then, beside the ready server, what this start read: the next one reads it first
+    def load() -> Any:  # then, while the ready server is idle, what this start read: the next one reads it first
         engine = load_engine(settings)
-        threading.Thread(target=startup_files.record, kwargs={"exclude": settings.ftw}, name="ft-startup-files",
-                         daemon=True).start()
+        idle = app.state.server.loop.wait_idle
+        threading.Thread(target=startup_files.record, name="ft-startup-files", daemon=True,
+                         kwargs={"exclude": settings.ftw, "pause": lambda: idle(RECORD_QUIET_S)}).start()
         return engine
 
     app = create_app(settings, load, on_fatal=fatal)

@@ -54,6 +54,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._main, name="ft-engine-loop", daemon=True)
         self.engine_stats: dict = {}  # snapshot of engine.stats(), refreshed by the loop thread
         self._persist_error: str | None = None  # the last failure of the idle prefix-state write (logged once)
+        self._idle_since: float | None = None  # monotonic time since which the engine has had nothing to run
 
     # ---- called from the event loop -------------------------------------------------------------------------
 
@@ -85,6 +86,16 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
 
+    def wait_idle(self, quiet_s: float) -> bool:
+        """Block until the engine has had nothing to run for `quiet_s` seconds (True), or the loop stops (False):
+        background work that would slow requests (`startup_files.record`) waits here between its pieces."""
+        while not self._stopping.is_set() and self._thread.is_alive():
+            since = self._idle_since
+            if since is not None and time.monotonic() - since >= quiet_s:
+                return True
+            self._stopping.wait(min(0.05, quiet_s))
+        return False
+
     def _send(self, command: tuple) -> None:
         self._commands.put(command)
         self._wake.set()
@@ -113,9 +124,12 @@ class EngineLoop:
                 if self._apply_commands():
                     self._snapshot()
                 if self.engine.has_unfinished():
+                    self._idle_since = None
                     self._step()
                     self._snapshot()
                 else:
+                    if self._idle_since is None:
+                        self._idle_since = time.monotonic()
                     self._persist()
                     self._wake.wait(0.5)
         except BaseException as e:  # noqa: BLE001 - a bug in the loop itself: say so on /health, fail requests

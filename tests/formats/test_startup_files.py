@@ -96,3 +96,15 @@ def test_without_pagemap_the_modules_are_still_recorded(tmp_path, monkeypatch):
     ranges = startup_files.load(startup_files.record(path=tmp_path / "list.json"))
     assert ranges and not any(".so" in p.name for p, _, _ in ranges)
     assert all(p.suffix in (".py", ".pyc") for p, _, _ in ranges)
+
+
+def test_recording_asks_its_pause_before_each_file_and_stops_when_told(tmp_path):
+    """A server records only while idle: `pause` is asked throughout (before each module and mapped file), and a
+    pause that says stop (the server is shutting down) leaves no list behind."""
+    asked = []
+    out = startup_files.record(path=tmp_path / "list.json", pause=lambda: asked.append(1) or True)
+    assert out == tmp_path / "list.json" and startup_files.load(out)
+    assert len(asked) > 10
+    calls = iter(range(1_000_000))
+    assert startup_files.record(path=tmp_path / "stopped.json", pause=lambda: next(calls) < 5) is None
+    assert not (tmp_path / "stopped.json").exists()
