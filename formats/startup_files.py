@@ -15,8 +15,7 @@ GAP joined). Files under `exclude` (the FTW, whose own ranges the read-ahead has
 out, and at most MAX_BYTES are kept. The list is a hint: `load` returns [] for anything unreadable or malformed, and
 the read-ahead skips what no longer exists. One list per interpreter (its executable and prefix), written atomically.
 Recording takes a core for a second or more (the page table of GBs of GPU libraries), so a server runs it only while
-it is idle: `pause()` is asked before each file and blocks while requests run (run 92: recorded right after ready, it
-ran through the first two requests).
+it is idle: `pause()` is asked before each file and blocks while requests run (`benchmarks/coldstart.md`).
 """
 
 from __future__ import annotations
