@@ -56,6 +56,7 @@ LLAMA_CPP = {"decode_b1": 360.0, "prefill_512": 7443.0, "prefill_4096": 11924.0,
 KERNEL_BENCHES = ("bench_attention", "bench_router", "bench_dense", "bench_moe_decode", "bench_fused_ops",
                   "bench_deltanet", "bench_moe_prefill")
 T0 = time.perf_counter()
+MODEL_MIN_S = 150  # a model starts only with this many seconds left before --deadline-s (synth + compile ~60-100 s)
 
 
 def log(msg: str) -> None:
@@ -162,6 +163,10 @@ def main() -> None:
                     help="each budget also with these scheduler options, after the default: ';'-separated variants of "
                          "','-separated OffloadConfig fields, e.g. 'cpu_lane=False;admit_margin=2.0'")
     args = ap.parse_args()
+    if "models" in args.stages.split(",") and args.deadline_s < MODEL_MIN_S + 30:
+        ap.error(f"--deadline-s {args.deadline_s:g}: a model starts only with {MODEL_MIN_S} s left (synthesis and "
+                 "compile included), after this tool's own start-up: give it at least "
+                 f"{MODEL_MIN_S + 30} s")
     args.out.mkdir(parents=True, exist_ok=True)
     args.work.mkdir(parents=True, exist_ok=True)
     if args.synth_dir is not None:
@@ -202,7 +207,7 @@ def main() -> None:
             res["models"] = {}
             for preset in args.models.split(","):
                 left = args.deadline_s - (time.perf_counter() - T0)
-                if left < 150:
+                if left < MODEL_MIN_S:
                     log(f"{preset}: skipped, {left:.0f} s left")
                     res["models"][preset] = {"skipped": f"{left:.0f} s left before the deadline"}
                     continue

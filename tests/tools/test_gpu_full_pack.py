@@ -7,6 +7,8 @@ import sys
 import tarfile
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 import gpu_full  # noqa: E402
@@ -40,3 +42,15 @@ def test_more_files_than_come_back_are_packed_into_one_archive(tmp_path):
         got = {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
     assert got == {k: v for k, v in before.items() if k not in ("gpu_full.json", "logs.txt")}
     assert gpu_full.pack_for_return(tmp_path) == 0  # three files now: nothing more to do
+
+
+def test_a_deadline_too_short_for_any_model_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys):
+    """A models run whose deadline cannot leave a model its minimum is refused at once with the minimum named, not
+    run to its end with every model skipped (a GPU call spent for nothing)."""
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["gpu_full.py", "--out", str(out), "--stages", "models",
+                                      "--deadline-s", str(gpu_full.MODEL_MIN_S)])
+    with pytest.raises(SystemExit) as e:
+        gpu_full.main()
+    assert e.value.code == 2 and f"at least {gpu_full.MODEL_MIN_S + 30} s" in capsys.readouterr().err
+    assert not out.exists()
