@@ -1,6 +1,7 @@
 """Time the dense decode projections on cuBLAS (the call forms torch offers) and on the Triton skinny GEMM.
 
-    python tools/bench_dense.py --out DIR [--quick] [--tokens 1,8]   # writes DIR/bench_dense.json, one line per row
+    python tools/bench_dense.py --out DIR [--quick] [--tokens 1,8] [--shapes NAMES] [--quantized-only]
+                                                                      # writes DIR/bench_dense.json, one line per row
     python tools/bench_dense.py --compile-only [ARCH] [--quick]       # any machine: the quantized GEMV for sm_ARCH
 
 At decode a dense linear is a GEMV (T = 1) or a skinny GEMM (T = 8) that should stream its bf16 weight at HBM speed;
@@ -180,9 +181,21 @@ def main() -> None:
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="token counts T, comma-separated")
     ap.add_argument("--compile-only", type=int, nargs="?", const=90, metavar="ARCH",
                     help="build the quantized GEMV's configs for sm_ARCH (no GPU needed) and print their SASS figures")
+    ap.add_argument("--shapes", help="only these shapes (comma-separated names, e.g. 'qkv_proj geom,o_proj geom')")
+    ap.add_argument("--quantized-only", action="store_true", help="only the quantized GEMV rows (no bf16 forms)")
     args = ap.parse_args()
+    shapes, quant_shapes = SHAPES, QUANT_SHAPES
+    if args.shapes:
+        names = {n.strip() for n in args.shapes.split(",")}
+        unknown = names - {s[0] for s in SHAPES + QUANT_SHAPES}
+        if unknown:
+            raise SystemExit(f"bench_dense: unknown shapes {sorted(unknown)}")
+        shapes = [s for s in SHAPES if s[0] in names]
+        quant_shapes = [s for s in QUANT_SHAPES if s[0] in names]
+    if args.quantized_only:
+        shapes = []
     if args.compile_only:
-        compile_quantized(QUANT_SHAPES, list(map(int, args.tokens.split(","))), args.compile_only,
+        compile_quantized(quant_shapes, list(map(int, args.tokens.split(","))), args.compile_only,
                           sweep=not args.quick)
         return
     if not torch.cuda.is_available():
@@ -195,7 +208,7 @@ def main() -> None:
     from ft.runtime.gpu.kernels.dense_gemv import TILES, launch_tiles
 
     rows, swept, best = [], [], []
-    for name, n, k in SHAPES:
+    for name, n, k in shapes:
         nbytes = n * k * 2
         copies = max(2, -(-L2_BYTES // nbytes))
         ws = [torch.randn(n, k, dtype=torch.bfloat16, device="cuda") for _ in range(copies)]
@@ -223,7 +236,7 @@ def main() -> None:
                 print(f"{name:20s} [{n:6d},{k:5d}] T={T} best   {b['us']:7.2f} us {100 * b['hbm_frac']:5.1f}% HBM"
                       f"  {b['tiles']}")
         del ws
-    quant = quantized(QUANT_SHAPES, list(map(int, args.tokens.split(","))), hbm, sweep=not args.quick)
+    quant = quantized(quant_shapes, list(map(int, args.tokens.split(","))), hbm, sweep=not args.quick)
     bf16_us = {(r["shape"], r["T"]): r["us"] for r in rows if r["form"] == "triton"}
     for r in quant:
         r["bf16_us"] = bf16_us.get((r["shape"], r["T"]))
