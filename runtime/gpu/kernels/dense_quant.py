@@ -37,12 +37,11 @@ from .pdl import pdl_args, pdl_wait
 
 MAX_TOKENS = 8  # rows of x one call takes (Linear.GEMV_MAX_TOKENS)
 # per scheme, by the most rows of x they serve: R weight rows per program, BKW u64 words per unrolled K chunk (16
-# weights a word for nvfp4, 8 for fp8_row), warps. A program's loads of one chunk are issued together and its first
-# FMA waits for them, so every further chunk costs one more round trip to memory: at decode the call is latency-bound
-# (run 51's profile: R 8 / BKW 32 took 12.4 us for qwen3moe's o_proj, K 4096, 9 % of HBM). One chunk spans K up to
-# 4096 (8 warps along K), and R 4 gives 512-1,280 programs on the models' shapes. sm_90 builds without register spills
-# (`tools/bench_dense.py --compile-only`).
-TILES = {"nvfp4": ((MAX_TOKENS, {"R": 4, "BKW": 256, "num_warps": 8}),),
+# weights a word for nvfp4, 8 for fp8_row), warps. At decode the call is latency-bound: what counts is how many loads
+# are in flight and how few each thread waits on. The nvfp4 entry is the fastest of a sweep on geom's projections
+# (`benchmarks/dense_quant.md`): one word of a chunk per thread, 8 warps, two chunks across K 4096. sm_90 builds
+# without register spills (`tools/bench_dense.py --compile-only`).
+TILES = {"nvfp4": ((MAX_TOKENS, {"R": 2, "BKW": 128, "num_warps": 8}),),
          "fp8_row": ((MAX_TOKENS, {"R": 4, "BKW": 512, "num_warps": 8}),)}
 
 
@@ -140,14 +139,15 @@ def supported(scheme: str, k: int, dtype: torch.dtype = torch.bfloat16) -> bool:
 def launch_consts(scheme: str, K: int, T: int, tiles: dict | None = None) -> dict:
     """The constexprs of a call with in_features K and T rows of x: the tile (`tiles_for`, updated by `tiles`), the
     token axis A, the words per row (KB for nvfp4, KW for fp8_row) and per unrolled chunk (BKW), and num_warps: the
-    tile's, or, unless `tiles` names it, fewer where a chunk is narrow (about four words of a chunk per thread, so a
-    short K does not leave threads holding copies)."""
+    tile's, or, unless `tiles` names it, fewer where a chunk is narrow (down to one word of the R rows' chunk per
+    thread, so a short K does not leave threads holding copies; four words a thread took 8.1 us where one took 5.1 on
+    geom's qkv_proj)."""
     tile = {**tiles_for(scheme, T), **(tiles or {})}
     words = K // 16 if scheme == "nvfp4" else K // 8
     bkw = min(tile["BKW"], triton.next_power_of_2(words))
     warps = tile["num_warps"]
     if "num_warps" not in (tiles or {}):
-        warps = min(warps, max(1, tile["R"] * bkw // 128))
+        warps = min(warps, max(1, tile["R"] * bkw // 32))
     return {"R": tile["R"], "A": triton.next_power_of_2(T), "BKW": bkw, "KB" if scheme == "nvfp4" else "KW": words,
             "num_warps": warps}
 

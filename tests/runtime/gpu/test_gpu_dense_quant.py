@@ -25,11 +25,12 @@ def _nvfp4(n: int, k: int, g: torch.Generator, scales_first: bool, per_row: bool
     return codes, scales, s2.to(DEVICE)
 
 
-@pytest.mark.parametrize("n,k,t", [(40, 64, 1), (33, 96, 3), (64, 256, 2), (17, 1024, 8), (9, 48, 5), (6, 4112, 2)])
+@pytest.mark.parametrize("n,k,t", [(40, 64, 1), (33, 96, 3), (64, 256, 2), (17, 1024, 8), (9, 48, 5), (6, 4112, 2),
+                                   (5, 4096, 1)])
 @pytest.mark.parametrize("layout", ["codes_first_per_row", "scales_first_scalar"])
 def test_nvfp4_gemv_matches_the_reference(n, k, t, layout):
-    # k 96, 48: whole rows are not a power of two of words (masked K chunk); 4112: 257 words, a second (masked)
-    # chunk past TILES' 256 words
+    # k 96, 48: whole rows are not a power of two of words (masked K chunk); 4096: 256 words, two full chunks of TILES'
+    # 128; 4112: 257 words, a third (masked) chunk
     g = torch.Generator().manual_seed(n * k + t)
     codes, scales, s2 = _nvfp4(n, k, g, layout.startswith("scales_first"), layout.endswith("per_row"))
     x = torch.randn(t, k, generator=g).to(torch.bfloat16).to(DEVICE)
@@ -164,3 +165,14 @@ def test_a_failing_gemv_falls_back_to_chunked_dequantization(monkeypatch, caplog
     x = torch.randn(2, 64, generator=g).to(torch.bfloat16)
     assert torch.equal(op(x), ref(x)) and linear_mod.GEMV_DEVICES == []
     assert "quantized GEMV failed (RuntimeError: no kernel for this GPU)" in caplog.text
+
+
+def test_default_tiles_give_each_thread_one_word_of_a_chunk_down_to_short_rows():
+    """Without a tile override the warps follow the chunk: one u64 word of the R rows' chunk per thread (the sweep's
+    fastest), fewer warps where K is short, never more than the tile's."""
+    from ft.runtime.gpu.kernels.dense_quant import launch_consts
+
+    for scheme, k in (("nvfp4", 512), ("nvfp4", 2048), ("nvfp4", 4096), ("fp8_row", 2048), ("fp8_row", 4096)):
+        c = launch_consts(scheme, k, 1)
+        assert c["num_warps"] * 32 == min(c["R"] * c["BKW"], 8 * 32), (scheme, k, c)
+    assert launch_consts("nvfp4", 4096, 1, {"num_warps": 4})["num_warps"] == 4  # an override is taken as given
