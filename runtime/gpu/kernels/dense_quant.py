@@ -141,9 +141,9 @@ def supported(scheme: str, k: int, dtype: torch.dtype = torch.bfloat16) -> bool:
 def launch_consts(scheme: str, K: int, T: int, tiles: dict | None = None) -> dict:
     """The constexprs of a call with in_features K and T rows of x: the tile (`tiles_for`, updated by `tiles`), the
     token axis A, the words per row (KB for nvfp4, KW for fp8_row) and per unrolled chunk (BKW), and num_warps: the
-    tile's, or, unless `tiles` names it, fewer where a chunk is narrow (down to one word of the R rows' chunk per
-    thread, so a short K does not leave threads holding copies; four words a thread took 8.1 us where one took 5.1 on
-    geom's qkv_proj)."""
+    tile's, or, unless `tiles` names it, fewer where a chunk is narrow: down to one word of the R rows' chunk per
+    thread (more words a thread wait on more loads each: `benchmarks/dense_quant.md`), so a short K does not leave
+    threads holding copies."""
     tile = {**tiles_for(scheme, T), **(tiles or {})}
     words = K // 16 if scheme == "nvfp4" else K // 8
     bkw = min(tile["BKW"], triton.next_power_of_2(words))
