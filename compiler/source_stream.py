@@ -98,7 +98,8 @@ class SourceStream(SourcePass):
         the pass is stuck waiting for `hold` room, big-pinned chunks needed later than `rank` are dropped one by one
         to let it on where that costs fewer re-read bytes than reading directly what is `left` of the request (a
         big one waiting in the same file, close ahead of the pass); else the rest is read directly (a small tensor
-        filed behind a fused bank, such as the router, costs its own bytes, not the bank's) (lock held)."""
+        filed behind a fused bank, such as the router, costs its own bytes, not the bank's) (lock held; a planned
+        read lets it go while it copies a chunk, which its request pins: the pass reads and hashes meanwhile)."""
         dst, pos, end = out.numpy(), begin, begin + nbytes
         while pos < end:
             if self._error is not None:
@@ -118,7 +119,14 @@ class SourceStream(SourcePass):
                 self._cv.wait()
                 continue
             n = min(self.chunk - off, end - pos)
-            dst[pos - begin:pos - begin + n] = np.frombuffer(c.buf, np.uint8, n, off)
+            if rank is None:  # an unplanned read pins nothing: the chunk may be evicted once the lock is let go
+                dst[pos - begin:pos - begin + n] = np.frombuffer(c.buf, np.uint8, n, off)
+            else:  # pinned by this read until it is served past it: the pass reads and hashes during the copy
+                self._cv.release()
+                try:
+                    dst[pos - begin:pos - begin + n] = np.frombuffer(c.buf, np.uint8, n, off)
+                finally:
+                    self._cv.acquire()
             pos += n
             if j is not None:
                 self._plan.serve(j, pos - n, pos)

@@ -5,6 +5,7 @@ served from the single pass; every read the stream makes is counted through an i
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections import Counter
 from pathlib import Path
 
@@ -143,3 +144,32 @@ def test_compile_of_fused_experts_reads_them_once(tmp_path: Path, monkeypatch, q
     assert names == sorted(p.name for p in out.iterdir())
     for n in set(names) - {STAMP_NAME}:
         assert (ref / n).read_bytes() == (out / n).read_bytes(), n
+
+
+def test_a_planned_copy_leaves_the_pass_its_lock(tmp_path: Path, monkeypatch) -> None:
+    """While the compile copies a planned tensor out of the window, the pass's reader and hasher can take the window's
+    lock (they store and hash the next chunks meanwhile); the copied bytes are still exact."""
+    import ft.compiler.source_stream as source_stream
+
+    t, names = _fused(tmp_path)
+    infos = read_header(tmp_path / names[0])
+    s = SourceStream(tmp_path, names, chunk=CHUNK, window=4 * CHUNK, big=2 * CHUNK, hold=48 * CHUNK)
+    free_during_copy: list[bool] = []
+    real = source_stream.np.frombuffer
+
+    def probing(buf, dtype, count, offset):  # asked from another thread: the lock is reentrant for this one
+        other: list[bool] = []
+        th = threading.Thread(target=lambda: other.append(s._cv.acquire(timeout=1.0) and (s._cv.release() or True)))
+        th.start()
+        th.join()
+        free_during_copy.append(other == [True])
+        return real(buf, dtype, count, offset)
+
+    monkeypatch.setattr(source_stream.np, "frombuffer", probing)
+    n = "model.embed_tokens.weight"
+    s.expect([infos[n]])
+    assert torch.equal(s.read(n, infos[n]), t[n])
+    monkeypatch.setattr(source_stream.np, "frombuffer", real)
+    s.digests()
+    s.stop()
+    assert free_during_copy and all(free_during_copy)
