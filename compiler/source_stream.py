@@ -119,13 +119,14 @@ class SourceStream(SourcePass):
                 self._cv.wait()
                 continue
             n = min(self.chunk - off, end - pos)
-            if rank is None:  # an unplanned read pins nothing: the chunk may be evicted once the lock is let go
-                dst[pos - begin:pos - begin + n] = np.frombuffer(c.buf, np.uint8, n, off)
-            else:  # pinned by this read until it is served past it: the pass reads and hashes during the copy
+            # a planned read pins the chunk until it is served past it, so the pass may read and hash during the
+            # copy; an unplanned one pins nothing: the chunk could be evicted once the lock is let go
+            if rank is not None:
                 self._cv.release()
-                try:
-                    dst[pos - begin:pos - begin + n] = np.frombuffer(c.buf, np.uint8, n, off)
-                finally:
+            try:
+                dst[pos - begin:pos - begin + n] = np.frombuffer(c.buf, np.uint8, n, off)
+            finally:
+                if rank is not None:
                     self._cv.acquire()
             pos += n
             if j is not None:

@@ -60,10 +60,9 @@ def record(exclude: Path | None = None, path: Path | None = None,
            pause: Callable[[], bool] | None = None) -> Path | None:
     """Write what this process has used (module docstring) to `path` (default `list_path()`); None if it could not,
     or if `pause()` (called before each file: it may block while the process is busy) returned False."""
-    def go() -> bool:
+    def go() -> None:
         if pause is not None and not pause():
             raise _Stopped
-        return True
 
     try:
         go()
@@ -72,8 +71,8 @@ def record(exclude: Path | None = None, path: Path | None = None,
         skip_files = {str(p.resolve()) for p in Path(exclude).rglob("*")} if exclude is not None else set()
 
         def wanted(f: str) -> bool:
-            return (go() and _regular(f) and f not in skip_files
-                    and not (skip is not None and Path(f).is_relative_to(skip)))
+            go()
+            return _regular(f) and f not in skip_files and not (skip is not None and Path(f).is_relative_to(skip))
 
         files = {f: [[0, os.path.getsize(f)]] for f in _module_files() if wanted(f)}
         try:
