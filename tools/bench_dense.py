@@ -1,6 +1,7 @@
 """Time the dense decode projections on cuBLAS (the call forms torch offers) and on the Triton skinny GEMM.
 
     python tools/bench_dense.py --out DIR [--quick] [--tokens 1,8] [--shapes NAMES] [--quantized-only]
+                                [--quant-tiles 'R,BKW,WARPS;...']
                                                                       # writes DIR/bench_dense.json, one line per row
     python tools/bench_dense.py --compile-only [ARCH] [--quick]       # any machine: the quantized GEMV for sm_ARCH
 
@@ -20,7 +21,9 @@ printed against the default tiles and F.linear.
 The JSON's "quantized" rows time the dequantizing GEMV of linears kept quantized (`gpu/kernels/dense_quant.py`,
 `--dense-weights quantized`) on the stored formats of the two models' releases (`QUANT_SHAPES`), with its TILES and,
 without --quick, over `QUANT_SWEEP`; `hbm_frac` counts the stored bytes (codes and scales), `bf16_us` is the
-dense_gemv row of the same shape, the time the default (dequantized) placement spends.
+dense_gemv row of the same shape, the time the default (dequantized) placement spends. Its "dequant_rows" rows time
+the prefill side of kept-quantized linears: the whole weight dequantized to bf16 by `gpu/kernels/dense_dequant.py`
+against the PyTorch ops (`ft.formats.quant`) it replaced.
 """
 
 from __future__ import annotations
@@ -78,10 +81,11 @@ def quantized_weights(scheme: str, n: int, k: int, copies: int, device) -> list[
 
 
 def quantized(shapes, tokens, hbm: float, *, sweep: bool, device="cuda", time_us=None,
-              l2_bytes: int = L2_BYTES) -> list[dict]:
-    """The dequantizing GEMV per shape and T (TILES, then QUANT_SWEEP if `sweep`) -> rows {shape, scheme, N, K, T,
-    tiles, us, hbm_frac, max_rel_diff (against the fp32 reference), default}. `time_us(fns)`: us per call
-    (graph_us; tests pass a stand-in), over weight copies of at least `l2_bytes` together."""
+              l2_bytes: int = L2_BYTES, configs: list[dict] | None = None, log=lambda line: None) -> list[dict]:
+    """The dequantizing GEMV per shape and T (TILES, then `configs` (default QUANT_SWEEP) if `sweep`) -> rows {shape,
+    scheme, N, K, T, tiles, us, hbm_frac, max_rel_diff (against the fp32 reference), default}. `time_us(fns)`: us per
+    call (graph_us; tests pass a stand-in), over weight copies of at least `l2_bytes` together; `log` gets a line per
+    row as it is timed (a long sweep killed at its deadline still shows what it measured)."""
     from ft.runtime.gpu.kernels.dense_quant import quantized_gemv, reference_linear, tiles_for
 
     time_us = time_us or (lambda fns: graph_us(fns, reps=len(fns)))
@@ -92,8 +96,7 @@ def quantized(shapes, tokens, hbm: float, *, sweep: bool, device="cuda", time_us
         for T in tokens:
             x = torch.randn(T, k, device=device).to(torch.bfloat16)
             want = reference_linear(scheme, x.cpu(), *(t.cpu() if t is not None else None for t in ws[0]))
-            configs = [None] + (QUANT_SWEEP if sweep else [])
-            for cfg in configs:
+            for cfg in [None] + ((configs or QUANT_SWEEP) if sweep else []):
                 try:
                     got = quantized_gemv(scheme, x, *ws[0], tiles=cfg).float().cpu()
                     us = time_us([lambda w=w, c=cfg: quantized_gemv(scheme, x, *w, tiles=c) for w in ws])
@@ -104,7 +107,33 @@ def quantized(shapes, tokens, hbm: float, *, sweep: bool, device="cuda", time_us
                              "tiles": {**tiles_for(scheme, T), **(cfg or {})}, "us": round(us, 2),
                              "hbm_frac": round(stored / us / 1e3 / hbm, 3), "default": cfg is None,
                              "max_rel_diff": float((got - want).abs().max() / want.abs().max())})
+                r = rows[-1]
+                log(f"{name:20s} {scheme:7s} T={T} {r['us']:7.2f} us {100 * r['hbm_frac']:5.1f}% HBM  {r['tiles']}")
         del ws
+    return rows
+
+
+def dequant_rows(shapes, hbm: float, *, device="cuda", time_us=None, log=lambda line: None) -> list[dict]:
+    """A kept-quantized linear's prefill dequantization per shape: the whole weight into bf16 by
+    `dense_dequant.dequantize_rows` (one launch) and by the PyTorch ops it replaced (`ft.formats.quant`'s exact
+    dequantization, then the cast) -> rows {shape, scheme, N, K, kernel_us, torch_us, hbm_frac (bytes read and
+    written by the kernel over the HBM rate)}."""
+    from ft.formats.quant import fp8, nvfp4
+    from ft.runtime.gpu.kernels.dense_dequant import dequantize_rows
+
+    time_us = time_us or (lambda fns: graph_us(fns, reps=len(fns)))
+    rows = []
+    for name, scheme, n, k in shapes:
+        ws = quantized_weights(scheme, n, k, 1, device)[0]
+        stored = n * k // 2 + n * k // 16 if scheme == "nvfp4" else n * k
+        exact = nvfp4.dequantize if scheme == "nvfp4" else lambda w, s, _: fp8.dequantize(w, s)
+        kernel_us = time_us([lambda ws=ws: dequantize_rows(scheme, *ws, 0, n, torch.bfloat16)])
+        torch_us = time_us([lambda ws=ws: exact(*ws).to(torch.bfloat16)])
+        moved = stored + 2 * n * k
+        rows.append({"shape": name, "scheme": scheme, "N": n, "K": k, "kernel_us": round(kernel_us, 2),
+                     "torch_us": round(torch_us, 2), "hbm_frac": round(moved / kernel_us / 1e3 / hbm, 3)})
+        log(f"{name:20s} {scheme:7s} dequantize to bf16: kernel {kernel_us:8.2f} us "
+            f"({100 * rows[-1]['hbm_frac']:5.1f}% HBM), PyTorch ops {torch_us:8.2f} us")
     return rows
 
 
@@ -183,6 +212,7 @@ def main() -> None:
                     help="build the quantized GEMV's configs for sm_ARCH (no GPU needed) and print their SASS figures")
     ap.add_argument("--shapes", help="only these shapes (comma-separated names, e.g. 'qkv_proj geom,o_proj geom')")
     ap.add_argument("--quantized-only", action="store_true", help="only the quantized GEMV rows (no bf16 forms)")
+    ap.add_argument("--quant-tiles", help="sweep these quantized tiles instead of QUANT_SWEEP: 'R,BKW,WARPS;...'")
     args = ap.parse_args()
     shapes, quant_shapes = SHAPES, QUANT_SHAPES
     if args.shapes:
@@ -236,7 +266,11 @@ def main() -> None:
                 print(f"{name:20s} [{n:6d},{k:5d}] T={T} best   {b['us']:7.2f} us {100 * b['hbm_frac']:5.1f}% HBM"
                       f"  {b['tiles']}")
         del ws
-    quant = quantized(quant_shapes, list(map(int, args.tokens.split(","))), hbm, sweep=not args.quick)
+    configs = [dict(zip(("R", "BKW", "num_warps"), map(int, c.split(",")))) for c in args.quant_tiles.split(";")] \
+        if args.quant_tiles else None
+    quant = quantized(quant_shapes, list(map(int, args.tokens.split(","))), hbm, sweep=not args.quick,
+                      configs=configs, log=print)
+    dequant = dequant_rows(quant_shapes, hbm, log=print)
     bf16_us = {(r["shape"], r["T"]): r["us"] for r in rows if r["form"] == "triton"}
     for r in quant:
         r["bf16_us"] = bf16_us.get((r["shape"], r["T"]))
@@ -245,7 +279,8 @@ def main() -> None:
         print(f"{r['shape']:20s} {r['scheme']:7s} T={r['T']} {r['us']:7.2f} us {100 * r['hbm_frac']:5.1f}% HBM "
               f"(bf16 {r['bf16_us']} us; best {fastest['us']} us {fastest['tiles']})")
     out = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "hbm_read_gbs": round(hbm, 1),
-           "default_tiles": TILES, "rows": rows, "best": best, "sweep": swept, "quantized": quant}
+           "default_tiles": TILES, "rows": rows, "best": best, "sweep": swept, "quantized": quant,
+           "dequant_rows": dequant}
     (args.out / "bench_dense.json").write_text(json.dumps(out, indent=1))
 
 

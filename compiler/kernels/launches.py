@@ -224,8 +224,14 @@ def deltanet(g: Geometry, lengths: list[int]) -> None:
 
 def dense(g: Geometry, lengths: list[int]) -> None:
     from ft.runtime.gpu.kernels import dense_gemv as dg, dense_quant as dq
+    from ft.runtime.gpu.kernels.dense_dequant import dequantize_rows
+    from ft.runtime.layers.linear import dequant_chunks
 
     for scheme, N, K in g.linears:
+        if scheme is not None:  # calls past the GEMV (prefill): each chunk of rows dequantized (pointer alignments)
+            for s2, (r0, r1) in itertools.product((torch.ones(1), torch.ones(N)) if scheme == "nvfp4" else (None,),
+                                                  dequant_chunks(N, K, g.dtype, kernel=True)):
+                dequantize_rows(scheme, *_stored(scheme, N, K, s2), r0, r1, g.dtype)
         for T in (t for t in lengths if t <= (dg.MAX_TOKENS if scheme is None else dq.MAX_TOKENS)):
             x = torch.zeros(T, K, dtype=g.dtype)
             if scheme is None:
@@ -233,12 +239,18 @@ def dense(g: Geometry, lengths: list[int]) -> None:
             elif not dq.supported(scheme, K, g.dtype):
                 continue
             elif scheme == "nvfp4":
-                buf = torch.zeros(N * K // 2 + N * K // 16, dtype=torch.uint8)
-                w, s = buf[:N * K // 2].view(N, K // 2), buf[N * K // 2:].view(torch.float8_e4m3fn).view(N, K // 16)
                 for s2 in (torch.ones(1), torch.ones(N)):
-                    dq.quantized_gemv("nvfp4", x, w, s, s2)
+                    dq.quantized_gemv("nvfp4", x, *_stored(scheme, N, K, s2))
             else:
-                dq.quantized_gemv("fp8_row", x, torch.zeros(N, K, dtype=torch.float8_e4m3fn), torch.ones(N), None)
+                dq.quantized_gemv("fp8_row", x, *_stored(scheme, N, K, None))
+
+
+def _stored(scheme: str, N: int, K: int, s2: torch.Tensor | None) -> tuple:
+    """A kept-quantized [N, K] linear's tensors as `Linear` holds them (nvfp4: codes then scales in one buffer)."""
+    if scheme == "nvfp4":
+        buf = torch.zeros(N * K // 2 + N * K // 16, dtype=torch.uint8)
+        return buf[:N * K // 2].view(N, K // 2), buf[N * K // 2:].view(torch.float8_e4m3fn).view(N, K // 16), s2
+    return torch.zeros(N, K, dtype=torch.float8_e4m3fn), torch.ones(N), None
 
 
 def embedding(g: Geometry, lengths: list[int]) -> None:

@@ -8,8 +8,9 @@ rounding). With `keep_quantized` (on the GPU, `OffloadConfig(dense="quantized")`
 chooses at budgets that cannot hold every expert: the weights take 2-4x less room, which goes to the expert cache) the
 stored bytes move to the device as they are. On CUDA, calls of at most `GEMV_MAX_TOKENS` bf16 rows (decode) run a
 dequantizing GEMV that reads the stored bytes once (`gpu.kernels.dense_quant`);
-other calls dequantize `CHUNK_BYTES` of weight rows at a time into the same compute-dtype values the default path
-holds and multiply by them (the same results, for a transient of one chunk and one extra pass over the weight).
+other calls dequantize a chunk of weight rows at a time into the same compute-dtype values the default path holds
+and multiply by them (the same results, for a transient of one chunk and one extra pass over the weight; on CUDA one
+`gpu.kernels.dense_dequant` launch per chunk).
 Plain bf16 / fp16 weights on a GEMV device (decided at `prepare`: `_gemv`) run calls of at most `dense_gemv.MAX_TOKENS`
 rows through `gpu.kernels.dense_gemv` (one launch streaming the weight once) when the op is `_fused`; the stacked
 weights of `stack_rows` go through `linear` the same way. The results equal `F.linear` up to fp32 summation order.
@@ -142,17 +143,40 @@ class Linear(Op):
         return self._chunked(x)
 
     def _chunked(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W.T (+ bias) with W dequantized CHUNK_BYTES of rows at a time (keep_quantized)."""
+        """x @ W.T (+ bias) with W dequantized a chunk of rows at a time (keep_quantized): on a GEMV device by one
+        kernel straight into the compute dtype (DEQUANT_TRANSIENT bytes of rows), else CHUNK_BYTES of fp32 rows."""
         out, k = self.weight_shape
-        rows = max(1, CHUNK_BYTES // (4 * k))
-        if rows >= out:
-            return F.linear(x, self._dequant(0, out, self._scheme).to(self._dtype), self.bias)
+        kernel = self.weight.device.type in GEMV_DEVICES
+        chunks = dequant_chunks(out, k, self._dtype, kernel)
+        if len(chunks) == 1:
+            return F.linear(x, self._rows(0, out, kernel), self.bias)
         y = x.new_empty(*x.shape[:-1], out)
-        for r0 in range(0, out, rows):
-            r1 = min(out, r0 + rows)
+        for r0, r1 in chunks:
             bias = None if self.bias is None else self.bias[r0:r1]
-            y[..., r0:r1] = F.linear(x, self._dequant(r0, r1, self._scheme).to(self._dtype), bias)
+            y[..., r0:r1] = F.linear(x, self._rows(r0, r1, kernel), bias)
         return y
+
+    def _rows(self, r0: int, r1: int, kernel: bool) -> torch.Tensor:
+        """Weight rows [r0, r1) in the compute dtype (the same values either way: `dense_dequant`'s docstring)."""
+        if kernel:
+            from ft.runtime.gpu.kernels.dense_dequant import dequantize_rows
+
+            try:
+                return dequantize_rows(self._scheme, self.weight, self.weight_scale, self.weight_scale_2, r0, r1,
+                                       self._dtype)
+            except Exception as e:  # noqa: BLE001 - e.g. a Triton build failure: same values, slower path
+                log.warning("row dequantization kernel failed (%s: %s); dense linears dequantize with PyTorch ops",
+                            type(e).__name__, str(e)[:200])
+                GEMV_DEVICES.clear()
+        return self._dequant(r0, r1, self._scheme).to(self._dtype)
+
+
+def dequant_chunks(out: int, k: int, dtype: torch.dtype, kernel: bool) -> list[tuple[int, int]]:
+    """The weight row ranges a kept-quantized [out, k] linear dequantizes one at a time for a call past the GEMV: on a
+    GEMV device (`kernel`) DEQUANT_TRANSIENT bytes of `dtype` rows, else CHUNK_BYTES of fp32 rows (`ft kernels build`
+    replays the kernel's chunks)."""
+    rows = max(1, DEQUANT_TRANSIENT // (dtype.itemsize * k) if kernel else CHUNK_BYTES // (4 * k))
+    return [(r0, min(out, r0 + rows)) for r0 in range(0, out, rows)]
 
 
 def gemv_eligible(weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
