@@ -83,7 +83,8 @@ class EngineSettings:
                               "CUDA only: quantized dense linears (FP8 / NVFP4 in ModelOpt checkpoints) dequantized "
                               "to bf16 at load, or kept as stored (decode reads them through a dequantizing GEMV, "
                               "prefill dequantizes them per call): 2-4x less VRAM for them, left to the expert "
-                              "cache. auto: kept quantized when the budget cannot hold every expert with them "
+                              "cache. auto: kept quantized when decode batches fit the dequantizing GEMV "
+                              "(--max-running-requests 8 or fewer) or the budget cannot hold every expert with them "
                               "dequantized, else dequantized.")
     plan: str | None = _opt(None, "--plan",
                             "CUDA only: the FTW's placement plan to start from (`ft plan` writes them: VRAM split, "

@@ -97,9 +97,13 @@ def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, m
     if opts.vram_budget is None and budget is not None:
         opts = dataclasses.replace(opts, vram_budget=budget)
     if dense_weights is not None:
-        opts = dataclasses.replace(opts, dense=resolve_dense(reader, dense_weights, budget))  # OffloadConfig checks
+        opts = dataclasses.replace(opts, dense=resolve_dense(reader, dense_weights, budget, max_running_requests))
         if dense_weights == "auto" and opts.dense == "quantized":
-            log.info("dense weights kept quantized: the VRAM budget cannot hold every expert with them dequantized")
+            from ft.runtime.layers.linear import GEMV_MAX_TOKENS
+
+            log.info("dense weights kept quantized (--dense-weights auto): %s", "decode batches fit the dequantizing "
+                     "GEMV" if max_running_requests <= GEMV_MAX_TOKENS else "the VRAM budget cannot hold every expert "
+                     "with them dequantized")
     placement = None  # the FTW's plan for this machine, or one made now (`ft.runtime.plan.select`); before loading
     if budget is not None and plan_name != "none":
         from ft.runtime.plan.select import choose_placement

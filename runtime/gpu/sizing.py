@@ -138,14 +138,25 @@ def activation_reserve(cfg: ModelConfig, chunk: int, elem: int) -> int:
 def resolve_reserve(given: int | None, reader: FtwReader, chunk: int | None, *, dense_quantized: bool = False) -> int:
     """The activation reserve: `given` (OffloadConfig.reserve_bytes), else `activation_reserve` for prefill chunks of
     `chunk` tokens (None: the engine's default at a budget, OFFLOADED_PREFILL_CHUNK) in the FTW's compute dtype, plus,
-    with dense linears kept quantized, what a prefill projection's dequantization holds (`linear.DEQUANT_TRANSIENT`)."""
-    from ft.runtime.layers.linear import DEQUANT_TRANSIENT
-
+    with dense linears kept quantized, what a prefill projection's dequantization holds (`dequant_transient`)."""
     if given is not None:
         return given
     elem = reader.tensor("embed_tokens.weight").element_size()
-    dequant = DEQUANT_TRANSIENT if dense_quantized and reader.quant.get("linears") else 0
+    dequant = dequant_transient(reader) if dense_quantized else 0
     return activation_reserve(reader.config, chunk or OFFLOADED_PREFILL_CHUNK, elem) + dequant
+
+
+def dequant_transient(reader: FtwReader) -> int:
+    """What a kept-quantized linear's call past the GEMV holds while it dequantizes (`linear.dequant_chunks`): at most
+    `linear.DEQUANT_TRANSIENT`, less where the largest quantized weight is smaller (20 bytes a weight: the PyTorch
+    fallback's fp32 values, codes and copies)."""
+    from ft.runtime.layers.linear import DEQUANT_TRANSIENT
+
+    largest = 0
+    for name, scheme in (reader.quant.get("linears") or {}).items():
+        out, k = reader.tensor(f"{name}.weight").shape
+        largest = max(largest, out * k * (2 if scheme == "nvfp4" else 1))
+    return min(DEQUANT_TRANSIENT, 20 * largest)
 
 
 KV_TARGET_TOKENS = 65536  # default KV budget: room for one coding agent's long conversation
@@ -267,16 +278,25 @@ def dense_weight_bytes(reader: FtwReader, *, keep_quantized: bool) -> tuple[int,
     return nonlayer, per_layer
 
 
-def resolve_dense(reader: FtwReader, choice: str, budget: int | None) -> str:
-    """`--dense-weights` as the engine applies it: "auto" keeps an FTW's quantized dense linears as stored whenever the
-    budget cannot hold the model with them dequantized (dense weights plus every expert record): the experts then
-    compete with the dense weights for VRAM, and every byte the stored form saves (2-4x) becomes expert slots, while
-    the dequantizing GEMV reads fewer bytes per decode step than the bf16 copy (`kernels/dense_quant.py`). A budget
-    that holds everything dequantized keeps the bf16 copy (the plain GEMMs of prefill, no dequantization per call).
-    "dequantized" and "quantized" pass through."""
+def resolve_dense(reader: FtwReader, choice: str, budget: int | None, max_batch: int) -> str:
+    """`--dense-weights` as the engine applies it, for decode batches of at most `max_batch` sequences. "auto" keeps
+    an FTW's quantized dense linears as stored
+    * when every decode call fits the dequantizing GEMV (`max_batch` <= linear.GEMV_MAX_TOKENS): it reads the stored
+      bytes once, 2-4x fewer than the bf16 copy, and a prefill chunk dequantizes each weight in one launch
+      (`kernels/dense_dequant.py`, a few % of the chunk); the stored form also leaves more of a budget to experts;
+    * else whenever the budget cannot hold the model with them dequantized (dense weights plus every expert record),
+      as then every byte they save (2-4x) becomes expert slots: bigger batches dequantize per call, the bf16 copy
+      would not.
+    "dequantized" and "quantized" pass through. Measured: `benchmarks/gpu_full.md` (runs 94 and 97)."""
+    from ft.runtime.layers.linear import GEMV_MAX_TOKENS
+
     if choice != "auto":
         return choice
-    if budget is None or not reader.quant.get("linears"):
+    if not reader.quant.get("linears"):
+        return "dequantized"
+    if max_batch <= GEMV_MAX_TOKENS:
+        return "quantized"
+    if budget is None:
         return "dequantized"
     nonlayer, per_layer = dense_weight_bytes(reader, keep_quantized=False)
     experts = sum(b.num_experts * b.stride for b in map(reader.bank, reader.bank_names()))

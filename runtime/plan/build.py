@@ -68,7 +68,7 @@ def make_plan(reader: FtwReader, settings: EngineSettings, routing: RoutingProfi
         if not cuda and settings.vram_budget is None:
             raise ValueError("--vram-budget is needed: torch sees no GPU here to size a budget from")
         budget = resolve_budget(dev, settings.vram_budget, settings.memory_ratio)
-        keep = resolve_dense(reader, settings.dense_weights, budget) == "quantized"
+        keep = resolve_dense(reader, settings.dense_weights, budget, settings.max_running_requests) == "quantized"
         outside = 0
         if cuda:  # as the engine measures it at start (sizing.py)
             held = device_in_use(dev) if settings.vram_budget is not None else torch.cuda.memory_reserved(dev)

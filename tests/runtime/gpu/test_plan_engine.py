@@ -50,7 +50,7 @@ def budget(src) -> int:
     per_token, per_seq = state_bytes(probe.config, probe.model.dtype)
     probe.close()
     opts = OffloadConfig()
-    reserve = resolve_reserve(None, FtwReader(src), CHUNK)
+    reserve = resolve_reserve(None, FtwReader(src), CHUNK, dense_quantized=ex.opts.dense == "quantized")
     fixed = dense + KV * per_token + 4 * per_seq + 2 * opts.prefill_slots * ex.layout.stride + reserve
     return fixed + SLOTS * ex.layout.stride + ex.layout.stride // 2
 

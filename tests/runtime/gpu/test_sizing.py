@@ -12,7 +12,9 @@ from ft.formats import FtwReader
 from ft.runtime.engine import Engine, EngineSettings
 from ft.runtime.gpu.offload_config import OffloadConfig
 from ft.runtime.gpu.sizing import (KV_MAX_SHARE, KV_MIN_TOKENS, KV_TARGET_TOKENS, OFFLOADED_PREFILL_CHUNK,
-                                   activation_reserve, default_kv_tokens, parse_bytes, plan_vram, state_bytes)
+                                   activation_reserve, default_kv_tokens, dequant_transient, parse_bytes, plan_vram,
+                                   state_bytes)
+from ft.runtime.layers.linear import DEQUANT_TRANSIENT
 from ft.runtime.state import SequenceState
 
 GIB = 1 << 30
@@ -70,7 +72,10 @@ def test_activation_reserve_follows_the_prefill_chunk(ftw_for):
     for chunk in (None, 512):
         eng = Engine(ftw, EngineSettings(device="cpu", vram_budget=64 * GIB, max_prefill_length=chunk),
                      offload=OffloadConfig(mode="resident"))
-        assert eng._experts.vram_plan.reserve == activation_reserve(cfg, chunk or OFFLOADED_PREFILL_CHUNK, elem)
+        plan = eng._experts.vram_plan  # dense linears kept quantized (auto, batches of 4): their dequantization too
+        assert plan.dense_quantized and 0 < dequant_transient(FtwReader(ftw)) < DEQUANT_TRANSIENT
+        assert plan.reserve == activation_reserve(cfg, chunk or OFFLOADED_PREFILL_CHUNK, elem) + dequant_transient(
+            FtwReader(ftw))
         eng.close()
     eng = Engine(ftw, EngineSettings(device="cpu", vram_budget=64 * GIB),
                  offload=OffloadConfig(mode="resident", reserve_bytes=12345))
