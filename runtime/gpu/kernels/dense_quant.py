@@ -38,13 +38,12 @@ from .pdl import pdl_args, pdl_wait
 MAX_TOKENS = 8  # rows of x one call takes (Linear.GEMV_MAX_TOKENS)
 # per scheme, by the most rows of x they serve: R weight rows per program, BKW u64 words per unrolled K chunk (16
 # weights a word for nvfp4, 8 for fp8_row), warps. At decode the call is latency-bound: what counts is how many loads
-# are in flight and how few each thread waits on. nvfp4 up to 2 rows of x: the fastest of a sweep on geom's
-# projections at T = 1 (`benchmarks/dense_quant.md`), one word of a chunk per thread, 8 warps, two chunks across K
-# 4096; above, where the activations' reuse over R rows starts to count (R 2 takes 20-28 % more instructions per
-# weight than R 4 at T = 8), the former R 4 tile. sm_90 builds without register spills (`tools/bench_dense.py
-# --compile-only`).
-TILES = {"nvfp4": ((2, {"R": 2, "BKW": 128, "num_warps": 8}), (MAX_TOKENS, {"R": 4, "BKW": 256, "num_warps": 8})),
-         "fp8_row": ((MAX_TOKENS, {"R": 4, "BKW": 512, "num_warps": 8}),)}
+# are in flight and how few each thread waits on. Up to 2 rows of x, both schemes: one word of a chunk per thread, 8
+# warps (R 2, fastest at T = 1 on both models' projections); above, where the activations' reuse over the R rows
+# counts, R 8 (19-40 % faster than R 4 at T = 8). Sweeps: `benchmarks/dense_quant.md`. sm_90 builds without register
+# spills (`tools/bench_dense.py --compile-only`).
+TILES = {"nvfp4": ((2, {"R": 2, "BKW": 128, "num_warps": 8}), (MAX_TOKENS, {"R": 8, "BKW": 128, "num_warps": 8})),
+         "fp8_row": ((2, {"R": 2, "BKW": 128, "num_warps": 8}), (MAX_TOKENS, {"R": 8, "BKW": 64, "num_warps": 8}))}
 
 
 def tiles_for(scheme: str, T: int) -> dict:
