@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ft.runtime.gpu import store
 from ft.runtime.gpu.offload_config import OffloadConfig
 from gpu_full_checks import agreement, engine_profile, lane_agreement, profile
 import gpu_full_decode
@@ -97,6 +98,12 @@ def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64, v
         res["prefill"] = prefill(model, 4096, repeat=1)
         res["prefill_overlap"] = prefill_overlap(model, 4096)
         res["prefill_host"] = prefill_host(model, 4096)
+        res["prefill_short"] = {n: prefill(model, n, repeat=3) for n in (16, 48)}  # a short prompt or new turn
+        slices, store.MAPPED_SLICES = store.MAPPED_SLICES, 0  # beside it, the host-planned path they took before
+        try:
+            res["prefill_short_host"] = {n: prefill(model, n, repeat=3) for n in (16, 48)}
+        finally:
+            store.MAPPED_SLICES = slices
         if llama and f"decode_{gib:g}gib" in llama:
             for row in ("decode", "decode_warm"):
                 res[row]["vs_llama_cpp"] = res[row]["tok_s"] / llama[f"decode_{gib:g}gib"]
@@ -122,7 +129,10 @@ def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64, v
         f"{res['decode_8k']['tok_s']:.1f}), MB/token {bpt}, prefill 4096 "
         f"{res['prefill']['tok_s']:.0f} tok/s (first "
         f"{res['prefill_first']['tok_s']:.0f}; copies {res.get('prefill_overlap', {}).get('copy_ms')} ms, under "
-        f"kernels {res.get('prefill_overlap', {}).get('both_ms')} ms), peak {res['peak_device_gib']:.2f} GiB incl. "
+        f"kernels {res.get('prefill_overlap', {}).get('both_ms')} ms), prefill 16 / 48 "
+        f"{' / '.join('%.1f' % (1e3 * r['seconds']) for r in res.get('prefill_short', {}).values())} ms (host-planned "
+        f"{' / '.join('%.1f' % (1e3 * r['seconds']) for r in res.get('prefill_short_host', {}).values())}), "
+        f"peak {res['peak_device_gib']:.2f} GiB incl. "
         f"context; lane "
         f"{res.get('lane')}")
     return res

@@ -8,14 +8,16 @@ Each MoE layer call takes one of four paths, chosen from the call's size and the
     (`prefill_plan.py`). `graphs.graph_ready` is the contract for capturing decode in a CUDA graph.
   * mode "mapped", decode calls of layers whose bank the pinner has page-locked and verified (`mapped_path.py`): the
     GPU copies misses from host memory itself, the CPU lane computes a share of them, the cache is refilled a step
-    later; no host sync, so decode steps are CUDA graphs too.
+    later; no host sync, so decode steps are CUDA graphs too. A call of up to MAPPED_SLICES times that many pairs
+    (a short prompt, a new turn's few tokens) runs as such calls of MAX_DEVICE_PAIRS pairs in turn: a few hundred us
+    a layer, where the host-planned path took ~10 ms.
   * mode "mapped", forwards long enough to route to nearly every expert (`prefill_pipeline.py`): every expert
     without a slot streams through two prefill buffers ahead of its layer, without waiting for the routing.
-  * any other call (before the pinner has finished, decode batches over MAX_DEVICE_PAIRS pairs, mid-size prefill
-    chunks, and every call on device "cpu" unless `device_plan` is set) brings its routing to the host, one sync per
-    call (`host_call.py`): misses split between uploads into slots and the CPU kernel by their measured costs
-    (`split.py`); prefill calls stream their misses through the prefill buffers (`prefill_stream.py`) without
-    admitting them, so decode-hot slots survive.
+  * any other call (before the pinner has finished, calls over MAPPED_SLICES * MAX_DEVICE_PAIRS pairs that the
+    prefill pipeline does not take, and every call on device "cpu" unless `device_plan` is set) brings its routing to
+    the host, one sync per call (`host_call.py`): misses split between uploads into slots and the CPU kernel by
+    their measured costs (`split.py`); prefill calls stream their misses through the prefill buffers
+    (`prefill_stream.py`) without admitting them, so decode-hot slots survive.
 
 `device="cpu"` runs the same scheduler on a CPU "pool" with the PyTorch reference as the GPU side (tests, emulation;
 `interpret=True` runs the Triton kernels under Triton's interpreter instead).
@@ -32,8 +34,7 @@ import torch
 from ft.formats import FtwReader
 
 from .cpu.kernel import CpuMoe
-from .device_path import (device_call, device_prefill_call, uses_device_plan,
-                          uses_device_prefill)
+from .device_path import MAX_DEVICE_PAIRS, device_call, device_prefill_call, uses_device_plan, uses_device_prefill
 from .expert_cache import ExpertCache, plan_num_slots
 from .graphs import graph_call
 from .host_call import host_call
@@ -48,6 +49,7 @@ from .split import SplitEstimator, split_from_profile
 from .store_stats import experts_stats, reset_experts_stats
 from .transfer import CudaUploader, HostUploader
 
+MAPPED_SLICES = 8  # a call of up to this many mapped calls' pairs runs as mapped calls in turn (module docstring)
 DEFAULT_B_PCIE = 25e9  # used only when neither options nor a bench profile give bandwidths
 DEFAULT_B_CPU = 25e9
 
@@ -177,6 +179,10 @@ class GpuExperts:
             self.pipeline.abandon()
         if uses_mapped(self, layer, T):  # no host sync: misses read from the mapped bank, bookkeeping a step later
             return self.mapped(layer, x, topk_ids, topk_weights).to(x.dtype)
+        piece = MAX_DEVICE_PAIRS // k
+        if T <= MAPPED_SLICES * piece and uses_mapped(self, layer, piece):  # a short prefill: the same, piece by piece
+            return torch.cat([self.mapped(layer, x[i:i + piece], topk_ids[i:i + piece], topk_weights[i:i + piece])
+                              for i in range(0, T, piece)]).to(x.dtype)
         if self.mapped is not None:
             self.mapped.release()
         return host_call(self, layer, x, topk_ids, topk_weights)

@@ -18,12 +18,15 @@ from ft.runtime.gpu.kernels.moe_reference import moe_ref
 from ft.runtime.gpu.offload_config import OffloadConfig
 from ft.runtime.gpu.prefill_stream import prefill_call
 from ft.runtime.gpu.record_layout import RecordLayout
-from ft.runtime.gpu.store import GpuExperts
+from ft.runtime.gpu.store import MAPPED_SLICES, GpuExperts
 
 from .gpu_fixtures import rel_err, tiny_moe_ftw
 
 E, K, H, I = 8, 2, 64, 32
 INTERP = os.environ.get("TRITON_INTERPRET") == "1" and not torch.cuda.is_available()
+PIECE = MAX_DEVICE_PAIRS // K  # tokens of one mapped call
+BEYOND_SLICES = MAPPED_SLICES * PIECE + 1  # tokens of the shortest call the sliced mapped path leaves to others
+NO_PIPELINE = 10 ** 6  # OffloadConfig.prefill_tokens that keeps every call here off the prefill pipeline
 
 
 @pytest.fixture(scope="module")
@@ -120,10 +123,10 @@ def test_banks_beyond_the_host_memory_allowance_are_computed_by_the_cpu_lane(rea
 def test_the_lane_rests_while_a_host_planned_call_computes_on_the_cpu(reader):
     """A host-planned call (more pairs than the mapped path takes) that gives misses to the CPU rests the lane, so its
     idle threads leave the cores to that CPU work; the next mapped call wakes it before it may post."""
-    opts = OffloadConfig(mode="mapped", num_slots=3, admit_max=0, b_pcie=1e6, cpu_threads=2)
+    opts = OffloadConfig(mode="mapped", num_slots=3, admit_max=0, b_pcie=1e6, cpu_threads=2, prefill_tokens=NO_PIPELINE)
     ex = GpuExperts(reader, opts, device="cpu", device_plan=True, interpret=True)
     try:
-        calls = list(_calls(reader, (1, MAX_DEVICE_PAIRS // K + 1, 1), seed=13))
+        calls = list(_calls(reader, (1, BEYOND_SLICES, 1), seed=13))
         layer, x, ids, w = calls[0]
         ex(layer, x, ids, w)  # mapped: makes the lane
         lane = ex.mapped.lane
@@ -139,9 +142,30 @@ def test_the_lane_rests_while_a_host_planned_call_computes_on_the_cpu(reader):
         ex.close()
 
 
+@pytest.mark.parametrize("interpret", [False, True])
+def test_a_short_prefill_runs_as_mapped_calls_in_turn(reader, interpret):
+    """A call past one mapped call's pairs but within MAPPED_SLICES of them (a short prompt; here the prefill pipeline,
+    which takes long calls, is off) is cut into mapped calls of PIECE tokens: no host-planned call, every pair
+    computed, each piece counted like a decode call."""
+    if interpret and not INTERP:
+        pytest.skip("needs Triton's interpreter on a machine without CUDA")
+    opts = OffloadConfig(mode="mapped", num_slots=3, admit_max=1, trace_limit=100, prefill_tokens=NO_PIPELINE)
+    ex = GpuExperts(reader, opts, device="cpu", device_plan=True, interpret=interpret)
+    try:
+        tokens = (1, PIECE + 3) if interpret else (1, 2 * PIECE + 3, MAPPED_SLICES * PIECE)  # the interpreter is slow
+        for layer, x, ids, w in _calls(reader, tokens, seed=17):
+            assert rel_err(ex(layer, x, ids, w).float(), _full(reader, layer, x, ids, w)) < 1e-2
+        s = ex.stats()
+        assert s["calls"] == sum(-(-t // PIECE) for t in tokens) and s["tokens"] == sum(tokens)
+        assert s["prefill_calls"] == 0 and s["cpu_experts"] == 0
+    finally:
+        ex.close()
+
+
 def test_mapped_falls_back_to_the_host_path_for_prefill_and_publishes_hidden_entries(reader):
-    ex = GpuExperts(reader, OffloadConfig(mode="mapped", num_slots=4), device="cpu", device_plan=True)
-    big = MAX_DEVICE_PAIRS // K + 1
+    ex = GpuExperts(reader, OffloadConfig(mode="mapped", num_slots=4, prefill_tokens=NO_PIPELINE), device="cpu",
+                    device_plan=True)
+    big = BEYOND_SLICES
     table = None
     for layer, x, ids, w in _calls(reader, (1, 1, 1, big, 1), seed=9, hot=2):
         y = ex(layer, x, ids, w)
