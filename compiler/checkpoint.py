@@ -28,8 +28,8 @@ from ft.compiler.errors import CheckpointError, supported
 from ft.compiler.expert_jobs import default_threads
 from ft.compiler.families import family_for
 from ft.compiler.linear import DtypePolicy
-from ft.compiler.metadata import (Hasher, free_bytes, generation_defaults, provenance, source_files,
-                                  tokenizer_assets)
+from ft.compiler.metadata import (Hasher, free_bytes, generation_defaults, provenance, published_sha256,
+                                  source_files, tokenizer_assets)
 from ft.compiler.prepare import prepare
 from ft.compiler.progress import byte_progress
 from ft.compiler.quant.modelopt import parse_quant
@@ -115,14 +115,16 @@ def _compile(model: str | Path, out_dir: Path, revision: str | None, dtype: str,
     loc = locate(str(model), revision)
     _check_out(out_dir, loc.root, force)
     # sha256 of every source file: the small metadata files on a background thread, the weight files by the
-    # stream that also serves the compile's tensor reads (each weight byte is read from disk once). The stream
+    # stream that also serves the compile's tensor reads (each weight byte is read from disk once), or, where the
+    # download recorded it, the sha256 the hub publishes for the file (`published_sha256`). The stream
     # starts as soon as the weight files are known, on the embedding's file (every plan starts with the
     # embedding), so that the disk works while headers are parsed and the plan is built.
     hasher = Hasher(loc.root, source_files(loc.root, []))
     streams: list[SourceStream] = []
 
     def start(config: dict, files: list[str], wmap: dict | None) -> None:
-        streams.append(SourceStream(loc.root, files))
+        streams.append(SourceStream(loc.root, files, published={
+            n: d for n in files if (d := published_sha256(loc.root, n)) is not None}))
         # a guess before the family binds its prefix (a wrong one costs speed only, see SourceStream)
         embed = sorted(n for n in wmap or {} if n.startswith("model.") and n.endswith("embed_tokens.weight"))
         streams[0].prefetch(wmap[embed[0]] if embed else files[0])

@@ -148,6 +148,33 @@ class Hasher(threading.Thread):
         self.join()
 
 
+def published_sha256(root: Path, name: str) -> str | None:
+    """The sha256 the Hugging Face Hub publishes for source file `name` (its LFS object id), where the download
+    recorded it and the file is still what was downloaded; None otherwise (the caller hashes the file):
+    * a hub cache snapshot: the file is a link to `blobs/<sha256>` (LFS files; git files are named by sha1);
+    * a `hf download --local-dir` folder: `.cache/huggingface/download/<name>.metadata` (commit, etag, timestamp)
+      with a sha256 etag, the file not modified after that timestamp (huggingface_hub's own rule, 1 s of slack).
+    Provenance identifies the source by the digests hubs publish (specs/ftw.md §9); these are those digests."""
+    path = root / name
+    try:
+        if path.is_symlink():
+            target = Path(os.readlink(path))
+            digest = target.name
+            return digest if target.parent.name == "blobs" and _is_sha256(digest) else None
+        meta = root / ".cache" / "huggingface" / "download" / f"{name}.metadata"
+        if not meta.is_file():
+            return None
+        lines = meta.read_text().splitlines()
+        etag, stamp = lines[1].strip(), float(lines[2])
+        return etag if _is_sha256(etag) and path.stat().st_mtime - 1 <= stamp else None
+    except (OSError, ValueError, IndexError):  # unreadable or malformed: hash the file
+        return None
+
+
+def _is_sha256(text: str) -> bool:
+    return len(text) == 64 and all(c in "0123456789abcdef" for c in text)
+
+
 def provenance(source: str, revision: str | None, digests: dict[str, str]) -> dict:
     return {"source": source, "revision": revision, "files": digests, "compiler": compiler_version()}
 

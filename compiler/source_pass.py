@@ -1,7 +1,9 @@
 """The single pass under `source_stream.SourceStream`: one reader thread reads each weight file start to end in
 `chunk`-sized O_DIRECT reads (buffered where the filesystem refuses O_DIRECT, e.g. tmpfs), a hashing thread folds
 the chunks into the file's sha256 in file order, and the chunks stay in a bounded window while a request of the
-compile's plan (`read_plan.ReadPlan`) still needs them.
+compile's plan (`read_plan.ReadPlan`) still needs them. Files whose hub-published sha256 the download recorded
+(`published`: `metadata.published_sha256`) are not hashed: one sha256 stream (1.3-2 GB/s) sets the pace of a pass
+over a faster disk (`benchmarks/compile_stages.md`).
 
 Budgets: `window` bytes for chunks pinned by tensors up to `big` bytes, `hold` more for chunks pinned by bigger
 ones (`read_plan`); the reader waits for room, except that a big-pinned chunk needed after every big-pinned chunk
@@ -36,8 +38,9 @@ class SourcePass:
     """The pass and its window; `SourceStream` serves the compile's reads from it."""
 
     def __init__(self, root: Path, weight_files: list[str], *, window: int = 512 << 20, chunk: int = 8 << 20,
-                 big: int = 64 << 20, hold: int = 768 << 20) -> None:
+                 big: int = 64 << 20, hold: int = 768 << 20, published: dict[str, str] | None = None) -> None:
         self.root, self.names = root, list(weight_files)
+        self.published = dict(published or {})  # file -> the sha256 its hub publishes: read, not hashed
         self.paths = [root / n for n in self.names]
         self.sizes = [p.stat().st_size for p in self.paths]
         self.window, self.chunk, self.big, self.hold = window, chunk, big, hold
@@ -112,6 +115,7 @@ class SourcePass:
             while (fi := self._next_file(done)) is not None:
                 done.append(fi)
                 path, size = self.paths[fi], self.sizes[fi]
+                digest = self.published.get(self.names[fi])
                 fd = open_direct(path)
                 try:
                     for k in range((size + self.chunk - 1) // self.chunk):
@@ -123,13 +127,19 @@ class SourcePass:
                             raise CheckpointError(f"{path.name}: truncated while reading (file changed?)")
                         with self._cv:
                             self.pass_bytes += want
-                            self._chunks[(fi, k)] = _Chunk(buf, want)
+                            self._chunks[(fi, k)] = c = _Chunk(buf, want)
+                            c.hashed = digest is not None
                             self._read_upto[fi] = k + 1
+                            self._evict()
                             self._cv.notify_all()
-                        hq.put((fi, k))
+                        if digest is None:
+                            hq.put((fi, k))
                 finally:
                     os.close(fd)
-                hq.put((fi, None))
+                if digest is None:
+                    hq.put((fi, None))
+                else:
+                    self._digests[self.names[fi]] = digest
         finally:
             hq.put(None)
 

@@ -189,3 +189,21 @@ def test_prefetch_before_the_plan(tmp_path: Path, first: str) -> None:
     if first == "a.safetensors":  # the early file leads the plan: a's and b's big tensors came from the pass
         assert s.direct_bytes == 0 and s.pass_bytes == sum(s.sizes)
     s.stop()
+
+
+def test_published_digests_are_taken_not_hashed(tmp_path: Path) -> None:
+    """A file whose hub-published sha256 is given is read for the compile (every read exact, its chunks evicted once
+    served: a window of three chunks suffices) but not hashed: its digest is the published one, the others' their
+    own."""
+    names, tensors = _files(tmp_path)
+    published = {"a.safetensors": "ab" * 32}
+    infos = {n: i for f in names for n, i in read_header(tmp_path / f).items()}
+    order = sorted(infos, key=lambda n: (names.index(infos[n].path.name), infos[n].begin))
+    s = SourceStream(tmp_path, names, window=3 * 8192, chunk=8192, big=8192, published=published)
+    s.expect([infos[n] for n in order])
+    want = {n: t for f in names for n, t in tensors[f].items()}
+    for n in order:
+        assert torch.equal(s.read(n, infos[n]), want[n]), n
+    assert s.digests() == {"a.safetensors": "ab" * 32,
+                           "b.safetensors": hashlib.sha256((tmp_path / "b.safetensors").read_bytes()).hexdigest()}
+    s.stop()
