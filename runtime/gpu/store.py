@@ -9,8 +9,8 @@ Each MoE layer call takes one of four paths, chosen from the call's size and the
   * mode "mapped", decode calls of layers whose bank the pinner has page-locked and verified (`mapped_path.py`): the
     GPU copies misses from host memory itself, the CPU lane computes a share of them, the cache is refilled a step
     later; no host sync, so decode steps are CUDA graphs too. A call of up to MAPPED_SLICES times that many pairs
-    (a short prompt, a new turn's few tokens) runs as such calls of MAX_DEVICE_PAIRS pairs in turn: a few hundred us
-    a layer, where the host-planned path took ~10 ms.
+    (a short prompt, a new turn's few tokens) runs as such calls of MAX_DEVICE_PAIRS pairs in turn, without the
+    host-planned path's sync (1.11-1.12x faster for 16 and 48 tokens: `benchmarks/gpu_full.md`, run 100).
   * mode "mapped", forwards long enough to route to nearly every expert (`prefill_pipeline.py`): every expert
     without a slot streams through two prefill buffers ahead of its layer, without waiting for the routing.
   * any other call (before the pinner has finished, calls over MAPPED_SLICES * MAX_DEVICE_PAIRS pairs that the
