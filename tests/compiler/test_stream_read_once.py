@@ -124,8 +124,8 @@ def test_compile_of_fused_experts_reads_them_once(tmp_path: Path, monkeypatch, q
     streams, direct = [], Counter()
 
     class Small(SourceStream):  # fused tensors: 32 and 64 KiB, lm_head/embedding 68 KiB; a 16 KiB window
-        def __init__(self, root, files):
-            super().__init__(root, files, window=4 * CHUNK, chunk=CHUNK, big=2 * CHUNK, hold=48 * CHUNK)
+        def __init__(self, root, files, **kw):
+            super().__init__(root, files, window=4 * CHUNK, chunk=CHUNK, big=2 * CHUNK, hold=48 * CHUNK, **kw)
             streams.append(self)
 
         def read(self, name, info, rows=None):
