@@ -3,8 +3,10 @@ writing the previous one (the writer's O_DIRECT writes block at disk speed).
 
 Calls are applied strictly in submission order by a single worker, so the file layout and every byte written are
 exactly those of calling the writer directly (compiles stay deterministic). Memory: at most `max_pending` bytes of
-tensors wait in the queue; an oversized item is waited for before the caller goes on. The first exception of the
-worker is re-raised on the next call and by `drain`.
+tensors wait in the queue, plus at most one oversized item (an embedding or LM head over `max_pending`): a second one
+waits until the first is written, so two never coexist in memory, while the caller goes on building the items after
+it (the write takes ~0.5 s a GB; waiting for it would also stop the source pass once its window is full). The first
+exception of the worker is re-raised on the next call and by `drain`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ class AsyncWriter:
     def __init__(self, w: FtwWriter, max_pending: int = 256 << 20) -> None:
         self.w, self.max_pending = w, max_pending
         self._q: queue.Queue = queue.Queue()
-        self._pending = 0
+        self._pending = 0  # bytes of queued items up to max_pending
+        self._big = False  # an oversized item is queued or being written
         self._cv = threading.Condition()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="ft-ftw-writer", daemon=True)
@@ -33,27 +36,31 @@ class AsyncWriter:
             job = self._q.get()
             if job is None:
                 return
-            fn, nbytes = job
+            fn, nbytes, big = job
             if self._error is None:
                 try:
                     fn()
                 except BaseException as e:  # surfaced on the caller's thread
                     self._error = e
             with self._cv:
-                self._pending -= nbytes
+                if big:
+                    self._big = False
+                else:
+                    self._pending -= nbytes
                 self._cv.notify_all()
 
     def _submit(self, fn: Callable[[], Any], nbytes: int) -> None:
+        big = nbytes > self.max_pending
         with self._cv:
-            while self._pending > 0 and self._pending + nbytes > self.max_pending and self._error is None:
+            while self._error is None and (self._big if big else
+                                           self._pending > 0 and self._pending + nbytes > self.max_pending):
                 self._cv.wait()
             self._raise()
-            self._pending += nbytes
-        self._q.put((fn, nbytes))
-        if nbytes > self.max_pending:  # an oversized item (embedding, lm_head) is written before the next is built,
-            with self._cv:             # so two of them never coexist in memory
-                while self._pending > 0 and self._error is None:
-                    self._cv.wait()
+            if big:
+                self._big = True
+            else:
+                self._pending += nbytes
+        self._q.put((fn, nbytes, big))
 
     def _raise(self) -> None:
         if self._error is not None:

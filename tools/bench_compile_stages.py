@@ -1,6 +1,6 @@
 """Benchmark: where a `--quantize nvfp4` compile's time goes beyond its disk bound, one stage taken away at a time.
 
-    python tools/bench_compile_stages.py --src DIR [--out benchmarks] [--repeat 2] [--note TEXT]
+    python tools/bench_compile_stages.py --src DIR [--out benchmarks] [--repeat 2] [--note TEXT] [--only 'V1;V2']
 
 Each variant runs in its own process with the source's page cache dropped first (`bench_compile_lib.drop_cache`),
 best of `--repeat`; compiles write into a temporary folder beside the source:
@@ -89,7 +89,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("benchmarks"))
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--note", default="")
+    ap.add_argument("--only", help="these variants only, separated by ';' (default: all of VARIANTS)")
     args = ap.parse_args()
+    variants = [v.strip() for v in args.only.split(";")] if args.only else list(VARIANTS)
+    unknown = set(variants) - set(VARIANTS)
+    if unknown:
+        raise SystemExit(f"bench_compile_stages: unknown variants {sorted(unknown)}; known: {'; '.join(VARIANTS)}")
     files = sorted(args.src.glob("*.safetensors"))
     nbytes = sum(f.stat().st_size for f in files)
     reads = {m: read_speed(files, 0, nbytes, m)[0] / 1e9 for m in ("direct", "buffered")}  # GB/s
@@ -100,7 +105,7 @@ def main() -> None:
     print(f"{nbytes / 1e9:.2f} GB, cold read {reads['direct']:.2f} (direct) / {reads['buffered']:.2f} (buffered) "
           f"GB/s, disk bound {bound:.2f} s, {os.cpu_count()} cores")
     row["disk_timeline"] = {}  # the best run's: is the disk idle while the pipeline stalls?
-    for variant in VARIANTS:
+    for variant in variants:
         s, timeline = min(run(variant, args.src, files) for _ in range(args.repeat))
         row["seconds"][variant], row["disk_timeline"][variant] = s, timeline
         busy = busy_share(timeline)
