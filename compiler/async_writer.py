@@ -3,9 +3,10 @@ writing the previous one (the writer's O_DIRECT writes block at disk speed).
 
 Calls are applied strictly in submission order by a single worker, so the file layout and every byte written are
 exactly those of calling the writer directly (compiles stay deterministic). Memory: at most `max_pending` bytes of
-tensors wait in the queue, plus at most one oversized item (an embedding or LM head over `max_pending`): a second one
-waits until the first is written, so two never coexist in memory, while the caller goes on building the items after
-it (the write takes ~0.5 s a GB; waiting for it would also stop the source pass once its window is full). The first
+tensors wait in the queue, plus one oversized item (an embedding or LM head over `max_pending`) being written while
+the caller goes on building the items after it (the write takes ~0.5 s a GB; waiting for it would also stop the
+source pass once its window is full). A second oversized item is queued only once the first is written: the caller
+holds at most that one meanwhile (models emit the embedding first and the LM head last, layers apart). The first
 exception of the worker is re-raised on the next call and by `drain`.
 """
 
