@@ -128,9 +128,10 @@ class SourcePass:
                         with self._cv:
                             self.pass_bytes += want
                             self._chunks[(fi, k)] = c = _Chunk(buf, want)
-                            c.hashed = digest is not None
                             self._read_upto[fi] = k + 1
-                            self._evict()
+                            if digest is not None:  # never hashed: evictable once served, as if hashed now
+                                c.hashed = True
+                                self._evict()
                             self._cv.notify_all()
                         if digest is None:
                             hq.put((fi, k))

@@ -98,12 +98,9 @@ def load_offloaded(reader: FtwReader, *, device: str, vram_budget: int | None, m
         opts = dataclasses.replace(opts, vram_budget=budget)
     if dense_weights is not None:
         opts = dataclasses.replace(opts, dense=resolve_dense(reader, dense_weights, budget, max_running_requests))
-        if dense_weights == "auto" and opts.dense == "quantized":
-            from ft.runtime.layers.linear import GEMV_MAX_TOKENS
-
-            log.info("dense weights kept quantized (--dense-weights auto): %s", "decode batches fit the dequantizing "
-                     "GEMV" if max_running_requests <= GEMV_MAX_TOKENS else "the VRAM budget cannot hold every expert "
-                     "with them dequantized")
+        if dense_weights == "auto" and opts.dense == "quantized":  # why: `resolve_dense`
+            log.info("dense weights kept quantized (--dense-weights auto, decode batches of up to %d sequences, "
+                     "budget %s)", max_running_requests, budget)
     placement = None  # the FTW's plan for this machine, or one made now (`ft.runtime.plan.select`); before loading
     if budget is not None and plan_name != "none":
         from ft.runtime.plan.select import choose_placement

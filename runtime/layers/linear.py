@@ -144,31 +144,41 @@ class Linear(Op):
 
     def _chunked(self, x: torch.Tensor) -> torch.Tensor:
         """x @ W.T (+ bias) with W dequantized a chunk of rows at a time (keep_quantized): on a GEMV device by one
-        kernel straight into the compute dtype (DEQUANT_TRANSIENT bytes of rows), else CHUNK_BYTES of fp32 rows."""
-        out, k = self.weight_shape
-        kernel = self.weight.device.type in GEMV_DEVICES
-        chunks = dequant_chunks(out, k, self._dtype, kernel)
-        if len(chunks) == 1:
-            return F.linear(x, self._rows(0, out, kernel), self.bias)
-        y = x.new_empty(*x.shape[:-1], out)
-        for r0, r1 in chunks:
-            bias = None if self.bias is None else self.bias[r0:r1]
-            y[..., r0:r1] = F.linear(x, self._rows(r0, r1, kernel), bias)
-        return y
-
-    def _rows(self, r0: int, r1: int, kernel: bool) -> torch.Tensor:
-        """Weight rows [r0, r1) in the compute dtype (the same values either way: `dense_dequant`'s docstring)."""
-        if kernel:
+        kernel straight into the compute dtype, else by PyTorch ops (the same values: `dense_dequant`'s docstring).
+        A kernel that fails (e.g. a Triton build failure) sends this call and every later one to the PyTorch ops,
+        whose chunks are sized for them."""
+        if self.weight.device.type in GEMV_DEVICES:
             from ft.runtime.gpu.kernels.dense_dequant import dequantize_rows
 
+            def rows(r0: int, r1: int) -> torch.Tensor:
+                try:
+                    return dequantize_rows(self._scheme, self.weight, self.weight_scale, self.weight_scale_2, r0, r1,
+                                           self._dtype)
+                except Exception as e:  # noqa: BLE001 - told apart from F.linear's errors below
+                    raise _NoKernel from e
+
             try:
-                return dequantize_rows(self._scheme, self.weight, self.weight_scale, self.weight_scale_2, r0, r1,
-                                       self._dtype)
-            except Exception as e:  # noqa: BLE001 - e.g. a Triton build failure: same values, slower path
+                return self._by_chunks(x, rows, kernel=True)
+            except _NoKernel as e:
                 log.warning("row dequantization kernel failed (%s: %s); dense linears dequantize with PyTorch ops",
-                            type(e).__name__, str(e)[:200])
+                            type(e.__cause__).__name__, str(e.__cause__)[:200])
                 GEMV_DEVICES.clear()
-        return self._dequant(r0, r1, self._scheme).to(self._dtype)
+        return self._by_chunks(x, lambda r0, r1: self._dequant(r0, r1, self._scheme).to(self._dtype), kernel=False)
+
+    def _by_chunks(self, x: torch.Tensor, rows, *, kernel: bool) -> torch.Tensor:
+        """x @ W.T (+ bias), `rows(r0, r1)` giving W's rows in the compute dtype, over `dequant_chunks`."""
+        out, k = self.weight_shape
+        chunks = dequant_chunks(out, k, self._dtype, kernel)
+        if len(chunks) == 1:
+            return F.linear(x, rows(0, out), self.bias)
+        y = x.new_empty(*x.shape[:-1], out)
+        for r0, r1 in chunks:
+            y[..., r0:r1] = F.linear(x, rows(r0, r1), None if self.bias is None else self.bias[r0:r1])
+        return y
+
+
+class _NoKernel(Exception):
+    """`Linear._chunked`: the row dequantization kernel failed (the cause is chained)."""
 
 
 def dequant_chunks(out: int, k: int, dtype: torch.dtype, kernel: bool) -> list[tuple[int, int]]:
