@@ -144,8 +144,13 @@ def test_quantized_benchmark_rows():
     assert len(swept) == 1 + len(bench_dense.QUANT_SWEEP) and swept[1]["tiles"] == bench_dense.QUANT_SWEEP[0]
 
 
-def test_a_failing_gemv_falls_back_to_chunked_dequantization(monkeypatch, caplog):
-    import ft.runtime.gpu.kernels.dense_quant as dq
+@pytest.mark.parametrize("module,kernel,rows,said", [
+    ("dense_quant", "quantized_gemv", 2, "quantized GEMV failed"),  # decode rows: the GEMV
+    ("dense_dequant", "dequantize_rows", 12, "row dequantization kernel failed"),  # past it: the chunked path
+])
+def test_a_failing_kernel_falls_back_to_pytorch_ops(module, kernel, rows, said, monkeypatch, caplog):
+    import importlib
+
     from ft.runtime.layers import linear as linear_mod
     from ft.runtime.layers.linear import Linear
 
@@ -154,7 +159,7 @@ def test_a_failing_gemv_falls_back_to_chunked_dequantization(monkeypatch, caplog
     def broken(*a):
         raise RuntimeError("no kernel for this GPU")
 
-    monkeypatch.setattr(dq, "quantized_gemv", broken)
+    monkeypatch.setattr(importlib.import_module(f"ft.runtime.gpu.kernels.{module}"), kernel, broken)
     g = torch.Generator().manual_seed(2)
     op, ref = Linear(), Linear()
     for o in (op, ref):
@@ -162,9 +167,9 @@ def test_a_failing_gemv_falls_back_to_chunked_dequantization(monkeypatch, caplog
         o.weight_scale, o.bias = torch.full((16,), 0.05), None
     op.prepare("m", "fp8_row", torch.bfloat16, torch.device("cpu"), keep_quantized=True)
     ref.prepare("m", "fp8_row", torch.bfloat16, torch.device("cpu"))
-    x = torch.randn(2, 64, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
     assert torch.equal(op(x), ref(x)) and linear_mod.GEMV_DEVICES == []
-    assert "quantized GEMV failed (RuntimeError: no kernel for this GPU)" in caplog.text
+    assert f"{said} (RuntimeError: no kernel for this GPU)" in caplog.text
 
 
 def test_default_tiles_give_each_thread_one_word_of_a_chunk_down_to_short_rows():
