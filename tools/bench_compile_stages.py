@@ -1,6 +1,7 @@
 """Benchmark: where a `--quantize nvfp4` compile's time goes beyond its disk bound, one stage taken away at a time.
 
     python tools/bench_compile_stages.py --src DIR [--out benchmarks] [--repeat 2] [--note TEXT] [--only 'V1;V2']
+                                         [--py-spy BIN]
 
 Each variant runs in its own process with the source's page cache dropped first (`bench_compile_lib.drop_cache`),
 best of `--repeat`; compiles write into a temporary folder beside the source:
@@ -13,7 +14,9 @@ best of `--repeat`; compiles write into a temporary folder beside the source:
 Stubbed runs produce wrong bytes on purpose and are deleted; only their times are kept. The disk bound is source
 bytes over the faster cold read (O_DIRECT or buffered), as in `bench_quantize_speed.py`. Each variant's best run also
 keeps the source disk's timeline (GB/s read and written, busy share, every 100 ms): where the disk idles, the pipeline
-stalls. Writes DIR/compile_stages.json (the runs appended) and prints a table.
+stalls. Writes DIR/compile_stages.json (the runs appended) and prints a table. `--py-spy BIN`: after the timed runs,
+one more run of each variant under `py-spy record --idle --threads` (not timed: sampling slows it), its chrome trace
+in DIR/spy-<variant>.json for `tools/spy_phases.py`.
 """
 
 from __future__ import annotations
@@ -62,20 +65,22 @@ print(time.perf_counter() - t)
 """
 
 
-def run(variant: str, src: Path, files: list[Path]) -> tuple[float, list]:
-    """-> (seconds, the source disk's timeline while the child ran: `disk_timeline`)."""
+def run(variant: str, src: Path, files: list[Path], spy: list[str] = ()) -> tuple[float, list]:
+    """-> (seconds, the source disk's timeline while the child ran: `disk_timeline`); `spy`: the child runs under this
+    profiler command line."""
     what, nohash = VARIANTS[variant]
     with tempfile.TemporaryDirectory(dir=src.parent, prefix="ft-stages-") as tmp:
         drop_cache(files)
         with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-            child = subprocess.Popen([sys.executable, "-c", CHILD, what, str(int(nohash)), str(src),
+            child = subprocess.Popen([*spy, sys.executable, "-c", CHILD, what, str(int(nohash)), str(src),
                                       str(Path(tmp) / "out.ftw")], stdout=out, stderr=err, text=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
             timeline = disk_timeline(files[0], lambda: child.poll() is None)
             out.seek(0), err.seek(0)
             if child.wait():
                 raise SystemExit(f"{variant}: exit {child.returncode}\n{err.read()[-2000:]}")
-            return float(out.read().strip().splitlines()[-1]), timeline
+            times = [ln for ln in out.read().split() if ln.replace(".", "", 1).isdigit()]  # py-spy prints too
+            return float(times[-1]), timeline
 
 
 def busy_share(timeline: list) -> float | None:
@@ -90,6 +95,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--note", default="")
     ap.add_argument("--only", help="these variants only, separated by ';' (default: all of VARIANTS)")
+    ap.add_argument("--py-spy", help="a py-spy binary: one more, profiled run of each variant (module doc)")
     args = ap.parse_args()
     variants = [v.strip() for v in args.only.split(";")] if args.only else list(VARIANTS)
     unknown = set(variants) - set(VARIANTS)
@@ -112,6 +118,11 @@ def main() -> None:
         print(f"  {variant:40s} {s:6.2f} s  {s / bound:.2f}x the bound"
               + (f"  disk busy {100 * busy:.0f} % of the child's run" if busy is not None else ""), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
+    for variant in variants if args.py_spy else ():
+        trace = args.out / f"spy-{variant.replace(',', '').replace(' ', '-')}.json"
+        run(variant, args.src, files, [args.py_spy, "record", "--idle", "--threads", "--format", "chrometrace",
+                                       "--rate", "200", "-o", str(trace), "--"])
+        print(f"  profiled: {trace}", flush=True)
     path = args.out / "compile_stages.json"
     runs = json.loads(path.read_text()) if path.exists() else []
     path.write_text(json.dumps(runs + [row], indent=1) + "\n")

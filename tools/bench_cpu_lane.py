@@ -3,6 +3,7 @@
     python tools/bench_cpu_lane.py [--threads 8,11,13,14] [--experts 1,2,3,4,8] [--jobs 300] [--bank-gib 4]
                                    [--builds "GU_ROWS=8;GU_ROWS=16,DOWN_ROWS=64"] [--concurrent] [--out DIR]
                                    [--schemes nvfp4,mxfp4] [--geometry 2880,2880] [--stem cpu_lane]
+                                   [--libraries "before=OLD.so;after=NEW.so"]
 
 In a decode step at a VRAM budget the lane (`runtime/gpu/cpu/lane.c`) computes ~2 of a layer's ~6 misses while the
 GPU copies the rest from the same host memory, so its job time at 1-4 experts, with that copy running, sets the
@@ -12,8 +13,9 @@ H 2048, I 512, NVFP4; `--geometry H,I` and `--schemes` for others, e.g. gpt-oss-
 and reads the lane's own timing of it (post seen -> answer written). Per configuration it fits
 job seconds = fixed + per * experts. `--concurrent`: a CUDA side stream copies a 1 GiB page-locked buffer to the
 device in a loop meanwhile (its rate is reported). `--builds`: the C kernel built with these macro settings
-(`cpu/kernel.c`: GU_ROWS, DOWN_ROWS, FT_PREFETCH), each with -march=native. Writes <stem>.md / <stem>.json under
---out.
+(`cpu/kernel.c`: GU_ROWS, DOWN_ROWS, FT_PREFETCH), each with -march=native. `--libraries`: these built libraries
+instead (an A/B of two sources: each `build.py` prebuilt, its lane API unchanged). Writes <stem>.md / <stem>.json
+under --out.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import numpy as np
 import torch
 
 from ft.runtime.gpu.cpu.lane import MB_DONE, MB_EXPERT, MB_LAYER, MB_N, MB_REQ, MB_T, MB_TOKEN, MB_WEIGHT, MB_X
-from ft.runtime.gpu.cpu.kernel import c_layout, load_library
+from ft.runtime.gpu.cpu.kernel import bind, c_layout, load_library
 from ft.runtime.gpu.record_layout import RecordLayout
 
 TMAX = 8
@@ -144,6 +146,8 @@ def main() -> None:
     ap.add_argument("--bank-gib", type=float, default=4.0)
     ap.add_argument("--builds", default="GU_ROWS=8", help="';'-separated builds, each ','-separated NAME=VALUE")
     ap.add_argument("--concurrent", action="store_true")
+    ap.add_argument("--libraries", default="", help="';'-separated LABEL=PATH of built libraries to time instead "
+                    "of --builds")
     ap.add_argument("--schemes", default="nvfp4", help="','-separated record schemes (nvfp4, mxfp4)")
     ap.add_argument("--geometry", default="2048,512", help="hidden,intermediate of the experts")
     ap.add_argument("--out", type=Path, default=Path("benchmarks"))
@@ -161,9 +165,10 @@ def main() -> None:
         act = "clamped_swiglu" if scheme == "mxfp4" else "silu"  # each format's model family's activation
         layout = RecordLayout.packed(H, I, scheme, act=act)
         bank, n_rec = make_bank(layout, args.bank_gib)
-        for build in args.builds.split(";"):
-            flags = tuple(f"-D{kv}" for kv in build.split(",") if kv)
-            lib = load_library(flags)
+        libs = ([tuple(kv.split("=", 1)) for kv in args.libraries.split(";")] if args.libraries
+                else [(b, None) for b in args.builds.split(";")])
+        for build, path in libs:
+            lib = bind(path) if path else load_library(tuple(f"-D{kv}" for kv in build.split(",") if kv))
             for conc in loads:
                 for t in threads:
                     load = CopyLoad() if conc else None

@@ -8,8 +8,9 @@
  * Weight decode per scheme: `fp4_decode.h`.
  *
  * One call handles one MoE layer step: `n_groups` experts, each with the pairs (token, router weight) routed to it.
- * Three phases inside one OpenMP team: gate_up rows (split over experts x row chunks), down rows, then the sum of
- * pair outputs into y (column chunks, fixed pair order, so results do not depend on the thread count).
+ * Two phases inside one OpenMP team: gate_up rows (split over experts x row chunks), then down row chunks, each
+ * summing its rows of every pair's output into y in the fixed pair order (results do not depend on the thread
+ * count; no third phase adding up per-pair outputs, nor the barrier before it).
  */
 #define _POSIX_C_SOURCE 200809L
 #include <math.h>
@@ -80,15 +81,21 @@ static inline float gate(const ft_layout *L, float g, float u) {
 #define GU_ROWS 8 /* gate/up row pairs per work item */
 #endif
 #ifndef DOWN_ROWS
-#define DOWN_ROWS 32 /* down rows per work item */
+#define DOWN_ROWS 32 /* down rows of one expert per work item */
 #endif
-#define SUM_COLS 256 /* y columns per work item */
 
-void job_items(const moe_job *j, int64_t n[3]) {
-    const int64_t H = j->L->hidden, I = j->L->inter;
+/* Rows of y per down item: an item covers them for every expert, about DOWN_ROWS rows of one expert's codes, and
+ * whole 64-byte lines of y (a multiple of 16 rows): two threads adding into one line of y would pass it back and
+ * forth (with 8-row items, 4-expert calls took 1.3x as long on two threads). */
+static int64_t down_rows(const moe_job *j) {
+    const int64_t r = DOWN_ROWS / (j->n_groups > 0 ? j->n_groups : 1);
+    return r < 16 ? 16 : r / 16 * 16;
+}
+
+void job_items(const moe_job *j, int64_t n[2]) {
+    const int64_t H = j->L->hidden, I = j->L->inter, r = down_rows(j);
     n[0] = (int64_t)j->n_groups * ((I + GU_ROWS - 1) / GU_ROWS);
-    n[1] = (int64_t)j->n_groups * ((H + DOWN_ROWS - 1) / DOWN_ROWS);
-    n[2] = (int64_t)j->T * ((H + SUM_COLS - 1) / SUM_COLS);
+    n[1] = (H + r - 1) / r;
 }
 
 void gu_item(const moe_job *j, int64_t item) {
@@ -121,48 +128,41 @@ void gu_item(const moe_job *j, int64_t item) {
     }
 }
 
+/* y[t, rows r0..r1) = the sum over pairs of token t, in pair order, of the pair's down rows times its router weight
+ * (the same additions in the same order for any thread count or item size). */
 void down_item(const moe_job *j, int64_t item) {
     const ft_layout *L = j->L;
-    const int64_t H = L->hidden, I = L->inter, chunks = (H + DOWN_ROWS - 1) / DOWN_ROWS;
+    const int64_t H = L->hidden, I = L->inter, rows = down_rows(j);
     const int64_t sb = I / scale_group(L->scheme); /* scale bytes per down row */
-    const int64_t g = item / chunks, r0 = (item % chunks) * DOWN_ROWS;
-    const int64_t r1 = r0 + DOWN_ROWS < H ? r0 + DOWN_ROWS : H;
+    const int64_t r0 = item * rows, r1 = r0 + rows < H ? r0 + rows : H;
     const row_dots_fn row_dots = row_dots_for(L->scheme);
-    const uint8_t *rec = j->recs[g];
-    const uint8_t *codes = rec + L->off_d, *scales = rec + L->off_ds;
-    for (int32_t p0 = j->grp_start[g]; p0 < j->grp_start[g + 1]; p0 += MAXT) {
-        int nt = j->grp_start[g + 1] - p0 < MAXT ? j->grp_start[g + 1] - p0 : MAXT;
-        const in_t *as[MAXT];
-        for (int t = 0; t < nt; t++) as[t] = j->actin + (int64_t)(p0 + t) * I;
-        for (int64_t n = r0; n < r1; n++) {
-            float dv[MAXT];
-            row_dots(codes + n * (I / 2), scales + n * sb, I, as, nt, dv);
-            for (int t = 0; t < nt; t++)
-                j->part[(int64_t)(p0 + t) * H + n] = row_out(rec, L->off_ds2, L->off_db, n, dv[t]) * j->pair_w[p0 + t];
+    for (int64_t t = 0; t < j->T; t++)
+        for (int64_t n = r0; n < r1; n++) j->y[t * H + n] = 0.f;
+    for (int32_t g = 0; g < j->n_groups; g++) {
+        const uint8_t *rec = j->recs[g];
+        const uint8_t *codes = rec + L->off_d, *scales = rec + L->off_ds;
+        for (int32_t p0 = j->grp_start[g]; p0 < j->grp_start[g + 1]; p0 += MAXT) {
+            int nt = j->grp_start[g + 1] - p0 < MAXT ? j->grp_start[g + 1] - p0 : MAXT;
+            const in_t *as[MAXT];
+            for (int t = 0; t < nt; t++) as[t] = j->actin + (int64_t)(p0 + t) * I;
+            for (int64_t n = r0; n < r1; n++) {
+                float dv[MAXT];
+                row_dots(codes + n * (I / 2), scales + n * sb, I, as, nt, dv);
+                for (int t = 0; t < nt; t++) {
+                    const float v = row_out(rec, L->off_ds2, L->off_db, n, dv[t]) * j->pair_w[p0 + t];
+                    j->y[(int64_t)j->pair_tok[p0 + t] * H + n] += v;
+                }
+            }
         }
     }
 }
 
-/* y[t, columns] = sum of the pair outputs of token t, in pair order (results do not depend on the thread count). */
-void sum_item(const moe_job *j, int64_t item) {
-    const int64_t H = j->L->hidden, chunks = (H + SUM_COLS - 1) / SUM_COLS;
-    const int64_t t = item / chunks, c0 = (item % chunks) * SUM_COLS;
-    const int64_t c1 = c0 + SUM_COLS < H ? c0 + SUM_COLS : H;
-    float *yr = j->y + t * H;
-    for (int64_t c = c0; c < c1; c++) yr[c] = 0.f;
-    for (int32_t p = 0; p < j->grp_start[j->n_groups]; p++) {
-        if (j->pair_tok[p] != t) continue;
-        const float *pr = j->part + (int64_t)p * H;
-        for (int64_t c = c0; c < c1; c++) yr[c] += pr[c];
-    }
-}
-
 int ft_nvfp4_moe(const ft_layout *L, int32_t n_groups, const uint8_t *const *recs, const int32_t *grp_start,
-                 const int32_t *pair_tok, const float *pair_w, int32_t T, const float *x, float *act, float *part,
-                 float *y, int32_t nthreads) {
+                 const int32_t *pair_tok, const float *pair_w, int32_t T, const float *x, float *act, float *y,
+                 int32_t nthreads) {
     init_tables();
     if (!layout_ok(L) || n_groups < 0 || T < 0) return -1;
-    moe_job j = {L, n_groups, T, recs, grp_start, pair_tok, pair_w, x, act, part, y, NULL, NULL};
+    moe_job j = {L, n_groups, T, recs, grp_start, pair_tok, pair_w, x, act, y, NULL, NULL};
 #if defined(FT_BF16)
     uint16_t *xb = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)T * L->hidden + 64);
     uint16_t *ab = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)grp_start[n_groups] * L->inter + 64);
@@ -175,7 +175,7 @@ int ft_nvfp4_moe(const ft_layout *L, int32_t n_groups, const uint8_t *const *rec
 #else
     j.xin = x, j.actin = act;
 #endif
-    int64_t n[3];
+    int64_t n[2];
     job_items(&j, n);
     if (nthreads < 1) nthreads = 1;
 #pragma omp parallel num_threads(nthreads)
@@ -184,8 +184,6 @@ int ft_nvfp4_moe(const ft_layout *L, int32_t n_groups, const uint8_t *const *rec
         for (int64_t item = 0; item < n[0]; item++) gu_item(&j, item);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < n[1]; item++) down_item(&j, item);
-#pragma omp for schedule(static)
-        for (int64_t item = 0; item < n[2]; item++) sum_item(&j, item);
     }
 #if defined(FT_BF16)
     free((void *)j.xin), free(j.actin);
@@ -210,7 +208,7 @@ typedef struct {
     const uint8_t *const *recs;
     const int32_t *grp_start, *pair_tok;
     const float *pair_w, *x;
-    float *act, *part, *y;
+    float *act, *y;
 } ft_worker;
 
 static double now_s(void) {
@@ -229,7 +227,7 @@ static void *worker_loop(void *arg) {
         pthread_mutex_unlock(&w->mu);
         double t = now_s();
         int rc = ft_nvfp4_moe(w->L, w->n_groups, w->recs, w->grp_start, w->pair_tok, w->pair_w, w->T, w->x, w->act,
-                              w->part, w->y, w->nthreads);
+                              w->y, w->nthreads);
         double dt = now_s() - t;
         pthread_mutex_lock(&w->mu);
         w->rc = rc;
@@ -259,14 +257,14 @@ ft_worker *ft_worker_new(void) {
 /* 0 = started; -2 = a call is still in flight (wait for it first). */
 int ft_worker_submit(ft_worker *w, const ft_layout *L, int32_t n_groups, const uint8_t *const *recs,
                      const int32_t *grp_start, const int32_t *pair_tok, const float *pair_w, int32_t T,
-                     const float *x, float *act, float *part, float *y, int32_t nthreads) {
+                     const float *x, float *act, float *y, int32_t nthreads) {
     pthread_mutex_lock(&w->mu);
     if (!w->done) {
         pthread_mutex_unlock(&w->mu);
         return -2;
     }
     w->L = L, w->n_groups = n_groups, w->recs = recs, w->grp_start = grp_start, w->pair_tok = pair_tok;
-    w->pair_w = pair_w, w->T = T, w->x = x, w->act = act, w->part = part, w->y = y, w->nthreads = nthreads;
+    w->pair_w = pair_w, w->T = T, w->x = x, w->act = act, w->y = y, w->nthreads = nthreads;
     w->done = 0;
     w->pending = 1;
     pthread_cond_broadcast(&w->cv);

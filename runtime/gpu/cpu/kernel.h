@@ -30,8 +30,8 @@ typedef struct {
     float alpha, limit;
 } ft_layout;
 
-/* One MoE layer step: the arguments of `ft_nvfp4_moe`, split into work items of three phases (gate_up row chunks
- * per expert, down row chunks per expert, y column chunks per token) so that an OpenMP team (`ft_nvfp4_moe`) or the
+/* One MoE layer step: the arguments of `ft_nvfp4_moe`, split into work items of two phases (gate_up row chunks
+ * per expert, then chunks of y's rows, each over every expert) so that an OpenMP team (`ft_nvfp4_moe`) or the
  * lane's spinning team (`lane.c`) can run them; items of one phase are independent, phases are ordered.
  * Pairs are grouped by expert: group g (record recs[g]) owns pairs grp_start[g] .. grp_start[g + 1] - 1. */
 typedef struct {
@@ -40,7 +40,7 @@ typedef struct {
     const uint8_t *const *recs;
     const int32_t *grp_start, *pair_tok;
     const float *pair_w, *x;
-    float *act, *part, *y;
+    float *act, *y;
     const in_t *xin; /* x as the dots read it: x itself, or its bf16 bits (`to_bf16`) */
     in_t *actin;     /* act as the down dots read it: act itself, or bf16 bits written beside it */
 } moe_job;
@@ -48,8 +48,7 @@ typedef struct {
 void init_tables(void);
 int layout_ok(const ft_layout *L); /* 1 if the kernel takes this layout (sizes, scheme, activation) */
 void to_bf16(const float *src, uint16_t *dst, int64_t n); /* the top half of each float (exact for bf16 values) */
-void job_items(const moe_job *j, int64_t n[3]); /* items per phase */
+void job_items(const moe_job *j, int64_t n[2]); /* items per phase */
 void gu_item(const moe_job *j, int64_t item);
 void down_item(const moe_job *j, int64_t item);
-void sum_item(const moe_job *j, int64_t item);
 #endif

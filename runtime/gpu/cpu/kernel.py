@@ -59,32 +59,37 @@ def load_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         path = library_path(extra_flags)
         if path is None:
             return None
-        lib = ctypes.CDLL(str(path))
-        p = ctypes.c_void_p
-        lib.ft_nvfp4_moe.argtypes = [p, ctypes.c_int32, p, p, p, p, ctypes.c_int32, p, p, p, p, ctypes.c_int32]
-        lib.ft_nvfp4_moe.restype = ctypes.c_int
-        lib.ft_worker_new.restype = p
-        lib.ft_worker_submit.argtypes = [p, p, ctypes.c_int32, p, p, p, p, ctypes.c_int32, p, p, p, p, ctypes.c_int32]
-        lib.ft_worker_submit.restype = ctypes.c_int
-        lib.ft_worker_wait.argtypes = [p, ctypes.POINTER(ctypes.c_double)]
-        lib.ft_worker_wait.restype = ctypes.c_int
-        lib.ft_worker_free.argtypes = [p]
-        lib.ft_worker_free.restype = None
-        lib.ft_memcpy.argtypes = [p, p, ctypes.c_int64, ctypes.c_int32]
-        lib.ft_memcpy.restype = None
-        lib.ft_has_avx512.restype = ctypes.c_int
-        lib.ft_lane_new.argtypes = [p, p, ctypes.c_int64, ctypes.c_int32, p, p, p, ctypes.c_int32]
-        lib.ft_lane_new.restype = p
-        lib.ft_lane_free.argtypes = [p]
-        lib.ft_lane_free.restype = None
-        lib.ft_lane_stats.argtypes = [p, p]
-        lib.ft_lane_stats.restype = None
-        lib.ft_lane_set_fit_cap.argtypes = [p, ctypes.c_int64, ctypes.c_int64]
-        lib.ft_lane_set_fit_cap.restype = None
-        lib.ft_lane_rest.argtypes = [p, ctypes.c_int32]
-        lib.ft_lane_rest.restype = None
-        _LIBS[extra_flags] = lib
+        _LIBS[extra_flags] = bind(path)
     return _LIBS[extra_flags]
+
+
+def bind(path) -> ctypes.CDLL:
+    """The kernel library at `path`, its functions' ctypes signatures set."""
+    lib = ctypes.CDLL(str(path))
+    p = ctypes.c_void_p
+    lib.ft_nvfp4_moe.argtypes = [p, ctypes.c_int32, p, p, p, p, ctypes.c_int32, p, p, p, ctypes.c_int32]
+    lib.ft_nvfp4_moe.restype = ctypes.c_int
+    lib.ft_worker_new.restype = p
+    lib.ft_worker_submit.argtypes = [p, p, ctypes.c_int32, p, p, p, p, ctypes.c_int32, p, p, p, ctypes.c_int32]
+    lib.ft_worker_submit.restype = ctypes.c_int
+    lib.ft_worker_wait.argtypes = [p, ctypes.POINTER(ctypes.c_double)]
+    lib.ft_worker_wait.restype = ctypes.c_int
+    lib.ft_worker_free.argtypes = [p]
+    lib.ft_worker_free.restype = None
+    lib.ft_memcpy.argtypes = [p, p, ctypes.c_int64, ctypes.c_int32]
+    lib.ft_memcpy.restype = None
+    lib.ft_has_avx512.restype = ctypes.c_int
+    lib.ft_lane_new.argtypes = [p, p, ctypes.c_int64, ctypes.c_int32, p, p, p, ctypes.c_int32]
+    lib.ft_lane_new.restype = p
+    lib.ft_lane_free.argtypes = [p]
+    lib.ft_lane_free.restype = None
+    lib.ft_lane_stats.argtypes = [p, p]
+    lib.ft_lane_stats.restype = None
+    lib.ft_lane_set_fit_cap.argtypes = [p, ctypes.c_int64, ctypes.c_int64]
+    lib.ft_lane_set_fit_cap.restype = None
+    lib.ft_lane_rest.argtypes = [p, ctypes.c_int32]
+    lib.ft_lane_rest.restype = None
+    return lib
 
 
 def usable_cores() -> int:
@@ -168,11 +173,10 @@ class CpuMoe:
         ptrs = (ctypes.c_void_p * len(records))(*[r.data_ptr() for r in records])
         P = int(starts[-1])
         act = torch.empty(P, self.layout.inter, dtype=torch.float32)
-        part = torch.empty(P, H, dtype=torch.float32)
         y = torch.empty(T, H, dtype=torch.float32, pin_memory=pinned)
-        keep = (records, tok, w, starts, ptrs, xf, act, part, y)
+        keep = (records, tok, w, starts, ptrs, xf, act, y)
         return (ctypes.byref(self._clayout), len(records), ptrs, starts.ctypes.data, tok.ctypes.data, w.ctypes.data,
-                T, xf.data_ptr(), act.data_ptr(), part.data_ptr(), y.data_ptr(), keep), y
+                T, xf.data_ptr(), act.data_ptr(), y.data_ptr(), keep), y
 
     def close(self) -> None:
         """Stop the native worker (after its job, if any); a later `submit` starts a new one."""

@@ -12,7 +12,9 @@
  *   MB_X        f32 [tmax, H] activations (bf16 values);  then y  f32 [tmax, H], the lane's answer
  *
  * Thread 0 leads: it watches MB_REQ, groups the pairs by expert, publishes the job (`gen`) and works on it with the
- * others; work items of each phase are taken from an atomic counter, phases end at a spin barrier. Idle threads spin
+ * others; work items of each phase are taken from an atomic counter, phases end at a spin barrier. Each counter the
+ * threads write (gen, the barrier's, the phases') has a cache line of its own: sharing one, every item taken would
+ * take the line from the threads spinning on another. Idle threads spin
  * with a pause for SPIN_NS, then nap (50 us, 500 us after a second), so an idle server does not burn its cores. While
  * the host runs CPU work of its own (`ft_lane_rest`: host-planned calls, whose CPU share runs on another team) idle
  * threads nap REST_NS at once: spinning or waking every 50 us they would preempt that team's threads.
@@ -38,7 +40,13 @@ typedef struct {
     int id;
 } lane_arg;
 
+typedef struct {
+    _Alignas(64) _Atomic int64_t v;
+} line_counter; /* an atomic alone in its cache line */
+
 struct ft_lane {
+    line_counter gen, bgen, arrive, next[2];
+    _Alignas(64) _Atomic int stop, rest; /* read on every idle turn, written rarely */
     ft_layout L;
     int32_t *mb;
     int64_t tmax;
@@ -49,17 +57,14 @@ struct ft_lane {
     int nthreads;
     pthread_t *th;
     lane_arg *args;
-    _Atomic int64_t gen, bgen;
-    _Atomic int stop, arrive, rest;
-    _Atomic int64_t next[3];
     moe_job job;
-    int64_t items[3];
+    int64_t items[2];
     const uint8_t *recs[MB_PAIRS];
     int32_t grp_start[MB_PAIRS + 1], pair_tok[MB_PAIRS];
     float pair_w[MB_PAIRS];
-    float *act, *part;
+    float *act;
     in_t *xin, *actin; /* bf16 copies of x and act where the kernel reads bf16 (else x and act themselves) */
-    _Atomic int64_t stats[11]; /* see ft_lane_stats */
+    _Alignas(64) _Atomic int64_t stats[11]; /* see ft_lane_stats */
     _Atomic int64_t cap_fixed_ns, cap_per_ns; /* a job slower than fixed + per * experts stays out of the fit (0: none) */
 };
 
@@ -100,20 +105,21 @@ static void idle_turn(ft_lane *l, int64_t *t0, unsigned *n) {
 }
 
 static void barrier(ft_lane *l) {
-    int64_t g = atomic_load_explicit(&l->bgen, memory_order_acquire);
-    if (atomic_fetch_add_explicit(&l->arrive, 1, memory_order_acq_rel) == l->nthreads - 1) {
-        atomic_store_explicit(&l->arrive, 0, memory_order_relaxed);
-        atomic_store_explicit(&l->bgen, g + 1, memory_order_release);
+    int64_t g = atomic_load_explicit(&l->bgen.v, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&l->arrive.v, 1, memory_order_acq_rel) == l->nthreads - 1) {
+        atomic_store_explicit(&l->arrive.v, 0, memory_order_relaxed);
+        atomic_store_explicit(&l->bgen.v, g + 1, memory_order_release);
     } else {
-        while (atomic_load_explicit(&l->bgen, memory_order_acquire) == g) relax();
+        while (atomic_load_explicit(&l->bgen.v, memory_order_acquire) == g) relax();
     }
 }
 
 static void run_phases(ft_lane *l) {
-    static void (*const fn[3])(const moe_job *, int64_t) = {gu_item, down_item, sum_item};
-    for (int p = 0; p < 3; p++) {
+    static void (*const fn[2])(const moe_job *, int64_t) = {gu_item, down_item};
+    for (int p = 0; p < 2; p++) {
         int64_t i;
-        while ((i = atomic_fetch_add_explicit(&l->next[p], 1, memory_order_relaxed)) < l->items[p]) fn[p](&l->job, i);
+        while ((i = atomic_fetch_add_explicit(&l->next[p].v, 1, memory_order_relaxed)) < l->items[p])
+            fn[p](&l->job, i);
         barrier(l);
     }
 }
@@ -156,7 +162,7 @@ static int prepare(ft_lane *l) {
     const in_t *xin = x;
     in_t *actin = l->act;
 #endif
-    l->job = (moe_job){&l->L, ng, T, l->recs, l->grp_start, l->pair_tok, l->pair_w, x, l->act, l->part,
+    l->job = (moe_job){&l->L, ng, T, l->recs, l->grp_start, l->pair_tok, l->pair_w, x, l->act,
                        x + l->tmax * l->L.hidden, xin, actin};
     job_items(&l->job, l->items);
     return 0;
@@ -179,8 +185,8 @@ static void lead(ft_lane *l) {
         int napped = rested || t - waited_from > SPIN_NS;
         int rc = prepare(l);
         if (rc == 0) {
-            for (int p = 0; p < 3; p++) atomic_store_explicit(&l->next[p], 0, memory_order_relaxed);
-            atomic_fetch_add_explicit(&l->gen, 1, memory_order_release);
+            for (int p = 0; p < 2; p++) atomic_store_explicit(&l->next[p].v, 0, memory_order_relaxed);
+            atomic_fetch_add_explicit(&l->gen.v, 1, memory_order_release);
             run_phases(l);
             int64_t ns = now_ns() - t, g = l->job.n_groups;
             atomic_fetch_add(&l->stats[0], 1);
@@ -212,11 +218,11 @@ static void work(ft_lane *l) {
     for (;;) {
         int64_t t0 = 0;
         unsigned turns = 0;
-        while (atomic_load_explicit(&l->gen, memory_order_acquire) == seen) {
+        while (atomic_load_explicit(&l->gen.v, memory_order_acquire) == seen) {
             if (atomic_load_explicit(&l->stop, memory_order_relaxed)) return;
             idle_turn(l, &t0, &turns);
         }
-        seen = atomic_load_explicit(&l->gen, memory_order_acquire);
+        seen = atomic_load_explicit(&l->gen.v, memory_order_acquire);
         run_phases(l);
     }
 }
@@ -236,19 +242,19 @@ ft_lane *ft_lane_new(const ft_layout *L, int32_t *mailbox, int64_t tmax, int32_t
                      const int64_t *stride, const int32_t *n_experts, int32_t nthreads) {
     if (!layout_ok(L) || tmax < 1 || tmax > MB_PAIRS || n_layers < 1 || nthreads < 1) return NULL;
     init_tables();
-    ft_lane *l = (ft_lane *)calloc(1, sizeof(ft_lane));
+    ft_lane *l = (ft_lane *)aligned_alloc(64, (sizeof(ft_lane) + 63) / 64 * 64); /* its cache-line alignments */
     if (!l) return NULL;
+    memset(l, 0, sizeof(ft_lane));
     l->L = *L, l->mb = mailbox, l->tmax = tmax, l->n_layers = n_layers, l->nthreads = nthreads;
     l->bank = (const uint8_t **)calloc(n_layers, sizeof(*l->bank));
     l->stride = (int64_t *)calloc(n_layers, sizeof(int64_t));
     l->n_experts = (int32_t *)calloc(n_layers, sizeof(int32_t));
     l->act = (float *)malloc(sizeof(float) * MB_PAIRS * L->inter);
-    l->part = (float *)malloc(sizeof(float) * MB_PAIRS * L->hidden);
     l->xin = (in_t *)malloc(sizeof(in_t) * tmax * L->hidden);
     l->actin = (in_t *)malloc(sizeof(in_t) * MB_PAIRS * L->inter);
     l->th = (pthread_t *)calloc(nthreads, sizeof(pthread_t));
     l->args = (lane_arg *)calloc(nthreads, sizeof(lane_arg));
-    if (!l->bank || !l->stride || !l->n_experts || !l->act || !l->part || !l->xin || !l->actin || !l->th || !l->args) {
+    if (!l->bank || !l->stride || !l->n_experts || !l->act || !l->xin || !l->actin || !l->th || !l->args) {
         l->nthreads = 0;
         ft_lane_free(l);
         return NULL;
@@ -271,7 +277,7 @@ void ft_lane_free(ft_lane *l) {
     if (!l) return;
     atomic_store(&l->stop, 1);
     for (int i = 0; i < l->nthreads; i++) pthread_join(l->th[i], NULL);
-    free(l->bank), free(l->stride), free(l->n_experts), free(l->act), free(l->part), free(l->xin), free(l->actin);
+    free(l->bank), free(l->stride), free(l->n_experts), free(l->act), free(l->xin), free(l->actin);
     free(l->th), free(l->args);
     free(l);
 }
