@@ -152,7 +152,7 @@ def test_a_short_prefill_runs_as_mapped_calls_in_turn(reader, interpret):
     opts = OffloadConfig(mode="mapped", num_slots=3, admit_max=1, trace_limit=100, prefill_tokens=NO_PIPELINE)
     ex = GpuExperts(reader, opts, device="cpu", device_plan=True, interpret=interpret)
     try:
-        tokens = (1, PIECE + 3) if interpret else (1, 2 * PIECE + 3, MAPPED_SLICES * PIECE)  # the interpreter is slow
+        tokens = (1, PIECE + 3) if interpret else (1, PIECE + 3, MAPPED_SLICES * PIECE)  # the interpreter is slow
         for layer, x, ids, w in _calls(reader, tokens, seed=17):
             assert rel_err(ex(layer, x, ids, w).float(), _full(reader, layer, x, ids, w)) < 1e-2
         s = ex.stats()
