@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ft.compiler.byte_io import open_direct, read_direct, span_views
+from ft.compiler.byte_io import copy_into, open_direct, read_direct, span_views
 from ft.compiler.read_plan import ReadPlan
 from ft.compiler.safetensors_io import ST_DTYPES, TensorInfo, byte_range
 from ft.compiler.source_pass import SourcePass
@@ -124,7 +124,7 @@ class SourceStream(SourcePass):
             if rank is not None:
                 self._cv.release()
             try:
-                dst[pos - begin:pos - begin + n] = np.frombuffer(c.buf, np.uint8, n, off)
+                copy_into(dst[pos - begin:pos - begin + n], np.frombuffer(c.buf, np.uint8, n, off))
             finally:
                 if rank is not None:
                     self._cv.acquire()
@@ -145,9 +145,10 @@ class SourceStream(SourcePass):
         fd = self._fds.get(path)
         if fd is None:
             fd = self._fds[path] = open_direct(path)
+        dst = out.numpy()
         for a in range(0, out.numel(), self.big):
             n = min(self.big, out.numel() - a)
-            out[a:a + n] = read_direct(fd, path, begin + a, n)
+            copy_into(dst[a:a + n], read_direct(fd, path, begin + a, n).numpy())
 
     def close(self) -> None:
         """Close the direct-read descriptors (the pass itself goes on until digests() or stop())."""

@@ -173,3 +173,16 @@ def test_a_planned_copy_leaves_the_pass_its_lock(tmp_path: Path, monkeypatch) ->
     s.digests()
     s.stop()
     assert free_during_copy and all(free_during_copy)
+
+
+@pytest.mark.parametrize("nbytes", [1000, byte_io.COPY_PIECE * 2 - 1, byte_io.COPY_PIECE * 5 + 3])
+def test_a_split_copy_writes_every_byte_once(nbytes: int) -> None:
+    """copy_into splits a copy over threads from 2 pieces on: every byte lands where it belongs, the rest of the
+    destination untouched."""
+    import numpy as np
+
+    src = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    dst = np.full(nbytes + 16, 7, np.uint8)
+    byte_io.copy_into(dst[8:8 + nbytes], src)
+    assert np.array_equal(dst[8:8 + nbytes], src)
+    assert (dst[:8] == 7).all() and (dst[8 + nbytes:] == 7).all()
