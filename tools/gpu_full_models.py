@@ -11,6 +11,7 @@ routing, E * (1 - (1 - k/E)^B)), the KV rows attended to and the DeltaNet states
 from __future__ import annotations
 
 import gc
+import re
 import time
 import traceback
 from pathlib import Path
@@ -66,10 +67,12 @@ def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64, v
         if lane_obj is not None:  # the lane's own counts over the same window as the read-back counters
             res["lane_window"] = {k: v - before[k] for k, v in lane_obj.counters().items()}
         res["belady"] = belady_row(ex, window)
+        # the row's files: letters, digits, '.', '_' and '-' only (the device hands back no other names)
+        tag = re.sub(r"[^\w.-]", "", f"{preset}-{gib:g}gib" + "".join(f"-{k}-{v}" for k, v in (variant or {}).items()))
         if traces is not None:  # the routing (warm-up and window) for offline admission studies (tools/belady.py)
             from belady import save_trace
 
-            name = f"routing-{preset}-{gib:g}gib" + "".join(f"-{k}={v}" for k, v in (variant or {}).items())
+            name = f"routing-{tag}"
             save_trace(traces / f"{name}.jsonl", ex.trace)
             res["trace"] = {"file": f"{name}.jsonl", "window_from": window, "num_slots": ex.num_slots,
                             "num_experts": ex.E, "moe_layers": list(ex.moe_layers)}
@@ -79,7 +82,6 @@ def bench_budget(ftw, gib: float, *, log, llama: dict | None, steps: int = 64, v
         tokens = max(1, res["moe"]["tokens"] // max(1, len(ex.moe_layers)))  # prompt + decoded tokens, per layer
         res["bytes_per_token"] = {k: res["moe"][c] / tokens for k, c in
                                   (("gpu_mapped", "bytes_mapped"), ("cpu", "bytes_cpu"), ("uploads", "bytes_h2d"))}
-        tag = f"{preset}-{gib:g}gib" + "".join(f"-{k}-{v}" for k, v in (variant or {}).items())
         res["engine_profile"] = engine_profile(eng, 1, steps=16, trace=traces and traces / f"trace_{tag}.json.gz")
         # attention over the KV the plan sized
         res["decode_8k"] = decode(eng, 1, gpu_full_decode.CONTEXT_LONG, steps, warmup=16)
