@@ -8,11 +8,13 @@ best of `--repeat`; compiles write into a temporary folder beside the source:
 * pass: the source stream alone (`SourceStream.digests()`: every weight byte read once and hashed, nothing built);
 * pass, no sha256: the same with the hash replaced by a no-op (what the single sha256 stream costs);
 * compile, free quantization: `compile_checkpoint(quantize="nvfp4")` with the NVFP4 kernel replaced by zero-filled
-  outputs of the right shapes (the read / copy / write pipeline alone);
+  outputs of the right shapes (the read / copy / write pipeline alone: it writes as many bytes as the real one);
 * the same, no sha256;
 * compile --quantize: the real thing.
 Stubbed runs produce wrong bytes on purpose and are deleted; only their times are kept. The disk bound is source
-bytes over the faster cold read (O_DIRECT or buffered), as in `bench_quantize_speed.py`. Each variant's best run also
+bytes over the faster cold read (O_DIRECT or buffered), as in `bench_quantize_speed.py`; the I/O floor adds the
+compile's output bytes over the disk's O_DIRECT write speed (`benchmarks/compile.md`'s floor: reads and writes share
+one disk). Each variant's best run also
 keeps the source disk's timeline (GB/s read and written, busy share, every 100 ms): where the disk idles, the pipeline
 stalls. Writes DIR/compile_stages.json (the runs appended) and prints a table. `--py-spy BIN`: after the timed runs,
 one more run of each variant under `py-spy record --idle --threads` (not timed: sampling slows it), its chrome trace
@@ -31,7 +33,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_compile_lib import disk_timeline, drop_cache, read_speed  # noqa: E402
+from bench_compile_lib import disk_timeline, drop_cache, read_speed, write_speed  # noqa: E402
 
 VARIANTS = {"pass": ("pass", False), "pass, no sha256": ("pass", True),
             "compile, free quantization": ("free", False), "compile, free quantization, no sha256": ("free", True),
@@ -65,9 +67,9 @@ print(time.perf_counter() - t)
 """
 
 
-def run(variant: str, src: Path, files: list[Path], spy: list[str] = ()) -> tuple[float, list]:
-    """-> (seconds, the source disk's timeline while the child ran: `disk_timeline`); `spy`: the child runs under this
-    profiler command line."""
+def run(variant: str, src: Path, files: list[Path], spy: list[str] = ()) -> tuple[float, list, int]:
+    """-> (seconds, the source disk's timeline while the child ran: `disk_timeline`, bytes the compile wrote); `spy`:
+    the child runs under this profiler command line."""
     what, nohash = VARIANTS[variant]
     with tempfile.TemporaryDirectory(dir=src.parent, prefix="ft-stages-") as tmp:
         drop_cache(files)
@@ -80,7 +82,8 @@ def run(variant: str, src: Path, files: list[Path], spy: list[str] = ()) -> tupl
             if child.wait():
                 raise SystemExit(f"{variant}: exit {child.returncode}\n{err.read()[-2000:]}")
             times = [ln for ln in out.read().split() if ln.replace(".", "", 1).isdigit()]  # py-spy prints too
-            return float(times[-1]), timeline
+            written = sum(f.stat().st_size for f in Path(tmp).rglob("*") if f.is_file())
+            return float(times[-1]), timeline, written
 
 
 def busy_share(timeline: list) -> float | None:
@@ -105,17 +108,21 @@ def main() -> None:
     nbytes = sum(f.stat().st_size for f in files)
     reads = {m: read_speed(files, 0, nbytes, m)[0] / 1e9 for m in ("direct", "buffered")}  # GB/s
     bound = nbytes / 1e9 / max(reads.values())
+    write = write_speed(args.src.parent, min(nbytes, 2 << 30), "direct") / 1e9  # GB/s
     row = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
            "note": args.note, "cpus": os.cpu_count(), "source_bytes": nbytes, "read_gb_s": reads,
-           "disk_bound_s": bound, "seconds": {}}
+           "write_gb_s": write, "disk_bound_s": bound, "seconds": {}, "written_bytes": {}}
     print(f"{nbytes / 1e9:.2f} GB, cold read {reads['direct']:.2f} (direct) / {reads['buffered']:.2f} (buffered) "
-          f"GB/s, disk bound {bound:.2f} s, {os.cpu_count()} cores")
+          f"GB/s, write {write:.2f} GB/s (direct), disk bound {bound:.2f} s, {os.cpu_count()} cores")
     row["disk_timeline"] = {}  # the best run's: is the disk idle while the pipeline stalls?
     for variant in variants:
-        s, timeline = min(run(variant, args.src, files) for _ in range(args.repeat))
+        s, timeline, written = min(run(variant, args.src, files) for _ in range(args.repeat))
         row["seconds"][variant], row["disk_timeline"][variant] = s, timeline
+        row["written_bytes"][variant] = written
+        floor = bound + written / 1e9 / write
         busy = busy_share(timeline)
         print(f"  {variant:40s} {s:6.2f} s  {s / bound:.2f}x the bound"
+              + (f", {s / floor:.2f}x the I/O floor ({written / 1e9:.2f} GB written)" if written else "")
               + (f"  disk busy {100 * busy:.0f} % of the child's run" if busy is not None else ""), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     for variant in variants if args.py_spy else ():
