@@ -11,8 +11,8 @@ Each MoE layer call takes one of four paths, chosen from the call's size and the
     later; no host sync, so decode steps are CUDA graphs too. A call of up to MAPPED_SLICES times that many pairs
     (a short prompt, a new turn's few tokens) runs as such calls of MAX_DEVICE_PAIRS pairs in turn, without the
     host-planned path's sync. Each of them copies its own misses, so an expert routed in several of them crosses
-    the link once for each: two of them are the most that pays (16 tokens of a top-8 model: 1.05-1.31x faster than
-    host-planned; 48 tokens in six: 0.72-1.11x; `benchmarks/gpu_full.md`, runs 100-105).
+    the link once for each: two of them are the most that paid in every sample (`benchmarks/gpu_full.md`, runs
+    100-105).
   * mode "mapped", forwards long enough to route to nearly every expert (`prefill_pipeline.py`): every expert
     without a slot streams through two prefill buffers ahead of its layer, without waiting for the routing.
   * any other call (before the pinner has finished, calls over MAPPED_SLICES * MAX_DEVICE_PAIRS pairs that the
