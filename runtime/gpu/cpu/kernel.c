@@ -86,7 +86,7 @@ static inline float gate(const ft_layout *L, float g, float u) {
 
 /* Rows of y per down item: an item covers them for every expert, about DOWN_ROWS rows of one expert's codes, and
  * whole 64-byte lines of y (a multiple of 16 rows): two threads adding into one line of y would pass it back and
- * forth (with 8-row items, 4-expert calls took 1.3x as long on two threads). */
+ * forth on every row. */
 static int64_t down_rows(const moe_job *j) {
     const int64_t r = DOWN_ROWS / (j->n_groups > 0 ? j->n_groups : 1);
     return r < 16 ? 16 : r / 16 * 16;
