@@ -1,7 +1,7 @@
 """Time the dense decode projections on cuBLAS (the call forms torch offers) and on the Triton skinny GEMM.
 
     python tools/bench_dense.py --out DIR [--quick] [--tokens 1,8] [--shapes NAMES] [--quantized-only]
-                                [--quant-tiles 'R,BKW,WARPS;...']
+                                [--quant-tiles 'R,BKW,WARPS;...'] [--mma ['BN,BK,WARPS;...']]
                                                                       # writes DIR/bench_dense.json, one line per row
     python tools/bench_dense.py --compile-only [ARCH] [--quick]       # any machine: the quantized GEMV for sm_ARCH
 
@@ -23,7 +23,9 @@ The JSON's "quantized" rows time the dequantizing GEMV of linears kept quantized
 without --quick, over `QUANT_SWEEP`; `hbm_frac` counts the stored bytes (codes and scales), `bf16_us` is the
 dense_gemv row of the same shape, the time the default (dequantized) placement spends. Its "dequant_rows" rows time
 the prefill side of kept-quantized linears: the whole weight dequantized to bf16 by `gpu/kernels/dense_dequant.py`
-against the PyTorch ops (`ft.formats.quant`) it replaced.
+against the PyTorch ops (`ft.formats.quant`) it replaced. `--mma` adds "quantized_mma" rows: the tensor-core product
+of the same stored weights (`gpu/kernels/dense_quant_mma.py`, the candidate for 3+ rows of x) with its TILES and the
+tiles given, each checked against the same fp32 reference.
 """
 
 from __future__ import annotations
@@ -109,6 +111,37 @@ def quantized(shapes, tokens, hbm: float, *, sweep: bool, device="cuda", time_us
                              "max_rel_diff": float((got - want).abs().max() / want.abs().max())})
                 r = rows[-1]
                 log(f"{name:20s} {scheme:7s} T={T} {r['us']:7.2f} us {100 * r['hbm_frac']:5.1f}% HBM  {r['tiles']}")
+        del ws
+    return rows
+
+
+def mma_rows(shapes, tokens, hbm: float, configs: list[dict], *, device="cuda", time_us=None,
+             l2_bytes: int = L2_BYTES, log=lambda line: None) -> list[dict]:
+    """`quantized`'s rows for the tensor-core product (`dense_quant_mma`): its TILES, then each of `configs`."""
+    from ft.runtime.gpu.kernels.dense_quant import reference_linear
+    from ft.runtime.gpu.kernels.dense_quant_mma import TILES, quantized_mma
+
+    time_us = time_us or (lambda fns: graph_us(fns, reps=len(fns)))
+    rows = []
+    for name, scheme, n, k in shapes:
+        stored = n * k // 2 + n * k // 16 if scheme == "nvfp4" else n * k
+        ws = quantized_weights(scheme, n, k, max(2, -(-l2_bytes // stored)), device)
+        for T in tokens:
+            x = torch.randn(T, k, device=device).to(torch.bfloat16)
+            want = reference_linear(scheme, x.cpu(), *(t.cpu() if t is not None else None for t in ws[0]))
+            for cfg in [None] + configs:
+                try:
+                    got = quantized_mma(scheme, x, *ws[0], tiles=cfg).float().cpu()
+                    us = time_us([lambda w=w, c=cfg: quantized_mma(scheme, x, *w, tiles=c) for w in ws])
+                except Exception as e:  # noqa: BLE001 - a tile too large for the registers or shared memory
+                    print(f"  {name} mma {cfg}: {type(e).__name__}: {str(e)[:120]}")
+                    continue
+                rows.append({"shape": name, "scheme": scheme, "N": n, "K": k, "T": T,
+                             "tiles": {**TILES[scheme], **(cfg or {})}, "us": round(us, 2),
+                             "hbm_frac": round(stored / us / 1e3 / hbm, 3), "default": cfg is None,
+                             "max_rel_diff": float((got - want).abs().max() / want.abs().max())})
+                r = rows[-1]
+                log(f"{name:20s} {scheme:7s} T={T} mma {r['us']:7.2f} us {100 * r['hbm_frac']:5.1f}% HBM  {r['tiles']}")
         del ws
     return rows
 
@@ -213,6 +246,8 @@ def main() -> None:
     ap.add_argument("--shapes", help="only these shapes (comma-separated names, e.g. 'qkv_proj geom,o_proj geom')")
     ap.add_argument("--quantized-only", action="store_true", help="only the quantized GEMV rows (no bf16 forms)")
     ap.add_argument("--quant-tiles", help="sweep these quantized tiles instead of QUANT_SWEEP: 'R,BKW,WARPS;...'")
+    ap.add_argument("--mma", nargs="?", const="", metavar="'BN,BK,WARPS;...'",
+                    help="also time the tensor-core product of the quantized shapes (its TILES, then these tiles)")
     args = ap.parse_args()
     shapes, quant_shapes = SHAPES, QUANT_SHAPES
     if args.shapes:
@@ -271,6 +306,9 @@ def main() -> None:
     quant = quantized(quant_shapes, list(map(int, args.tokens.split(","))), hbm, sweep=not args.quick,
                       configs=configs, log=print)
     dequant = dequant_rows(quant_shapes, hbm, log=print)
+    mma = [] if args.mma is None else mma_rows(
+        quant_shapes, list(map(int, args.tokens.split(","))), hbm, log=print,
+        configs=[dict(zip(("BN", "BK", "num_warps"), map(int, c.split(",")))) for c in args.mma.split(";") if c])
     bf16_us = {(r["shape"], r["T"]): r["us"] for r in rows if r["form"] == "triton"}
     for r in quant:
         r["bf16_us"] = bf16_us.get((r["shape"], r["T"]))
@@ -280,7 +318,7 @@ def main() -> None:
               f"(bf16 {r['bf16_us']} us; best {fastest['us']} us {fastest['tiles']})")
     out = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "hbm_read_gbs": round(hbm, 1),
            "default_tiles": TILES, "rows": rows, "best": best, "sweep": swept, "quantized": quant,
-           "dequant_rows": dequant}
+           "dequant_rows": dequant, "quantized_mma": mma}
     (args.out / "bench_dense.json").write_text(json.dumps(out, indent=1))
 
 
