@@ -83,13 +83,17 @@ def quantized_weights(scheme: str, n: int, k: int, copies: int, device) -> list[
 
 
 def quantized(shapes, tokens, hbm: float, *, sweep: bool, device="cuda", time_us=None,
-              l2_bytes: int = L2_BYTES, configs: list[dict] | None = None, log=lambda line: None) -> list[dict]:
+              l2_bytes: int = L2_BYTES, configs: list[dict] | None = None, mma: bool = False,
+              log=lambda line: None) -> list[dict]:
     """The dequantizing GEMV per shape and T (TILES, then `configs` (default QUANT_SWEEP) if `sweep`) -> rows {shape,
-    scheme, N, K, T, tiles, us, hbm_frac, max_rel_diff (against the fp32 reference), default}. `time_us(fns)`: us per
-    call (graph_us; tests pass a stand-in), over weight copies of at least `l2_bytes` together; `log` gets a line per
-    row as it is timed (a long sweep killed at its deadline still shows what it measured)."""
+    scheme, N, K, T, tiles, us, hbm_frac, max_rel_diff (against the fp32 reference), default}; `mma`: the tensor-core
+    product (`dense_quant_mma`) instead, its TILES then `configs`. `time_us(fns)`: us per call (graph_us; tests pass a
+    stand-in), over weight copies of at least `l2_bytes` together; `log` gets a line per row as it is timed (a long
+    sweep killed at its deadline still shows what it measured)."""
+    from ft.runtime.gpu.kernels import dense_quant_mma
     from ft.runtime.gpu.kernels.dense_quant import quantized_gemv, reference_linear, tiles_for
 
+    run = dense_quant_mma.quantized_mma if mma else quantized_gemv
     time_us = time_us or (lambda fns: graph_us(fns, reps=len(fns)))
     rows = []
     for name, scheme, n, k in shapes:
@@ -98,50 +102,21 @@ def quantized(shapes, tokens, hbm: float, *, sweep: bool, device="cuda", time_us
         for T in tokens:
             x = torch.randn(T, k, device=device).to(torch.bfloat16)
             want = reference_linear(scheme, x.cpu(), *(t.cpu() if t is not None else None for t in ws[0]))
-            for cfg in [None] + ((configs or QUANT_SWEEP) if sweep else []):
+            base = dense_quant_mma.TILES[scheme] if mma else tiles_for(scheme, T)
+            for cfg in [None] + ((configs or ([] if mma else QUANT_SWEEP)) if sweep else []):
                 try:
-                    got = quantized_gemv(scheme, x, *ws[0], tiles=cfg).float().cpu()
-                    us = time_us([lambda w=w, c=cfg: quantized_gemv(scheme, x, *w, tiles=c) for w in ws])
+                    got = run(scheme, x, *ws[0], tiles=cfg).float().cpu()
+                    us = time_us([lambda w=w, c=cfg: run(scheme, x, *w, tiles=c) for w in ws])
                 except Exception as e:  # noqa: BLE001 - e.g. too many registers for a large tile: skip it, say so
                     print(f"  {name} {cfg}: {type(e).__name__}: {str(e)[:120]}")
                     continue
                 rows.append({"shape": name, "scheme": scheme, "N": n, "K": k, "T": T,
-                             "tiles": {**tiles_for(scheme, T), **(cfg or {})}, "us": round(us, 2),
+                             "tiles": {**base, **(cfg or {})}, "us": round(us, 2),
                              "hbm_frac": round(stored / us / 1e3 / hbm, 3), "default": cfg is None,
                              "max_rel_diff": float((got - want).abs().max() / want.abs().max())})
                 r = rows[-1]
-                log(f"{name:20s} {scheme:7s} T={T} {r['us']:7.2f} us {100 * r['hbm_frac']:5.1f}% HBM  {r['tiles']}")
-        del ws
-    return rows
-
-
-def mma_rows(shapes, tokens, hbm: float, configs: list[dict], *, device="cuda", time_us=None,
-             l2_bytes: int = L2_BYTES, log=lambda line: None) -> list[dict]:
-    """`quantized`'s rows for the tensor-core product (`dense_quant_mma`): its TILES, then each of `configs`."""
-    from ft.runtime.gpu.kernels.dense_quant import reference_linear
-    from ft.runtime.gpu.kernels.dense_quant_mma import TILES, quantized_mma
-
-    time_us = time_us or (lambda fns: graph_us(fns, reps=len(fns)))
-    rows = []
-    for name, scheme, n, k in shapes:
-        stored = n * k // 2 + n * k // 16 if scheme == "nvfp4" else n * k
-        ws = quantized_weights(scheme, n, k, max(2, -(-l2_bytes // stored)), device)
-        for T in tokens:
-            x = torch.randn(T, k, device=device).to(torch.bfloat16)
-            want = reference_linear(scheme, x.cpu(), *(t.cpu() if t is not None else None for t in ws[0]))
-            for cfg in [None] + configs:
-                try:
-                    got = quantized_mma(scheme, x, *ws[0], tiles=cfg).float().cpu()
-                    us = time_us([lambda w=w, c=cfg: quantized_mma(scheme, x, *w, tiles=c) for w in ws])
-                except Exception as e:  # noqa: BLE001 - a tile too large for the registers or shared memory
-                    print(f"  {name} mma {cfg}: {type(e).__name__}: {str(e)[:120]}")
-                    continue
-                rows.append({"shape": name, "scheme": scheme, "N": n, "K": k, "T": T,
-                             "tiles": {**TILES[scheme], **(cfg or {})}, "us": round(us, 2),
-                             "hbm_frac": round(stored / us / 1e3 / hbm, 3), "default": cfg is None,
-                             "max_rel_diff": float((got - want).abs().max() / want.abs().max())})
-                r = rows[-1]
-                log(f"{name:20s} {scheme:7s} T={T} mma {r['us']:7.2f} us {100 * r['hbm_frac']:5.1f}% HBM  {r['tiles']}")
+                log(f"{name:20s} {scheme:7s} T={T}{' mma' if mma else ''} {r['us']:7.2f} us "
+                    f"{100 * r['hbm_frac']:5.1f}% HBM  {r['tiles']}")
         del ws
     return rows
 
@@ -306,8 +281,8 @@ def main() -> None:
     quant = quantized(quant_shapes, list(map(int, args.tokens.split(","))), hbm, sweep=not args.quick,
                       configs=configs, log=print)
     dequant = dequant_rows(quant_shapes, hbm, log=print)
-    mma = [] if args.mma is None else mma_rows(
-        quant_shapes, list(map(int, args.tokens.split(","))), hbm, log=print,
+    mma = [] if args.mma is None else quantized(
+        quant_shapes, list(map(int, args.tokens.split(","))), hbm, sweep=True, mma=True, log=print,
         configs=[dict(zip(("BN", "BK", "num_warps"), map(int, c.split(",")))) for c in args.mma.split(";") if c])
     bf16_us = {(r["shape"], r["T"]): r["us"] for r in rows if r["form"] == "triton"}
     for r in quant:

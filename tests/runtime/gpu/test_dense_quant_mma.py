@@ -9,7 +9,7 @@ import torch
 from ft.runtime.gpu.kernels.dense_quant import quantized_gemv, reference_linear
 from ft.runtime.gpu.kernels.dense_quant_mma import MAX_TOKENS, quantized_mma, supported
 
-from .test_gpu_dense_quant import DEVICE, _nvfp4
+from .test_gpu_dense_quant import DEVICE, _fp8, _nvfp4
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -30,11 +30,7 @@ def test_nvfp4_mma_matches_the_reference(n, k, t, layout):
 
 @pytest.mark.parametrize("n,k,t", [(70, 64, 3), (33, 208, 8), (65, 256, 16)])
 def test_fp8_rows_mma_matches_the_reference_and_the_gemv(n, k, t):
-    g = torch.Generator().manual_seed(n + k)
-    w = (torch.randn(n, k, generator=g) * 16).to(torch.float8_e4m3fn)
-    w[0, :8] = torch.tensor([0.0, -0.0, 2 ** -9, -(2 ** -7), 448.0, -448.0, 1.125, -3.5]).to(torch.float8_e4m3fn)
-    s = torch.rand(n, generator=g) * 0.1 + 0.01
-    x = torch.randn(t, k, generator=g).to(torch.bfloat16)
+    w, s, x = _fp8(n, k, t)
     got = quantized_mma("fp8_row", x.to(DEVICE), w.to(DEVICE), s.to(DEVICE), None)
     want = reference_linear("fp8_row", x, w, s, None)
     _close(got, want)
@@ -73,8 +69,8 @@ def test_mma_benchmark_rows():
     import bench_dense  # tools/bench_dense.py (conftest puts tools/ on the path)
 
     shapes = (("head", "nvfp4", 40, 64), ("proj", "fp8_row", 24, 96))
-    rows = bench_dense.mma_rows(shapes, (3, 8), 1e3, [{"BN": 32, "BK": 32}], device=DEVICE, l2_bytes=0,
-                                time_us=lambda fns: 2.0)
+    rows = bench_dense.quantized(shapes, (3, 8), 1e3, sweep=True, mma=True, configs=[{"BN": 32, "BK": 32}],
+                                 device=DEVICE, l2_bytes=0, time_us=lambda fns: 2.0)
     assert [(r["shape"], r["T"], r["default"]) for r in rows] == [
         (s, t, d) for s in ("head", "proj") for t in (3, 8) for d in (True, False)]
     assert rows[1]["tiles"]["BN"] == 32 and all(r["max_rel_diff"] < 2e-2 for r in rows)

@@ -25,6 +25,14 @@ def _nvfp4(n: int, k: int, g: torch.Generator, scales_first: bool, per_row: bool
     return codes, scales, s2.to(DEVICE)
 
 
+def _fp8(n: int, k: int, t: int):
+    """e4m3 weights [n, k] (zeros, the smallest subnormal and +-448 among them), row scales [n], bf16 x [t, k]."""
+    g = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=g) * 16).to(torch.float8_e4m3fn)
+    w[0, :8] = torch.tensor([0.0, -0.0, 2 ** -9, -(2 ** -7), 448.0, -448.0, 1.125, -3.5]).to(torch.float8_e4m3fn)
+    return w, torch.rand(n, generator=g) * 0.1 + 0.01, torch.randn(t, k, generator=g).to(torch.bfloat16)
+
+
 @pytest.mark.parametrize("n,k,t", [(40, 64, 1), (33, 96, 3), (64, 256, 2), (17, 1024, 8), (9, 48, 5), (6, 4112, 2),
                                    (5, 4096, 1)])
 @pytest.mark.parametrize("layout", ["codes_first_per_row", "scales_first_scalar"])
@@ -43,11 +51,7 @@ def test_nvfp4_gemv_matches_the_reference(n, k, t, layout):
 @pytest.mark.parametrize("n,k,t", [(40, 64, 1), (33, 208, 4), (70, 1024, 8), (5, 16, 3), (6, 4160, 2)])
 def test_fp8_rows_gemv_matches_the_reference(n, k, t):
     # 208: 26 words a row (a masked chunk); 16: two words; 4160: 520 words, a second (masked) chunk past TILES' 512
-    g = torch.Generator().manual_seed(n + k)
-    w = (torch.randn(n, k, generator=g) * 16).to(torch.float8_e4m3fn)
-    w[0, :8] = torch.tensor([0.0, -0.0, 2 ** -9, -(2 ** -7), 448.0, -448.0, 1.125, -3.5]).to(torch.float8_e4m3fn)
-    s = torch.rand(n, generator=g) * 0.1 + 0.01
-    x = torch.randn(t, k, generator=g).to(torch.bfloat16)
+    w, s, x = _fp8(n, k, t)
     got = quantized_gemv("fp8_row", x.to(DEVICE), w.to(DEVICE), s.to(DEVICE), None)
     want = reference_linear("fp8_row", x, w, s, None)
     assert got.shape == (t, n) and got.dtype == torch.bfloat16
