@@ -12,9 +12,12 @@ from pathlib import Path
 import torch
 
 # tools that run on a model's FTW after its rows (the FTW is deleted before the next model: one full size at a time)
-# coldstart: kernels built, page cache dropped, the start with them only (the JIT start has its rows in coldstart.md),
-# every thread profiled where py-spy is on the PATH (tools/gpu_run.sh puts the carried wheel's binary there)
-AFTER = {"coldstart": ["tools/bench_coldstart.py", "--build", "--drop-caches", "--vram-budget", "8GiB", "--modes",
+# plan: `ft plan` for this machine from 256 calibration tokens, written into the FTW (before coldstart, whose server
+# then starts from it, as issue 16's cold starts do); coldstart: kernels built, page cache dropped, the start with
+# them only (the JIT start has its rows in coldstart.md), every thread profiled where py-spy is on the PATH
+# (tools/gpu_run.sh puts the carried wheel's binary there)
+AFTER = {"plan": ["-c", "from ft.cli.main import main; main()", "plan", "--vram-budget", "8GiB", "--calibrate", "256"],
+         "coldstart": ["tools/bench_coldstart.py", "--build", "--drop-caches", "--vram-budget", "8GiB", "--modes",
                        "prebuilt"],
          "agent_replay": ["tools/bench_agent_replay.py", "--device", "cuda", "--vram-budget", "8GiB", "--skip-off"],
          "prefix_host": ["tools/bench_prefix_host.py", "--device", "cuda", "--vram-budget", "8GiB"],
@@ -25,7 +28,7 @@ AFTER = {"coldstart": ["tools/bench_coldstart.py", "--build", "--drop-caches", "
 def run_after(tool: str, ftw: Path, out: Path, left: float, log) -> dict:
     """One of AFTER on `ftw`, its results in `out`, its log in <out>/log.txt; it gets what is left of the deadline
     (the soak runs for that long, less a minute for its start and its report); `log` prints a line."""
-    cmd = [sys.executable, *AFTER[tool], "--ftw", str(ftw), "--out", str(out)]
+    cmd = [sys.executable, *AFTER[tool], "--ftw", str(ftw)] + ([] if tool == "plan" else ["--out", str(out)])
     if "--vram-budget" in cmd:  # the tool's budget counts what the device holds at its start: this process's too
         from ft.runtime.gpu.sizing import parse_bytes
 
