@@ -4,6 +4,7 @@ byte span read in one go."""
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
@@ -17,22 +18,25 @@ from ft.compiler.safetensors_io import ST_DTYPES, TensorInfo
 
 ALIGN = 4096
 COPY_PIECE = 1 << 20  # bytes per piece of a split copy, at least
-_COPIERS: list[ThreadPoolExecutor] = []
+COPY_THREADS = min(4, os.cpu_count() or 1)
+
+
+@functools.cache
+def _copier() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(COPY_THREADS, thread_name_prefix="ft-copy")
 
 
 def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
-    """dst[:] = src (uint8, equal lengths), split over up to 4 threads: the compile's thread copies every weight byte
-    out of the source window into fresh tensors (page faults included), ~2.5 GB/s on one core, which on a fast disk
-    held the reader back (numpy copies run without the GIL)."""
+    """dst[:] = src (uint8, equal lengths), split over up to COPY_THREADS threads: the compile's thread copies every
+    weight byte out of the source window into fresh tensors (page faults included), ~2.5 GB/s on one core, which on a
+    fast disk held the reader back (numpy copies run without the GIL)."""
     n = dst.nbytes
-    parts = min(4, os.cpu_count() or 1, n // COPY_PIECE)
+    parts = min(COPY_THREADS, n // COPY_PIECE)
     if parts < 2:
         dst[:] = src
         return
-    if not _COPIERS:
-        _COPIERS.append(ThreadPoolExecutor(4, thread_name_prefix="ft-copy"))
     step = -(-n // parts)
-    jobs = [_COPIERS[0].submit(dst.__setitem__, slice(a, a + step), src[a:a + step]) for a in range(step, n, step)]
+    jobs = [_copier().submit(dst.__setitem__, slice(a, a + step), src[a:a + step]) for a in range(step, n, step)]
     dst[:step] = src[:step]
     for j in jobs:
         j.result()
