@@ -80,16 +80,38 @@ def _linear_out_bytes(ck: Checkpoint, sns: list[Sniffed], item: LinearItem, pol:
     return rows * (cols + 1) * _itemsize(dt)
 
 
+def _sources(item: Item, src: object) -> list[str]:
+    """The source tensors a step reads, in the order it reads them."""
+    if isinstance(item, TensorItem):
+        return [item.src]
+    if isinstance(item, LinearItem):
+        return [n for sn in src for n in (*sn.names, *((f"{sn.module}.bias",) if item.bias else ()))]
+    return list(src.names)
+
+
+def _disk_order(steps: list[tuple[Item, object]], ck: Checkpoint) -> list[tuple[Item, object]]:
+    """Steps in the order their first source bytes sit on disk (weight files in name order, then offset).
+
+    The compile reads the checkpoint in one pass, file by file from start to end (`source_pass.py`); a step whose
+    source the pass meets long before the step runs is held in memory meanwhile, or dropped and read again. A
+    single-file save sorts tensors by name, so `lm_head.weight` (1 GB for a 248k vocabulary) is stored first and the
+    layer-by-layer plan would take it last. The FTW's own order is free (regions are found by the index)."""
+    files = {p: i for i, p in enumerate(sorted({ck.info(n).path for step in steps for n in _sources(*step)}))}
+
+    def at(step: tuple[Item, object]) -> tuple[int, int]:
+        return min((files[i.path], i.begin) for i in map(ck.info, _sources(*step)))
+
+    return sorted(steps, key=at)  # stable: steps sharing a first tensor keep the plan's order
+
+
 def prepare(items: list[Item], ck: Checkpoint, decl: QuantDecl, pol: DtypePolicy, skip: tuple[str, ...]) -> Prepared:
     steps: list[tuple[Item, object]] = []
-    consumed: dict[str, None] = {}
     out_bytes = 0
     for item in items:
         if isinstance(item, TensorItem):
             if item.kind != "index":
                 ck.float_dtype(item.src)
             _check_shape(ck, item.src, item.shape)
-            consumed[item.src] = None
             steps.append((item, None))
             info = ck.info(item.src)
             out_dt = (pol.dtype or info.torch_dtype) if item.kind in ("keep", "conv") else \
@@ -97,18 +119,15 @@ def prepare(items: list[Item], ck: Checkpoint, decl: QuantDecl, pol: DtypePolicy
             out_bytes += info.nbytes // _itemsize(info.torch_dtype) * _itemsize(out_dt) + ALIGN
         elif isinstance(item, LinearItem):
             sns = _linear(ck, decl, item)
-            for sn in sns:
-                consumed.update(dict.fromkeys(sn.names))
-                if item.bias:
-                    consumed[f"{sn.module}.bias"] = None
             steps.append((item, sns))
             out_bytes += _linear_out_bytes(ck, sns, item, pol) + 4 * ALIGN  # weight, scales, bias: each aligned
         else:
             bank = item.source.resolve(ck, decl, pol, item)
-            consumed.update(dict.fromkeys(bank.names))
             steps.append((item, bank))
             stride = sum(torch.Size(s).numel() * _itemsize(d) + 256 for d, s in bank.components().values())
             out_bytes += item.num_experts * (stride + ALIGN)
+    steps = _disk_order(steps, ck)
+    consumed = dict.fromkeys(n for item, src in steps for n in _sources(item, src))
     schemes = sorted({bp.scheme for _, bp in steps if isinstance(bp, Bank)})
     if len(schemes) > 1:
         raise CheckpointError(f"expert banks would mix schemes {schemes} (layers differ in encoding); pass --dequant")
