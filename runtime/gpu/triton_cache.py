@@ -24,7 +24,8 @@ log = logging.getLogger("ft.gpu")
 # ft.runtime.gpu modules whose kernels the runtime launches (`kernel_function` resolves names only inside these).
 KERNEL_MODULES = ("cpu.lane", *(f"kernels.{m}" for m in (
     "decode_attention", "deltanet_decode", "deltanet_prefill", "dense_dequant", "dense_gemv", "dense_quant",
-    "embedding", "fused_ops", "gather", "nvfp4_decode", "nvfp4_decode_mma", "nvfp4_triton", "router")))
+    "dense_quant_mma", "embedding", "fused_ops", "gather", "nvfp4_decode", "nvfp4_decode_mma", "nvfp4_triton",
+    "router")))
 
 
 def target_key(arch: int) -> dict:

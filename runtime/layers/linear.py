@@ -48,6 +48,7 @@ class Linear(Op):
         self._scheme: str | None = None  # set when the weight stays quantized (keep_quantized)
         self._dtype = torch.float32
         self._gemv = False  # plain weight that `linear` may run through the dense GEMV (`gemv_eligible`, at prepare)
+        self._mma_from: int | None = None  # keep_quantized: rows of x from which the tensor-core product runs
 
     def prepare(self, name: str, scheme: str | None, dtype: torch.dtype, device: torch.device, *,
                 keep_quantized: bool = False) -> None:
@@ -97,6 +98,10 @@ class Linear(Op):
                 raise ValueError(f"{name}.bias has shape {tuple(self.bias.shape)}, expected ({self.weight.shape[0]},)")
             self.bias = place(self.bias, device, dtype)
         self._gemv = self._scheme is None and gemv_eligible(self.weight, self.bias)
+        if self._scheme is not None and dtype == torch.bfloat16 and torch.device(device).type in GEMV_DEVICES:
+            from ft.runtime.gpu.kernels.dense_quant_mma import rows_from
+
+            self._mma_from = rows_from(self._scheme, *self.weight_shape)
 
     def _dequant(self, r0: int, r1: int, scheme: str | None) -> torch.Tensor:
         """Weight rows [r0, r1): float32 for the quantized schemes (exact), the stored tensor otherwise."""
@@ -126,20 +131,27 @@ class Linear(Op):
         if self._scheme is None:
             return linear(x, self.weight, self.bias, gemv=self._gemv and self._fused)
         out, k = self.weight_shape
-        if self.weight.device.type in GEMV_DEVICES and x.numel() <= GEMV_MAX_TOKENS * k:
-            from ft.runtime.gpu.kernels.dense_quant import quantized_gemv, supported
+        rows = x.numel() // k
+        kernel = what = None
+        if self.weight.device.type in GEMV_DEVICES:
+            from ft.runtime.gpu.kernels import dense_quant, dense_quant_mma
 
-            if supported(self._scheme, k, x.dtype):
-                try:
-                    y = quantized_gemv(self._scheme, x.reshape(-1, k).contiguous(), self.weight, self.weight_scale,
-                                       self.weight_scale_2)
-                except Exception as e:  # noqa: BLE001 - e.g. a Triton build failure: same results, slower path
-                    log.warning("quantized GEMV failed (%s: %s); dense linears use chunked dequantization",
-                                type(e).__name__, str(e)[:200])
-                    GEMV_DEVICES.clear()
-                else:
-                    y = y if self.bias is None else y + self.bias
-                    return y.reshape(*x.shape[:-1], out)
+            if self._mma_from is not None and self._mma_from <= rows <= dense_quant_mma.MAX_TOKENS \
+                    and x.dtype == torch.bfloat16:
+                kernel, what = dense_quant_mma.quantized_mma, "tensor-core product"
+            elif rows <= GEMV_MAX_TOKENS and dense_quant.supported(self._scheme, k, x.dtype):
+                kernel, what = dense_quant.quantized_gemv, "GEMV"
+        if kernel is not None:
+            try:
+                y = kernel(self._scheme, x.reshape(-1, k).contiguous(), self.weight, self.weight_scale,
+                           self.weight_scale_2)
+            except Exception as e:  # noqa: BLE001 - e.g. a Triton build failure: same results, slower path
+                log.warning("quantized %s failed (%s: %s); dense linears use chunked dequantization",
+                            what, type(e).__name__, str(e)[:200])
+                GEMV_DEVICES.clear()
+            else:
+                y = y if self.bias is None else y + self.bias
+                return y.reshape(*x.shape[:-1], out)
         return self._chunked(x)
 
     def _chunked(self, x: torch.Tensor) -> torch.Tensor:

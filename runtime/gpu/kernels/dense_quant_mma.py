@@ -13,6 +13,12 @@ in bf16: an e4m3 value has 4 significant bits, an E2M1 value times its e4m3 bloc
 multiplies the accumulator. So the result differs from `dense_quant.reference_linear` (fp32 x @ the exact
 dequantization) only by fp32 summation order and the final rounding to bf16, as the GEMV's does. Tiles: `TILES`;
 `tools/bench_dense.py --mma` times them beside the GEMV.
+
+Where it runs (`Linear`, from `rows_from`): the GEMV's CUDA-core work grows with rows x weights, the tensor cores'
+does not, but a program walks all of K serially, so this kernel has a floor of ~15 us on an H100 whatever the shape.
+So it takes a call once rows x N x K reaches MIN_WORK: the lm_heads and qwen3.6's fp8 in_proj_qkvz from 2 rows, its
+gated qkv_proj from 3, its out_proj / o_proj from 6, geom's NVFP4 qkv_proj from 7 and o_proj from 9 (past the GEMV's
+8 rows), the shared experts (<= 2.1M weights) never (`benchmarks/dense_quant.md`).
 """
 
 from __future__ import annotations
@@ -25,9 +31,21 @@ from .dense_dequant import _e2m1, _e4m3
 from .pdl import pdl_args, pdl_wait
 
 MAX_TOKENS = 16  # rows of x one call takes: tl.dot's smallest M
-# BN weight rows per program, BK weights of K per chunk, warps: untimed starting points that sm_80 / 90 / 120 build
-# without spills (72-80 registers for fp8_row, 125 for nvfp4, whose [BN, BK] decode holds codes and scales)
-TILES = {"nvfp4": {"BN": 64, "BK": 128, "num_warps": 4}, "fp8_row": {"BN": 64, "BK": 128, "num_warps": 4}}
+# rows x weights from which a call runs here rather than in the GEMV (module doc); the NVFP4 GEMV spends less per
+# weight than the fp8_row one (geom's o_proj at 8 rows: 19.1 us against out_proj's 22.6, both 8.4M weights)
+MIN_WORK = {"nvfp4": 70_000_000, "fp8_row": 46_000_000}
+# BN weight rows per program, BK weights of K per chunk, warps: BN 32 was fastest on 4 of the 5 projections timed on
+# an H100 (more programs for N of 2-12k), within 5 % of BN 64 / BK 64 on a 248k-row lm_head; sm_80 / 90 / 120 build
+# these without spills
+TILES = {"nvfp4": {"BN": 32, "BK": 128, "num_warps": 4}, "fp8_row": {"BN": 32, "BK": 128, "num_warps": 4}}
+
+
+def rows_from(scheme: str, n: int, k: int) -> int | None:
+    """The fewest rows of x (>= 2) from which an [n, k] linear of `scheme` runs here, or None if never."""
+    if scheme not in TILES or k % 16:
+        return None
+    rows = max(2, -(-MIN_WORK[scheme] // (n * k)))
+    return rows if rows <= MAX_TOKENS else None
 
 
 @triton.jit
@@ -84,7 +102,9 @@ def quantized_mma(scheme: str, x: torch.Tensor, weight: torch.Tensor, weight_sca
         raise ValueError(f"no {scheme} tensor-core product for x {x.dtype} [{T}, {K}]: bf16 activations, in_features "
                          f"a multiple of 16 and 1 to {MAX_TOKENS} rows are needed")
     meta = {**TILES[scheme], **(tiles or {})}
-    meta["BK"] = min(meta["BK"], max(16, triton.next_power_of_2(K)))
+    # BK >= 64 whatever K (masked): at BK 16 the NVFP4 decode's join / reshape came out of the H100's tensor-core
+    # product doubled (Triton 3.6; the interpreter was exact), at 64 and 128 every code is exact
+    meta["BK"] = min(meta["BK"], max(64, triton.next_power_of_2(K)))
     x = x.contiguous()
     out = torch.empty(T, N, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(N, meta["BN"]),)

@@ -132,6 +132,49 @@ def test_kept_quantized_linear_runs_the_gemv_for_decode_rows(scheme, monkeypatch
     assert calls == [scheme]
 
 
+@pytest.mark.parametrize("scheme", ["nvfp4", "fp8_row"])
+def test_kept_quantized_linear_takes_the_tensor_cores_from_the_rows_its_shape_sets(scheme, monkeypatch):
+    """`rows_from`, decided at prepare: fewer rows run the GEMV, from there up to 16 the tensor-core product, more
+    the chunked dequantization; every path gives the dequantized linear's result."""
+    import ft.runtime.gpu.kernels.dense_quant as dq
+    import ft.runtime.gpu.kernels.dense_quant_mma as mma
+    from ft.runtime.layers import linear as linear_mod
+    from ft.runtime.layers.linear import Linear
+
+    if DEVICE == "cpu":
+        monkeypatch.setattr(linear_mod, "GEMV_DEVICES", ["cuda", "cpu"])
+    n, k = 40, 64
+    monkeypatch.setitem(mma.MIN_WORK, scheme, 3 * n * k)  # from 3 rows on
+    assert mma.rows_from(scheme, n, k) == 3 and mma.rows_from(scheme, n, 17 * k) == 2
+    monkeypatch.setitem(mma.MIN_WORK, scheme, 17 * n * k)
+    assert mma.rows_from(scheme, n, k) is None  # past MAX_TOKENS: never
+    monkeypatch.setitem(mma.MIN_WORK, scheme, 3 * n * k)
+    g = torch.Generator().manual_seed(5)
+    parts = ({"weight": torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g),
+              "weight_scale": (torch.rand(n, k // 16, generator=g) + 0.5).to(torch.float8_e4m3fn),
+              "weight_scale_2": torch.rand(n, generator=g) * 0.01} if scheme == "nvfp4" else
+             {"weight": (torch.randn(n, k, generator=g) * 8).to(torch.float8_e4m3fn),
+              "weight_scale": torch.rand(n, generator=g) * 0.1})
+    ops = []
+    for keep in (False, True):
+        op = Linear()
+        for name, t in parts.items():
+            setattr(op, name, t)
+        op.prepare("l", scheme, torch.bfloat16, torch.device(DEVICE), keep_quantized=keep)
+        ops.append(op)
+    ref, kept = ops
+    calls = []
+    for mod, fn in ((dq, "quantized_gemv"), (mma, "quantized_mma")):
+        real = getattr(mod, fn)
+        monkeypatch.setattr(mod, fn, lambda *a, real=real, fn=fn: calls.append(fn) or real(*a))
+    for rows, path in ((2, ["quantized_gemv"]), (3, ["quantized_mma"]), (16, ["quantized_mma"]), (17, [])):
+        calls.clear()
+        x = torch.randn(rows, k, generator=g).to(torch.bfloat16).to(DEVICE)
+        got, want = kept(x), ref(x)
+        assert calls == path, rows
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
 def test_quantized_benchmark_rows():
     import bench_dense  # tools/bench_dense.py (conftest puts tools/ on the path)
 
@@ -150,6 +193,7 @@ def test_quantized_benchmark_rows():
 
 @pytest.mark.parametrize("module,kernel,rows,said", [
     ("dense_quant", "quantized_gemv", 2, "quantized GEMV failed"),  # decode rows: the GEMV
+    ("dense_quant_mma", "quantized_mma", 4, "quantized tensor-core product failed"),  # past rows_from: tensor cores
     ("dense_dequant", "dequantize_rows", 12, "row dequantization kernel failed"),  # past it: the chunked path
 ])
 def test_a_failing_kernel_falls_back_to_pytorch_ops(module, kernel, rows, said, monkeypatch, caplog):
@@ -164,6 +208,10 @@ def test_a_failing_kernel_falls_back_to_pytorch_ops(module, kernel, rows, said, 
         raise RuntimeError("no kernel for this GPU")
 
     monkeypatch.setattr(importlib.import_module(f"ft.runtime.gpu.kernels.{module}"), kernel, broken)
+    if module == "dense_quant_mma":  # this 16 x 64 linear is far too small to take it: from 3 rows here
+        from ft.runtime.gpu.kernels import dense_quant_mma
+
+        monkeypatch.setitem(dense_quant_mma.MIN_WORK, "fp8_row", 3 * 16 * 64)
     g = torch.Generator().manual_seed(2)
     op, ref = Linear(), Linear()
     for o in (op, ref):
