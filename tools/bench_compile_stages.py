@@ -10,7 +10,9 @@ best of `--repeat`; compiles write into a temporary folder beside the source:
 * compile, free quantization: `compile_checkpoint(quantize="nvfp4")` with the NVFP4 kernel replaced by zero-filled
   outputs of the right shapes (the read / copy / write pipeline alone: it writes as many bytes as the real one);
 * the same, no sha256;
-* compile --quantize: the real thing.
+* compile --quantize: the real thing;
+* the same, no sha256: what it costs from a hub download, whose files' published sha256 is taken instead of hashing
+  them (`metadata.published_sha256`); a local folder is hashed, one sha256 stream at ~1.4 GB/s.
 Stubbed runs produce wrong bytes on purpose and are deleted; only their times are kept. The disk bound is source
 bytes over the faster cold read (O_DIRECT or buffered), as in `bench_quantize_speed.py`; the I/O floor adds the
 compile's output bytes over the disk's O_DIRECT write speed (`benchmarks/compile.md`'s floor: reads and writes share
@@ -37,7 +39,7 @@ from bench_compile_lib import disk_timeline, drop_cache, read_speed, write_speed
 
 VARIANTS = {"pass": ("pass", False), "pass, no sha256": ("pass", True),
             "compile, free quantization": ("free", False), "compile, free quantization, no sha256": ("free", True),
-            "compile --quantize": ("quantize", False)}
+            "compile --quantize": ("quantize", False), "compile --quantize, no sha256": ("quantize", True)}
 
 CHILD = r"""
 import hashlib, sys, time, torch
