@@ -14,10 +14,12 @@ Decode, batch 1, one step (specs/plan.md, "Speed model"):
     overhead = offloaded MoE layers x MAPPED_LAYER_S: the sync-free miss path's own work per layer call (staging
                gather, the lane's hand-off and wait, the routing read-back)
 
-The two constants are fitted, each once, to measured runs on an H200 (benchmarks/plan_model.md): LAYER_S to the
-resident step of the 40-layer qwen3moe-35b-geom (1.99 ms against 0.65 ms of HBM reads), MAPPED_LAYER_S to its
-uniform 8 GiB row; the other measured rows (12 GiB, skewed routing, qwen3.6, hosts short of page-locked memory) check
-the model (tests/runtime/test_plan_speed.py).
+The two constants are fitted, each once, to measured runs (benchmarks/plan_model.md): LAYER_S to the resident step
+of the 40-layer qwen3moe-35b-geom (1.99 ms against 0.65 ms of HBM reads on an H200; 1.90 against 0.54 on an H100
+with its dense linears kept quantized: 33-34 us a layer on both), MAPPED_LAYER_S to its skewed 8 GiB rows on an H100
+host (runs 103-106, the CPU lane's one-phase jobs; it was 23 us fitted to an H200 row of older code); the other
+measured rows (12 GiB, uniform routing, qwen3.6, hosts short of page-locked memory, the H200's) check the model
+(tests/runtime/test_plan_speed.py).
 
 Prefill at a budget is bounded by streaming every expert without a slot once per chunk over the pinned link:
 chunk / ((slots missing) x record bytes / pinned H2D rate). That bound is what the plan states; with every expert
@@ -32,7 +34,7 @@ from math import comb
 from ft.formats.plan import PlanDecodeTerms, PlanRates
 
 LAYER_S = 33e-6
-MAPPED_LAYER_S = 23e-6
+MAPPED_LAYER_S = 10e-6
 
 
 @dataclass(frozen=True)
