@@ -1,6 +1,6 @@
-"""Tensor-core product of a few rows of x with a dense linear kept quantized: the candidate for decode batches of 3+
-sequences, where the dequantizing GEMV (`dense_quant.py`) spends ~8 CUDA-core FMAs and their activation unpacking on
-every weight (qwen3.6's fp8_row projections at T = 8: 3.3x their T = 1 time, run 101 of `benchmarks/gpu_full.md`).
+"""Tensor-core product of a few rows of x with a dense linear kept quantized, for decode batches of several sequences,
+where the dequantizing GEMV (`dense_quant.py`) spends up to 8 CUDA-core FMAs and their activation unpacking on every
+weight (qwen3.6's fp8_row projections at T = 8: 3.3x their T = 1 time).
 
     y[t, n] = sum_i W[n, i] * x[t, i]      x bf16 [T, K] (T <= MAX_TOKENS), W quantized [N, K] -> y bf16 [T, N]
 
