@@ -97,29 +97,36 @@ def test_other_activation_dtypes_match_the_reference(scheme, dtype):
     torch.testing.assert_close(got.float().cpu(), want, rtol=tol, atol=tol * want.abs().max().item())
 
 
-@pytest.mark.parametrize("scheme", ["nvfp4", "fp8_row"])
-def test_kept_quantized_linear_runs_the_gemv_for_decode_rows(scheme, monkeypatch):
+def _linears(scheme: str, n: int, k: int, g: torch.Generator, monkeypatch, *, bias: bool = False):
+    """(dequantized, kept quantized) Linear of the same random [n, k] `scheme` weights (and bias), on DEVICE; on a
+    machine without CUDA the interpreter stands in for the GPU."""
     from ft.runtime.layers import linear as linear_mod
     from ft.runtime.layers.linear import Linear
 
-    if DEVICE == "cpu":  # the interpreter stands in for the GPU
+    if DEVICE == "cpu":
         monkeypatch.setattr(linear_mod, "GEMV_DEVICES", ["cuda", "cpu"])
-    g = torch.Generator().manual_seed(11)
-    n, k = 48, 128
     parts = ({"weight": torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g),
               "weight_scale": (torch.rand(n, k // 16, generator=g) + 0.5).to(torch.float8_e4m3fn),
               "weight_scale_2": torch.rand(n, generator=g) * 0.01} if scheme == "nvfp4" else
              {"weight": (torch.randn(n, k, generator=g) * 8).to(torch.float8_e4m3fn),
               "weight_scale": torch.rand(n, generator=g) * 0.1})
+    b = torch.randn(n, generator=g) if bias else None
     ops = []
     for keep in (False, True):
         op = Linear()
         for name, t in parts.items():
             setattr(op, name, t)
-        op.bias = torch.randn(n, generator=g) if not ops else ops[0].bias.cpu()
+        op.bias = b
         op.prepare("l", scheme, torch.bfloat16, torch.device(DEVICE), keep_quantized=keep)
         ops.append(op)
-    ref, kept = ops
+    return ops
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4", "fp8_row"])
+def test_kept_quantized_linear_runs_the_gemv_for_decode_rows(scheme, monkeypatch):
+    g = torch.Generator().manual_seed(11)
+    n, k = 48, 128
+    ref, kept = _linears(scheme, n, k, g, monkeypatch, bias=True)
     calls = []
     import ft.runtime.gpu.kernels.dense_quant as dq
     real = dq.quantized_gemv
@@ -138,11 +145,7 @@ def test_kept_quantized_linear_takes_the_tensor_cores_from_the_rows_its_shape_se
     the chunked dequantization; every path gives the dequantized linear's result."""
     import ft.runtime.gpu.kernels.dense_quant as dq
     import ft.runtime.gpu.kernels.dense_quant_mma as mma
-    from ft.runtime.layers import linear as linear_mod
-    from ft.runtime.layers.linear import Linear
 
-    if DEVICE == "cpu":
-        monkeypatch.setattr(linear_mod, "GEMV_DEVICES", ["cuda", "cpu"])
     n, k = 40, 64
     monkeypatch.setitem(mma.MIN_WORK, scheme, 3 * n * k)  # from 3 rows on
     assert mma.rows_from(scheme, n, k) == 3 and mma.rows_from(scheme, n, 17 * k) == 2
@@ -150,19 +153,7 @@ def test_kept_quantized_linear_takes_the_tensor_cores_from_the_rows_its_shape_se
     assert mma.rows_from(scheme, n, k) is None  # past MAX_TOKENS: never
     monkeypatch.setitem(mma.MIN_WORK, scheme, 3 * n * k)
     g = torch.Generator().manual_seed(5)
-    parts = ({"weight": torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g),
-              "weight_scale": (torch.rand(n, k // 16, generator=g) + 0.5).to(torch.float8_e4m3fn),
-              "weight_scale_2": torch.rand(n, generator=g) * 0.01} if scheme == "nvfp4" else
-             {"weight": (torch.randn(n, k, generator=g) * 8).to(torch.float8_e4m3fn),
-              "weight_scale": torch.rand(n, generator=g) * 0.1})
-    ops = []
-    for keep in (False, True):
-        op = Linear()
-        for name, t in parts.items():
-            setattr(op, name, t)
-        op.prepare("l", scheme, torch.bfloat16, torch.device(DEVICE), keep_quantized=keep)
-        ops.append(op)
-    ref, kept = ops
+    ref, kept = _linears(scheme, n, k, g, monkeypatch)
     calls = []
     for mod, fn in ((dq, "quantized_gemv"), (mma, "quantized_mma")):
         real = getattr(mod, fn)
