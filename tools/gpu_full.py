@@ -162,7 +162,14 @@ def main() -> None:
     ap.add_argument("--variants", default="",
                     help="each budget also with these scheduler options, after the default: ';'-separated variants of "
                          "','-separated OffloadConfig fields, e.g. 'cpu_lane=False;admit_margin=2.0'")
+    ap.add_argument("--no-dense-mma", action="store_true",
+                    help="A/B: kept-quantized dense linears never take the tensor-core product (`rows_from` answers "
+                         "None in this process), so calls of several rows run the GEMV or the chunked path")
     args = ap.parse_args()
+    if args.no_dense_mma:
+        from ft.runtime.gpu.kernels import dense_quant_mma
+
+        dense_quant_mma.rows_from = lambda scheme, n, k: None
     if "models" in args.stages.split(",") and args.deadline_s < MODEL_MIN_S + 30:
         ap.error(f"--deadline-s {args.deadline_s:g}: a model starts only with {MODEL_MIN_S} s left (synthesis and "
                  "compile included), after this tool's own start-up: give it at least "
@@ -177,7 +184,7 @@ def main() -> None:
     set_sizes(args.context, args.prefill_chunk)
     res: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
                  "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "host": host_cpu(),
-                 "context": args.context, "prefill_chunk": args.prefill_chunk}
+                 "context": args.context, "prefill_chunk": args.prefill_chunk, "dense_mma": not args.no_dense_mma}
     import triton
 
     res["triton"] = triton.__version__
