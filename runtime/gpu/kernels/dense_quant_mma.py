@@ -106,6 +106,8 @@ def quantized_mma(scheme: str, x: torch.Tensor, weight: torch.Tensor, weight_sca
     # product doubled (Triton 3.6; the interpreter was exact), at 64 and 128 every code is exact
     meta["BK"] = min(meta["BK"], max(64, triton.next_power_of_2(K)))
     x = x.contiguous()
+    if x.data_ptr() % 16:  # one pointer specialization, the one `ft kernels build` compiles (as the GEMV does)
+        x = x.clone()
     out = torch.empty(T, N, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(N, meta["BN"]),)
     if scheme == "nvfp4":

@@ -38,6 +38,31 @@ def test_fp8_rows_mma_matches_the_reference_and_the_gemv(n, k, t):
         _close(got, quantized_gemv("fp8_row", x.to(DEVICE), w.to(DEVICE), s.to(DEVICE), None).float().cpu())
 
 
+def test_activations_off_16_bytes_are_taken(monkeypatch):
+    """x starting 2 bytes into a buffer (a view) is copied to an aligned one first, so the kernel sees the one pointer
+    specialization `ft kernels build` compiled; the result is the same."""
+    import ft.runtime.gpu.kernels.dense_quant_mma as mma
+
+    w, s, x = _fp8(40, 64, 3)
+    buf = torch.empty(x.numel() + 1, dtype=torch.bfloat16, device=DEVICE)
+    view = buf[1:].view(3, 64)
+    view.copy_(x.to(DEVICE))
+    assert view.data_ptr() % 16 == 2
+    seen, real = [], mma._mma_kernel
+
+    class Spy:  # kernel[grid](w, OFF_S, scale, x, ...): notes where x starts
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                seen.append(a[3].data_ptr() % 16)
+                return real[grid](*a, **kw)
+            return launch
+
+    monkeypatch.setattr(mma, "_mma_kernel", Spy())
+    got = quantized_mma("fp8_row", view, w.to(DEVICE), s.to(DEVICE), None)
+    assert seen == [0]
+    _close(got, reference_linear("fp8_row", x, w, s, None))
+
+
 def test_every_e4m3_byte_and_e2m1_code_decodes_exactly():
     # one-hot rows of x pick single weights: y is the decoded value times its scales, exactly
     b = torch.tensor([v for v in range(256) if v & 0x7F != 0x7F], dtype=torch.uint8)
