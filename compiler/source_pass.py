@@ -1,9 +1,9 @@
 """The single pass under `source_stream.SourceStream`: one reader thread reads each weight file start to end in
 `chunk`-sized O_DIRECT reads (buffered where the filesystem refuses O_DIRECT, e.g. tmpfs), a hashing thread folds
-the chunks into the file's sha256 in file order, and the chunks stay in a bounded window while a request of the
-compile's plan (`read_plan.ReadPlan`) still needs them. Files whose hub-published sha256 the download recorded
-(`published`: `metadata.published_sha256`) are not hashed: one sha256 stream (1.3-2 GB/s) sets the pace of a pass
-over a faster disk (`benchmarks/compile_stages.md`).
+the chunks into the file's sha256 in file order (HASHERS threads, files taking turns), and the chunks stay in a
+bounded window while a request of the compile's plan (`read_plan.ReadPlan`) still needs them. Files whose
+hub-published sha256 the download recorded (`published`: `metadata.published_sha256`) are not hashed: one sha256
+stream (1.3-2 GB/s) sets the pace of a pass over a faster disk (`benchmarks/compile_stages.md`).
 
 Budgets: `window` bytes for chunks pinned by tensors up to `big` bytes, `hold` more for chunks pinned by bigger
 ones (`read_plan`); the reader waits for room, except that a big-pinned chunk needed after every big-pinned chunk
@@ -25,6 +25,10 @@ from pathlib import Path
 from ft.compiler.byte_io import open_direct, pread_full
 from ft.compiler.errors import CheckpointError
 from ft.compiler.read_plan import Key, ReadPlan
+
+# sha256 threads; weight files take turns in read order, so the next file is hashed beside the end of this one (one
+# sha256 stream, ~1.4 GB/s, is slower than a fast disk: its lag would otherwise hold the pass back file after file)
+HASHERS = 2
 
 
 class _Chunk:
@@ -82,11 +86,11 @@ class SourcePass:
             self._start()
 
     def _start(self) -> None:
-        hq: queue.Queue = queue.Queue()
-        self._threads = [threading.Thread(target=self._guard, args=(self._read_all, hq), daemon=True,
+        hqs: list[queue.Queue] = [queue.Queue() for _ in range(HASHERS)]
+        self._threads = [threading.Thread(target=self._guard, args=(self._read_all, hqs), daemon=True,
                                           name="ft-source-read"),
-                         threading.Thread(target=self._guard, args=(self._hash_all, hq), daemon=True,
-                                          name="ft-sha256")]
+                         *(threading.Thread(target=self._guard, args=(self._hash_all, hq), daemon=True,
+                                            name=f"ft-sha256-{i}") for i, hq in enumerate(hqs))]
         for t in self._threads:
             t.start()
 
@@ -109,10 +113,11 @@ class SourcePass:
                 self._error = self._error or e
                 self._cv.notify_all()
 
-    def _read_all(self, hq: queue.Queue) -> None:
+    def _read_all(self, hqs: list[queue.Queue]) -> None:
         done: list[int] = []
         try:
             while (fi := self._next_file(done)) is not None:
+                hq = hqs[len(done) % len(hqs)]  # files in read order take turns: the next one hashes beside this one
                 done.append(fi)
                 path, size = self.paths[fi], self.sizes[fi]
                 digest = self.published.get(self.names[fi])
@@ -142,7 +147,8 @@ class SourcePass:
                 else:
                     self._digests[self.names[fi]] = digest
         finally:
-            hq.put(None)
+            for hq in hqs:
+                hq.put(None)
 
     def _room(self, key: Key) -> bool:
         """May the reader read chunk `key` now (lock held)? With `hold` full, a big-pinned chunk of a tensor the

@@ -7,12 +7,16 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import threading
+import time
+import types
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
+import ft.compiler.source_pass as source_pass
 from ft.compiler.errors import CheckpointError
 from ft.compiler.safetensors_io import read_header
 from ft.compiler.source_stream import SourceStream
@@ -160,8 +164,6 @@ def test_read_many_equals_single_reads(tmp_path: Path) -> None:
 
 
 def _wait_read(s: SourceStream, fi: int, chunks: int) -> None:
-    import time
-
     deadline = time.monotonic() + 30
     while s._read_upto[fi] < chunks and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -207,3 +209,38 @@ def test_published_digests_are_taken_not_hashed(tmp_path: Path) -> None:
     assert s.digests() == {"a.safetensors": "ab" * 32,
                            "b.safetensors": hashlib.sha256((tmp_path / "b.safetensors").read_bytes()).hexdigest()}
     s.stop()
+
+
+def test_the_next_file_is_hashed_beside_this_one(tmp_path: Path, monkeypatch) -> None:
+    """sha256 threads take the weight files in turns: with a hash slower than the disk, the second file's chunks are
+    hashed while the first file's still are, and each digest is still its own file's."""
+    names, tensors = _files(tmp_path)
+    lock, active, peak = threading.Lock(), [0], [0]
+
+    class Slow:  # sha256 at ~4 MB/s: 2 ms per 8 KiB chunk
+        def __init__(self) -> None:
+            self.h = hashlib.sha256()
+
+        def update(self, b) -> None:
+            with lock:
+                active[0] += 1
+                peak[0] = max(peak[0], active[0])
+            time.sleep(0.002)
+            self.h.update(b)
+            with lock:
+                active[0] -= 1
+
+        def hexdigest(self) -> str:
+            return self.h.hexdigest()
+
+    monkeypatch.setattr(source_pass, "hashlib", types.SimpleNamespace(sha256=Slow))
+    infos = {n: i for f in names for n, i in read_header(tmp_path / f).items()}
+    order = sorted(infos, key=lambda n: (names.index(infos[n].path.name), infos[n].begin))
+    s = SourceStream(tmp_path, names, window=4 << 20, chunk=8192, big=1 << 20)
+    s.expect([infos[n] for n in order])
+    want = {n: t for f in names for n, t in tensors[f].items()}
+    for n in order:
+        assert torch.equal(s.read(n, infos[n]), want[n]), n
+    assert s.digests() == {f: hashlib.sha256((tmp_path / f).read_bytes()).hexdigest() for f in names}
+    s.stop()
+    assert peak[0] == source_pass.HASHERS == 2
