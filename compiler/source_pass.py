@@ -2,8 +2,9 @@
 `chunk`-sized O_DIRECT reads (buffered where the filesystem refuses O_DIRECT, e.g. tmpfs), a hashing thread folds
 the chunks into the file's sha256 in file order (HASHERS threads, files taking turns), and the chunks stay in a
 bounded window while a request of the compile's plan (`read_plan.ReadPlan`) still needs them. Files whose
-hub-published sha256 the download recorded (`published`: `metadata.published_sha256`) are not hashed: one sha256
-stream (1.3-2 GB/s) sets the pace of a pass over a faster disk (`benchmarks/compile_stages.md`).
+hub-published sha256 the download recorded (`published`: `metadata.published_sha256`) are not hashed, and their
+chunks no planned read needs are not read: one sha256 stream (1.3-2 GB/s) sets the pace of a pass over a faster disk
+(`benchmarks/compile_stages.md`).
 
 Budgets: `window` bytes for chunks pinned by tensors up to `big` bytes, `hold` more for chunks pinned by bigger
 ones (`read_plan`); the reader waits for room, except that a big-pinned chunk needed after every big-pinned chunk
@@ -124,6 +125,8 @@ class SourcePass:
                 fd = open_direct(path)
                 try:
                     for k in range((size + self.chunk - 1) // self.chunk):
+                        if digest is not None and self._unneeded((fi, k)):
+                            continue
                         buf = self._take_buffer((fi, k))
                         if buf is None:
                             return
@@ -149,6 +152,17 @@ class SourcePass:
         finally:
             for hq in hqs:
                 hq.put(None)
+
+    def _unneeded(self, key: Key) -> bool:
+        """Chunk `key` of a file that is not hashed, which no planned read needs now (tensors the compile skips: an
+        MTP head, a vision tower) is not read at all: marked as passed, so a read of it outside the plan goes direct,
+        as for an evicted chunk."""
+        with self._cv:
+            if self._plan is None or self._plan.pinned(key):
+                return False
+            self._read_upto[key[0]] = key[1] + 1
+            self._cv.notify_all()
+            return True
 
     def _room(self, key: Key) -> bool:
         """May the reader read chunk `key` now (lock held)? With `hold` full, a big-pinned chunk of a tensor the

@@ -10,9 +10,10 @@ best of `--repeat`; compiles write into a temporary folder beside the source:
 * compile, free quantization: `compile_checkpoint(quantize="nvfp4")` with the NVFP4 kernel replaced by zero-filled
   outputs of the right shapes (the read / copy / write pipeline alone: it writes as many bytes as the real one);
 * the same, no sha256;
-* compile --quantize: the real thing;
-* the same, no sha256: what it costs from a hub download, whose files' published sha256 is taken instead of hashing
-  them (`metadata.published_sha256`); a local folder is hashed, one sha256 stream at ~1.4 GB/s.
+* compile --quantize: the real thing (a local folder: its weight files are hashed);
+* compile --quantize / the free compile, published sha256: as from a hub download, whose weight files' published
+  sha256 is taken (`metadata.published_sha256` stubbed to answer one): nothing hashed, and what no planned read needs
+  (the MTP layers) not read at all. The "no sha256" variants stub the hash instead and still read every byte.
 Stubbed runs produce wrong bytes on purpose and are deleted; only their times are kept. The disk bound is source
 bytes over the faster cold read (O_DIRECT or buffered), as in `bench_quantize_speed.py`; the I/O floor adds the
 compile's output bytes over the disk's O_DIRECT write speed (`benchmarks/compile.md`'s floor: reads and writes share
@@ -37,15 +38,21 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_compile_lib import disk_timeline, drop_cache, read_speed, write_speed  # noqa: E402
 
-VARIANTS = {"pass": ("pass", False), "pass, no sha256": ("pass", True),
-            "compile, free quantization": ("free", False), "compile, free quantization, no sha256": ("free", True),
-            "compile --quantize": ("quantize", False), "compile --quantize, no sha256": ("quantize", True)}
+VARIANTS = {  # variant -> (what the child runs, how weight files are hashed: on, off (stubbed), published)
+    "pass": ("pass", "on"), "pass, no sha256": ("pass", "off"),
+    "compile, free quantization": ("free", "on"), "compile, free quantization, no sha256": ("free", "off"),
+    "compile --quantize": ("quantize", "on"),
+    "compile, free quantization, published sha256": ("free", "published"),
+    "compile --quantize, published sha256": ("quantize", "published")}
 
 CHILD = r"""
 import hashlib, sys, time, torch
 from pathlib import Path
-what, nohash, src, out = sys.argv[1], sys.argv[2] == "1", Path(sys.argv[3]), Path(sys.argv[4])
-if nohash:
+what, hashing, src, out = sys.argv[1], sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4])
+if hashing == "published":
+    import ft.compiler.checkpoint as ck
+    ck.published_sha256 = lambda root, name: "0" * 64 if name.endswith(".safetensors") else None
+if hashing == "off":
     class _NoHash:
         def update(self, b): pass
         def hexdigest(self): return "0" * 64
@@ -72,11 +79,11 @@ print(time.perf_counter() - t)
 def run(variant: str, src: Path, files: list[Path], spy: list[str] = ()) -> tuple[float, list, int]:
     """-> (seconds, the source disk's timeline while the child ran: `disk_timeline`, bytes the compile wrote); `spy`:
     the child runs under this profiler command line."""
-    what, nohash = VARIANTS[variant]
+    what, hashing = VARIANTS[variant]
     with tempfile.TemporaryDirectory(dir=src.parent, prefix="ft-stages-") as tmp:
         drop_cache(files)
         with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-            child = subprocess.Popen([*spy, sys.executable, "-c", CHILD, what, str(int(nohash)), str(src),
+            child = subprocess.Popen([*spy, sys.executable, "-c", CHILD, what, hashing, str(src),
                                       str(Path(tmp) / "out.ftw")], stdout=out, stderr=err, text=True,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
             timeline = disk_timeline(files[0], lambda: child.poll() is None)

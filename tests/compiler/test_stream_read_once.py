@@ -187,3 +187,26 @@ def test_a_split_copy_writes_every_byte_once(nbytes: int) -> None:
     byte_io.copy_into(dst[8:8 + nbytes], src)
     assert np.array_equal(dst[8:8 + nbytes], src)
     assert (dst[:8] == 7).all() and (dst[8 + nbytes:] == 7).all()
+
+
+def test_what_no_read_needs_is_not_read_from_a_published_file(tmp_path: Path, disk_reads: Counter) -> None:
+    """A hub download's file (its published sha256 taken, not hashed): the chunks that lie wholly inside tensors the
+    compile skips (an MTP head here) are never read; everything planned is exact; a read of a skipped tensor after
+    all (outside the plan) still gets its bytes, directly."""
+    g = torch.Generator().manual_seed(3)
+    t = {"a.first": torch.randn(3000, generator=g), "m.mtp": torch.randn(40_000, generator=g),
+         "z.last": torch.randn(3000, generator=g)}
+    save_file(t, tmp_path / "m.safetensors")
+    infos = read_header(tmp_path / "m.safetensors")
+    s = SourceStream(tmp_path, ["m.safetensors"], chunk=CHUNK, window=4 * CHUNK, big=2 * CHUNK,
+                     published={"m.safetensors": "cd" * 32})
+    s.expect([infos["a.first"], infos["z.last"]])
+    assert torch.equal(s.read("a.first", infos["a.first"]), t["a.first"])
+    assert torch.equal(s.read("z.last", infos["z.last"]), t["z.last"])
+    assert s.digests() == {"m.safetensors": "cd" * 32}
+    mtp = infos["m.mtp"]
+    inside = range(-(-mtp.begin // CHUNK) * CHUNK, mtp.end // CHUNK * CHUNK)  # chunks wholly inside it
+    assert len(inside) >= 30 * CHUNK and not any(("m.safetensors", o) in disk_reads for o in inside)
+    assert s.pass_bytes < (tmp_path / "m.safetensors").stat().st_size - len(inside) + 1
+    assert torch.equal(s.read("m.mtp", mtp), t["m.mtp"])  # outside the plan: read directly
+    s.stop()
