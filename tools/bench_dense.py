@@ -24,8 +24,8 @@ without --quick, over `QUANT_SWEEP`; `hbm_frac` counts the stored bytes (codes a
 dense_gemv row of the same shape, the time the default (dequantized) placement spends. Its "dequant_rows" rows time
 the prefill side of kept-quantized linears: the whole weight dequantized to bf16 by `gpu/kernels/dense_dequant.py`
 against the PyTorch ops (`ft.formats.quant`) it replaced. `--mma` adds "quantized_mma" rows: the tensor-core product
-of the same stored weights (`gpu/kernels/dense_quant_mma.py`, the candidate for 3+ rows of x) with its TILES and the
-tiles given, each checked against the same fp32 reference.
+of the same stored weights (`gpu/kernels/dense_quant_mma.py`, which `Linear` runs from `rows_from` rows of x) with
+its TILES and the tiles given, each checked against the same fp32 reference.
 """
 
 from __future__ import annotations

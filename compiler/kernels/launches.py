@@ -223,30 +223,26 @@ def deltanet(g: Geometry, lengths: list[int]) -> None:
 
 
 def dense(g: Geometry, lengths: list[int]) -> None:
-    from ft.runtime.gpu.kernels import dense_gemv as dg, dense_quant as dq, dense_quant_mma as mma
+    from ft.runtime.gpu.kernels import dense_gemv as dg, dense_quant_mma
     from ft.runtime.gpu.kernels.dense_dequant import dequantize_rows
-    from ft.runtime.layers.linear import dequant_chunks
+    from ft.runtime.layers.linear import dequant_chunks, mma_rows, quantized_kernel
 
     for scheme, N, K in g.linears:
         if scheme is not None:  # calls past the GEMV (prefill): each chunk of rows dequantized (pointer alignments)
             for s2, (r0, r1) in itertools.product((torch.ones(1), torch.ones(N)) if scheme == "nvfp4" else (None,),
                                                   dequant_chunks(N, K, g.dtype, kernel=True)):
                 dequantize_rows(scheme, *_stored(scheme, N, K, s2), r0, r1, g.dtype)
-        # Linear's choice for a call of T rows: the tensor-core product from `rows_from`, else the GEMV
-        mma_from = mma.rows_from(scheme, N, K) if scheme is not None and g.dtype == torch.bfloat16 else None
-        for T in (t for t in lengths if t <= (dg.MAX_TOKENS if scheme is None else mma.MAX_TOKENS)):
+        mma_from = mma_rows(scheme, N, K, g.dtype) if scheme is not None else None
+        for T in (t for t in lengths if t <= (dg.MAX_TOKENS if scheme is None else dense_quant_mma.MAX_TOKENS)):
             x = torch.zeros(T, K, dtype=g.dtype)
             if scheme is None:
                 dg.dense_gemv(x, torch.zeros(N, K, dtype=g.dtype))
                 continue
-            if mma_from is not None and T >= mma_from:
-                kernel = mma.quantized_mma
-            elif T <= dq.MAX_TOKENS and dq.supported(scheme, K, g.dtype):
-                kernel = dq.quantized_gemv
-            else:
+            picked = quantized_kernel(scheme, K, T, g.dtype, mma_from)  # Linear's choice for a call of T rows
+            if picked is None:
                 continue
             for s2 in (torch.ones(1), torch.ones(N)) if scheme == "nvfp4" else (None,):
-                kernel(scheme, x, *_stored(scheme, N, K, s2))
+                picked[0](scheme, x, *_stored(scheme, N, K, s2))
 
 
 def _stored(scheme: str, N: int, K: int, s2: torch.Tensor | None) -> tuple:

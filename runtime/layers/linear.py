@@ -98,10 +98,8 @@ class Linear(Op):
                 raise ValueError(f"{name}.bias has shape {tuple(self.bias.shape)}, expected ({self.weight.shape[0]},)")
             self.bias = place(self.bias, device, dtype)
         self._gemv = self._scheme is None and gemv_eligible(self.weight, self.bias)
-        if self._scheme is not None and dtype == torch.bfloat16 and torch.device(device).type in GEMV_DEVICES:
-            from ft.runtime.gpu.kernels.dense_quant_mma import rows_from
-
-            self._mma_from = rows_from(self._scheme, *self.weight_shape)
+        if self._scheme is not None and torch.device(device).type in GEMV_DEVICES:
+            self._mma_from = mma_rows(self._scheme, *self.weight_shape, dtype)
 
     def _dequant(self, r0: int, r1: int, scheme: str | None) -> torch.Tensor:
         """Weight rows [r0, r1): float32 for the quantized schemes (exact), the stored tensor otherwise."""
@@ -131,17 +129,10 @@ class Linear(Op):
         if self._scheme is None:
             return linear(x, self.weight, self.bias, gemv=self._gemv and self._fused)
         out, k = self.weight_shape
-        rows = x.numel() // k
-        kernel = what = None
-        if self.weight.device.type in GEMV_DEVICES:
-            from ft.runtime.gpu.kernels import dense_quant, dense_quant_mma
-
-            if self._mma_from is not None and self._mma_from <= rows <= dense_quant_mma.MAX_TOKENS \
-                    and x.dtype == torch.bfloat16:
-                kernel, what = dense_quant_mma.quantized_mma, "tensor-core product"
-            elif rows <= GEMV_MAX_TOKENS and dense_quant.supported(self._scheme, k, x.dtype):
-                kernel, what = dense_quant.quantized_gemv, "GEMV"
-        if kernel is not None:
+        picked = quantized_kernel(self._scheme, k, x.numel() // k, x.dtype, self._mma_from) \
+            if self.weight.device.type in GEMV_DEVICES else None
+        if picked is not None:
+            kernel, what = picked
             try:
                 y = kernel(self._scheme, x.reshape(-1, k).contiguous(), self.weight, self.weight_scale,
                            self.weight_scale_2)
@@ -191,6 +182,29 @@ class Linear(Op):
 
 class _NoKernel(Exception):
     """`Linear._chunked`: the row dequantization kernel failed (the cause is chained)."""
+
+
+def mma_rows(scheme: str, n: int, k: int, dtype: torch.dtype) -> int | None:
+    """Rows of x from which a kept-quantized [n, k] linear computing in `dtype` runs the tensor-core product (None:
+    never); decided once, at prepare (`dense_quant_mma.rows_from`)."""
+    if dtype != torch.bfloat16:
+        return None
+    from ft.runtime.gpu.kernels import dense_quant_mma
+
+    return dense_quant_mma.rows_from(scheme, n, k)
+
+
+def quantized_kernel(scheme: str, k: int, rows: int, dtype: torch.dtype, mma_from: int | None):
+    """(kernel, its name in logs) a kept-quantized linear's call of `rows` rows of x runs on a GEMV device, or None
+    for the chunked dequantization: the tensor-core product from `mma_from` rows up to its MAX_TOKENS, else the
+    dequantizing GEMV up to GEMV_MAX_TOKENS. `ft kernels build` replays the same choice (`launches.dense`)."""
+    from ft.runtime.gpu.kernels import dense_quant, dense_quant_mma
+
+    if mma_from is not None and mma_from <= rows <= dense_quant_mma.MAX_TOKENS and dtype == torch.bfloat16:
+        return dense_quant_mma.quantized_mma, "tensor-core product"
+    if rows <= GEMV_MAX_TOKENS and dense_quant.supported(scheme, k, dtype):
+        return dense_quant.quantized_gemv, "GEMV"
+    return None
 
 
 def dequant_chunks(out: int, k: int, dtype: torch.dtype, kernel: bool) -> list[tuple[int, int]]:
