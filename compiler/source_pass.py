@@ -7,11 +7,16 @@ chunks no planned read needs are not read: one sha256 stream (1.3-2 GB/s) sets t
 (`benchmarks/compile_stages.md`).
 
 Budgets: `window` bytes for chunks pinned by tensors up to `big` bytes, `hold` more for chunks pinned by bigger
-ones (`read_plan`); the reader waits for room, except that a big-pinned chunk needed after every big-pinned chunk
-held, with `hold` full, is read for the hash only (dropped). Before the plan is known (`prefetch`), the early file
-is read into an `early`-byte window and nothing is evicted. Memory: at most `max(window + hold, early)` bytes of
-reusable buffers (`peak_held`). Defaults: window 512 MiB, hold 768 MiB (a 35B-A3B layer's down_proj, 512 MiB, plus
-read-ahead over its gate_up_proj), early 1.5 GiB.
+ones (`read_plan`), and `lag` more for chunks the compile is done with that wait only for their hash; the reader
+waits for room, except that a big-pinned chunk needed after every big-pinned chunk held, with `hold` full, is read
+for the hash only (dropped). Before the plan is known (`prefetch`), the early file is read into an `early`-byte
+window and nothing is evicted. Memory: at most `max(window + hold + lag, early)` bytes of reusable buffers
+(`peak_held`). Defaults: window 512 MiB, hold 768 MiB (a 35B-A3B layer's down_proj, 512 MiB, plus read-ahead over
+its gate_up_proj), lag 768 MiB, early 1.5 GiB.
+
+Why `lag`: files are read one after the other, so while one file is read only its sha256 thread has work. Where
+the disk outruns one sha256 stream, the reader runs up to `lag` bytes ahead of that file's hash, and the next file's
+thread starts that much earlier: the two hash side by side for longer.
 """
 
 from __future__ import annotations
@@ -43,12 +48,13 @@ class SourcePass:
     """The pass and its window; `SourceStream` serves the compile's reads from it."""
 
     def __init__(self, root: Path, weight_files: list[str], *, window: int = 512 << 20, chunk: int = 8 << 20,
-                 big: int = 64 << 20, hold: int = 768 << 20, published: dict[str, str] | None = None) -> None:
+                 big: int = 64 << 20, hold: int = 768 << 20, lag: int = 768 << 20,
+                 published: dict[str, str] | None = None) -> None:
         self.root, self.names = root, list(weight_files)
         self.published = dict(published or {})  # file -> the sha256 its hub publishes: read, not hashed
         self.paths = [root / n for n in self.names]
         self.sizes = [p.stat().st_size for p in self.paths]
-        self.window, self.chunk, self.big, self.hold = window, chunk, big, hold
+        self.window, self.chunk, self.big, self.hold, self.lag = window, chunk, big, hold, lag
         self.bytes_read = 0  # bytes delivered to the compile
         self.pass_bytes = 0  # bytes the pass read from disk (each weight byte once)
         self.direct_bytes = 0  # bytes served by direct reads (read twice from disk)
@@ -172,7 +178,9 @@ class SourcePass:
         if p is None:
             return self._held + self.chunk <= max(self.window, self._early_window)
         big = p.big_pinned_of(self._chunks)
-        if self._held + self.chunk > self.window + self.hold:  # the early window may still exceed the budgets
+        hashing = [k for k in p.unpinned_of(self._chunks) if not self._chunks[k].hashed]  # done with but its hash
+        lag = min(self.lag, len(hashing) * self.chunk)
+        if self._held + self.chunk > self.window + self.hold + lag:  # the early window may still exceed the budgets
             return False
         if p.big_pinned(key):
             if (len(big) + 1) * self.chunk <= self.hold:
@@ -181,7 +189,7 @@ class SourcePass:
             if j <= p.cur or big and j <= max(p.rank(k)[0] for k in big):
                 return False  # wait: the compile copies (and frees) or drops pinned chunks
             p.dropped.add(key)
-        return self._held - len(big) * self.chunk + self.chunk <= self.window
+        return self._held - len(big) * self.chunk - lag + self.chunk <= self.window
 
     def _take_buffer(self, key: Key) -> mmap.mmap | None:
         with self._cv:

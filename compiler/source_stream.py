@@ -13,7 +13,7 @@ bank, read interleaved while the file holds them one after the other, are served
 A request the window cannot serve (a read outside the plan, data the pass went by or dropped, or data it cannot
 reach because the window is full of pinned chunks) is read directly from where the copy stopped (aligned O_DIRECT
 pread): correct in every order, slower only for those bytes (`direct_bytes`). Memory: the pass's buffers
-(`window + hold`) plus the tensor being read.
+(`window + hold + lag`) plus the tensor being read.
 
 Early start (`prefetch`): so that the disk works while the compile parses headers and plans (seconds), the pass
 may start on the file the plan will start with (the caller's guess); at `expect` its chunks fall under the plan

@@ -244,3 +244,43 @@ def test_the_next_file_is_hashed_beside_this_one(tmp_path: Path, monkeypatch) ->
     assert s.digests() == {f: hashlib.sha256((tmp_path / f).read_bytes()).hexdigest() for f in names}
     s.stop()
     assert peak[0] == source_pass.HASHERS == 2
+
+
+@pytest.mark.parametrize("lag", [0, 4 << 20])
+def test_the_reader_runs_ahead_of_a_lagging_hash(tmp_path: Path, monkeypatch, lag: int) -> None:
+    """Chunks the compile is done with wait only for their hash within `lag` bytes: the first file's sha256 thread
+    holds still until the pass has read every byte of both files. With no lag the window (2 chunks) stops the reader
+    first, and the first file's hash waits in vain."""
+    names, tensors = _files(tmp_path)
+    total = sum((tmp_path / f).stat().st_size for f in names)
+    streams: list[SourceStream] = []
+    waited: list[bool] = []
+
+    class Held:  # the first sha256 thread's first chunk waits (up to 3 s) for the pass to read everything
+        def __init__(self) -> None:
+            self.h = hashlib.sha256()
+
+        def update(self, b) -> None:
+            if threading.current_thread().name == "ft-sha256-0" and not waited:
+                t0 = time.monotonic()
+                while streams[0].pass_bytes < total and time.monotonic() - t0 < 3:
+                    time.sleep(0.002)
+                waited.append(streams[0].pass_bytes == total)
+            self.h.update(b)
+
+        def hexdigest(self) -> str:
+            return self.h.hexdigest()
+
+    monkeypatch.setattr(source_pass, "hashlib", types.SimpleNamespace(sha256=Held))
+    infos = {n: i for f in names for n, i in read_header(tmp_path / f).items()}
+    order = sorted(infos, key=lambda n: (names.index(infos[n].path.name), infos[n].begin))
+    s = SourceStream(tmp_path, names, window=2 * 8192, chunk=8192, big=1 << 20, hold=8192, lag=lag)
+    streams.append(s)
+    s.expect([infos[n] for n in order])
+    want = {n: t for f in names for n, t in tensors[f].items()}
+    for n in order:
+        assert torch.equal(s.read(n, infos[n]), want[n]), n
+    assert s.digests() == {f: hashlib.sha256((tmp_path / f).read_bytes()).hexdigest() for f in names}
+    s.stop()
+    assert waited == [lag >= total]
+    assert s.peak_held <= 2 * 8192 + 8192 + lag

@@ -56,7 +56,7 @@ def _compile_like(d: Path, t: dict[str, torch.Tensor], names: list[str], **kw) -
     gu, dn = "model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"
     plan = ["model.embed_tokens.weight", "model.layers.0.mlp.gate.weight", gu, dn, "model.norm.weight",
             "lm_head.weight"]
-    s = SourceStream(d, names, chunk=CHUNK, **kw)
+    s = SourceStream(d, names, chunk=CHUNK, lag=0, **kw)  # the budgets asserted: no hash lag on top
     s.expect([infos[n] for n in plan])
     for n in plan[:2]:
         assert torch.equal(s.read(n, infos[n]), t[n])
@@ -100,7 +100,7 @@ def test_big_tensor_whole_streams_through_a_small_hold(tmp_path: Path, disk_read
     t = {"a.big": torch.randn(64, 1024, generator=g).to(torch.bfloat16), "b.small": torch.randn(7, generator=g)}
     save_file(t, tmp_path / "m.safetensors")
     infos = read_header(tmp_path / "m.safetensors")
-    s = SourceStream(tmp_path, ["m.safetensors"], chunk=CHUNK, window=2 * CHUNK, big=CHUNK, hold=2 * CHUNK)
+    s = SourceStream(tmp_path, ["m.safetensors"], chunk=CHUNK, window=2 * CHUNK, big=CHUNK, hold=2 * CHUNK, lag=0)
     s.expect([infos["a.big"], infos["b.small"]])
     assert torch.equal(s.read("a.big", infos["a.big"]), t["a.big"])  # 128 KiB through 4 chunks of buffers
     assert torch.equal(s.read("b.small", infos["b.small"]), t["b.small"])

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ft.formats import FtwReader
-from ft.runtime.gpu.graphs import DecodeGraphs
+from ft.runtime.gpu.graphs import DecodeGraphs, graph_ready
 from ft.runtime.gpu.offload_config import OffloadConfig
 from ft.runtime.gpu.store import GpuExperts
 from ft.runtime.layers.batch import decode_inputs, decode_inputs_size
@@ -180,12 +180,21 @@ def test_cuda_graph_decode_matches_eager(ftw, mode, keep_quantized):
     want_toks, want = _decode(eager, 16)
     model, ex = _model(ftw, opts, device="cuda", graphs=True, keep_quantized=keep_quantized)
     ex.wait_pinned()
+    trace, step = [], model.graphs.step  # per step: (replayed, graph_ready before it): why a step ran eagerly
+
+    def traced(ids, states):
+        ready = graph_ready(ex, len(states))
+        out = step(ids, states)
+        trace.append((out is not None, ready))
+        return out
+
+    model.graphs.step = traced
     got_toks, got = _decode(model, 16, poison=True)
     assert got_toks == want_toks
     _close(got, want)
     c = model.graphs.counters
     # mode mapped may decode a step eagerly until its banks' verification has landed (graph_ready), never more
-    assert c["replays"] + c["eager_steps"] == 16 and c["replays"] >= 15
+    assert c["replays"] + c["eager_steps"] == 16 and c["replays"] >= 15, (c, trace)
     assert c["captures"] == 1 and c["capture_s"] > 0
     for e in (ex, ex0):
         e.close()
