@@ -234,16 +234,25 @@ def test_the_next_file_is_hashed_beside_this_one(tmp_path: Path, monkeypatch) ->
             return self.h.hexdigest()
 
     monkeypatch.setattr(source_pass, "hashlib", types.SimpleNamespace(sha256=Slow))
-    infos = {n: i for f in names for n, i in read_header(tmp_path / f).items()}
+    _read_in_file_order(tmp_path, names, tensors, window=4 << 20, chunk=8192, big=1 << 20)
+    assert peak[0] == source_pass.HASHERS == 2
+
+
+def _read_in_file_order(d: Path, names: list[str], tensors, made=None, **kw) -> SourceStream:
+    """Every tensor read in file order through a stream of `kw` (`made(stream)` before its pass starts), each equal
+    to the file's, and every digest its file's sha256; the stream stopped."""
+    infos = {n: i for f in names for n, i in read_header(d / f).items()}
     order = sorted(infos, key=lambda n: (names.index(infos[n].path.name), infos[n].begin))
-    s = SourceStream(tmp_path, names, window=4 << 20, chunk=8192, big=1 << 20)
+    s = SourceStream(d, names, **kw)
+    if made is not None:
+        made(s)
     s.expect([infos[n] for n in order])
     want = {n: t for f in names for n, t in tensors[f].items()}
     for n in order:
         assert torch.equal(s.read(n, infos[n]), want[n]), n
-    assert s.digests() == {f: hashlib.sha256((tmp_path / f).read_bytes()).hexdigest() for f in names}
+    assert s.digests() == {f: hashlib.sha256((d / f).read_bytes()).hexdigest() for f in names}
     s.stop()
-    assert peak[0] == source_pass.HASHERS == 2
+    return s
 
 
 @pytest.mark.parametrize("lag", [0, 4 << 20])
@@ -272,15 +281,7 @@ def test_the_reader_runs_ahead_of_a_lagging_hash(tmp_path: Path, monkeypatch, la
             return self.h.hexdigest()
 
     monkeypatch.setattr(source_pass, "hashlib", types.SimpleNamespace(sha256=Held))
-    infos = {n: i for f in names for n, i in read_header(tmp_path / f).items()}
-    order = sorted(infos, key=lambda n: (names.index(infos[n].path.name), infos[n].begin))
-    s = SourceStream(tmp_path, names, window=2 * 8192, chunk=8192, big=1 << 20, hold=8192, lag=lag)
-    streams.append(s)
-    s.expect([infos[n] for n in order])
-    want = {n: t for f in names for n, t in tensors[f].items()}
-    for n in order:
-        assert torch.equal(s.read(n, infos[n]), want[n]), n
-    assert s.digests() == {f: hashlib.sha256((tmp_path / f).read_bytes()).hexdigest() for f in names}
-    s.stop()
+    s = _read_in_file_order(tmp_path, names, tensors, streams.append, window=2 * 8192, chunk=8192, big=1 << 20,
+                            hold=8192, lag=lag)
     assert waited == [lag >= total]
     assert s.peak_held <= 2 * 8192 + 8192 + lag
