@@ -173,7 +173,8 @@ class SourcePass:
     def _room(self, key: Key) -> bool:
         """May the reader read chunk `key` now (lock held)? With `hold` full, a big-pinned chunk of a tensor the
         compile reads after every tensor held there (and has not started) is dropped at once (read for the hash
-        only); else the reader waits: the compile copies (and releases) held chunks, or drops them by rank."""
+        only); else the reader waits: the compile copies (and releases) held chunks, or drops them by rank. Chunks
+        that wait only for their hash are counted against `lag` first, the window after."""
         p = self._plan
         if p is None:
             return self._held + self.chunk <= max(self.window, self._early_window)
