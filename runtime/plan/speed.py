@@ -15,11 +15,9 @@ Decode, batch 1, one step (specs/plan.md, "Speed model"):
                gather, the lane's hand-off and wait, the routing read-back)
 
 The two constants are fitted, each once, to measured runs (benchmarks/plan_model.md): LAYER_S to the resident step
-of the 40-layer qwen3moe-35b-geom (1.99 ms against 0.65 ms of HBM reads on an H200; 1.90 against 0.54 on an H100
-with its dense linears kept quantized: 33-34 us a layer on both), MAPPED_LAYER_S to its skewed 8 GiB rows on an H100
-host (runs 103-106, the CPU lane's one-phase jobs; it was 23 us fitted to an H200 row of older code); the other
-measured rows (12 GiB, uniform routing, qwen3.6, hosts short of page-locked memory, the H200's) check the model
-(tests/runtime/test_plan_speed.py).
+of the 40-layer qwen3moe-35b-geom (33-34 us a layer on an H200 and on an H100), MAPPED_LAYER_S to its skewed 8 GiB
+rows on an H100; the other measured rows (12 GiB, uniform routing, qwen3.6, hosts short of page-locked memory, the
+H200's) check the model (tests/runtime/test_plan_speed.py).
 
 Prefill at a budget is bounded by streaming every expert without a slot once per chunk over the pinned link:
 chunk / ((slots missing) x record bytes / pinned H2D rate). That bound is what the plan states; with every expert

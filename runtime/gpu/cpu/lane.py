@@ -51,8 +51,8 @@ MB_REQ, MB_DONE, MB_ERR, MB_GAVE_UP = tl.constexpr(0), tl.constexpr(16), tl.cons
 MB_N, MB_T, MB_LAYER = tl.constexpr(32), tl.constexpr(33), tl.constexpr(34)
 MB_EXPERT, MB_TOKEN, MB_WEIGHT, MB_X = tl.constexpr(64), tl.constexpr(128), tl.constexpr(192), tl.constexpr(256)
 WAIT_LIMIT = 5_000_000  # polls of MB_DONE (about a microsecond each over PCIe) before the GPU gives up
-# starting guess of the lane's cost per call beyond its experts (barriers, y back): its fits since the one-phase
-# jobs, 10.5-15.3 us with SIGNAL_S (benchmarks/gpu_full.md, runs 103-110)
+# starting guess of the lane's cost per call beyond its experts (barriers, y back), until its own fit takes over: the
+# fits of measured runs (benchmarks/gpu_full.md) less SIGNAL_S
 CPU_FIXED_S = 9e-6
 SIGNAL_S = 5e-6  # the post reaching the lane and its answer reaching the GPU (PCIe round trips), outside its job time
 STATS = ("jobs", "pairs", "experts", "busy_ns", "refused", "fit_jobs", "fit_experts", "fit_ns", "fit_experts_sq",

@@ -15,10 +15,8 @@ dequantization) only by fp32 summation order and the final rounding to bf16, as 
 `tools/bench_dense.py --mma` times them beside the GEMV.
 
 Where it runs (`Linear`, from `rows_from`): the GEMV's CUDA-core work grows with rows x weights, the tensor cores'
-does not, but a program walks all of K serially, so this kernel has a floor of ~15 us on an H100 whatever the shape.
-So it takes a call once rows x N x K reaches MIN_WORK: the lm_heads and qwen3.6's fp8 in_proj_qkvz from 2 rows, its
-gated qkv_proj from 3, its out_proj / o_proj from 6, geom's NVFP4 qkv_proj from 7 and o_proj from 9 (past the GEMV's
-8 rows), the shared experts (<= 2.1M weights) never (`benchmarks/dense_quant.md`).
+does not, but a program walks all of K serially, so this kernel has a floor whatever the shape. So it takes a call
+once rows x N x K reaches MIN_WORK (which shapes take it from how many rows: `benchmarks/dense_quant.md`).
 """
 
 from __future__ import annotations
